@@ -1,0 +1,22 @@
+"""rlmetrics: exact, cheap, partition-invariant training metrics.
+
+Every logged number means the same thing however the batch was split across ranks,
+mini-batches and micro-batches, at the cost of two small collectives per step.
+"""
+
+from rlmetrics.kinds import Kind, MetricState, get_kind, register_kind, unregister_kind
+from rlmetrics.state import TrackerState
+from rlmetrics.tracker import PrefixedTracker, Tracker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Kind",
+    "MetricState",
+    "PrefixedTracker",
+    "Tracker",
+    "TrackerState",
+    "get_kind",
+    "register_kind",
+    "unregister_kind",
+]

@@ -1,0 +1,224 @@
+"""The aggregation-kind protocol: fixed state slots, update, merge, result.
+
+A kind describes how values accumulate into a small state and how two states merge.
+Every state has the same shape:
+
+* ``sums``: slots merged by addition (plus two framework slots, see ``NUM_FLAGS``),
+* ``maxes``: slots merged by ``max`` (a minimum is stored negated),
+* ``extra``: an optional payload with its own merge (std's Chan triple, dist's values).
+
+Because ``sums`` and ``maxes`` merge elementwise, the states of many metrics pack into
+one buffer each and a whole step's scalar metrics sync with one ``all_reduce(SUM)`` and
+one ``all_reduce(MAX)``. Only ``extra`` needs a gather.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+NUM_FLAGS = 2
+"""Framework slots appended to every kind's ``sums``: [num_nonfinite, num_rejected]."""
+NONFINITE_SLOT = -2
+REJECTED_SLOT = -1
+
+
+@dataclass(frozen=True, slots=True)
+class MetricState:
+    """A metric's mergeable snapshot: plain host numbers, small and picklable.
+
+    Attributes:
+        kind: the registered name of the metric's kind.
+        sums: additive slots (the kind's own, without the framework flags).
+        maxes: max-merged slots.
+        extra: the kind's extra payload (host objects), or None.
+        num_nonfinite: non-finite elements dropped under ``nonfinite="skip"``.
+    """
+
+    kind: str
+    sums: tuple[float, ...]
+    maxes: tuple[float, ...] = ()
+    extra: Any = None
+    num_nonfinite: float = 0.0
+
+    def merge(self, other: MetricState, kind: Kind) -> MetricState:
+        """Merge two states of the same kind; neither input changes."""
+        return MetricState(
+            self.kind,
+            tuple(a + b for a, b in zip(self.sums, other.sums, strict=True)),
+            tuple(_nan_max(a, b) for a, b in zip(self.maxes, other.maxes, strict=True)),
+            kind.merge_extra(self.extra, other.extra),
+            self.num_nonfinite + other.num_nonfinite,
+        )
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max that propagates NaN, like torch.maximum and all_reduce(MAX) on most backends."""
+    if a != a or b != b:
+        return math.nan
+    return a if a >= b else b
+
+
+class Kind:
+    """Base class of aggregation kinds; subclass it to define your own.
+
+    A subclass sets ``name``, ``num_sums`` and ``num_maxes`` and implements
+    ``update`` (device tensors in, device tensors out: no host sync) and ``result``.
+    Kinds with a payload that is neither additive nor a max (``has_extra = True``)
+    also implement the ``*_extra`` methods; their payload is gathered at sync.
+
+    The built-in kinds override ``add_float`` with a pure-Python fast path.
+    """
+
+    name: str = ""
+    num_sums: int = 0
+    num_maxes: int = 0
+    takes_weight: bool = True
+    has_extra: bool = False
+    replaces: bool = False
+    """True for kinds whose new value replaces the rank's state (``last``)."""
+
+    # -- accumulation (device side) -------------------------------------------------
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Return one batch's (sums, maxes) contributions as float64 device tensors.
+
+        ``values`` is 1-D float64; ``weights`` is None (weight 1 each) or 1-D float64
+        and non-negative. An element with weight 0 must not contribute.
+        """
+        raise NotImplementedError
+
+    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
+        """Accumulate one python number (override for a fast path)."""
+        values = torch.tensor([value], dtype=torch.float64)
+        weights = None if weight == 1.0 else torch.tensor([weight], dtype=torch.float64)
+        sums, maxes = self.update(values, weights)
+        acc.add_host(sums.tolist(), maxes.tolist())
+        if self.has_extra:
+            acc.extra = self.merge_extra(
+                acc.extra, self.host_extra(self.batch_extra(values, weights))
+            )
+
+    # -- extra payload (only when has_extra) ----------------------------------------
+    def empty_extra(self) -> Any:
+        """The host extra of an empty state."""
+        return None
+
+    def batch_extra(self, values: Tensor, weights: Tensor | None) -> Any:
+        """One batch's device-side extra."""
+        return None
+
+    def reject_extra(self, batch: Any, rejected: Tensor) -> Any:
+        """The batch extra with the whole batch dropped where ``rejected`` (device bool)."""
+        return batch
+
+    def merge_dev_extra(self, acc_extra: Any, batch: Any) -> Any:
+        """Fold a batch extra into the device accumulator (None when empty)."""
+        return None
+
+    def merge_extra(self, a: Any, b: Any) -> Any:
+        """Merge two host extras (associative, commutative; inputs unchanged)."""
+        return None
+
+    def host_extra(self, dev_extra: Any) -> Any:
+        """Turn a device extra into a host extra (may sync; called at step end only)."""
+        return dev_extra
+
+    def extra_size(self, acc: Accumulator) -> int:
+        """The size of this accumulator's extra, known without a host sync; the largest
+        across ranks sets the padded ``size`` passed to ``extra_vector``."""
+        return 0
+
+    def extra_vector(
+        self, acc: Accumulator | None, device: torch.device, size: int
+    ) -> Tensor | None:
+        """This accumulator's whole extra (``acc`` None: an empty one) as a 1-D float64
+        tensor whose length depends on ``size`` only, so ranks can all_gather it; or
+        None when the extra cannot be packed (then it travels by object gather)."""
+        return None
+
+    def vector_length(self, size: int) -> int:
+        """The length of ``extra_vector``'s result for a padded ``size``."""
+        return 0
+
+    def extra_from_vector(self, vector: np.ndarray) -> Any:
+        """Inverse of ``extra_vector`` on the host."""
+        raise NotImplementedError
+
+    # -- result -------------------------------------------------------------------
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        """The metric's values: {"": value} for the bare name, {"p50": ...} for
+        ``name/p50``. None when the state is empty."""
+        raise NotImplementedError
+
+    def result_names(self) -> tuple[str, ...]:
+        """The suffixes ``result`` may return ('' for the bare name), for NaN reports."""
+        return ("",)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+@dataclass(slots=True, eq=False)
+class Accumulator:
+    """One metric's live state in a Tracker: host floats plus optional device tensors.
+
+    Python numbers add into the host lists (no torch call); tensors add into device
+    tensors (no host sync). The two halves meet only at step end, when packed.
+    """
+
+    kind: Kind
+    sums: list[float] = field(default_factory=list)
+    maxes: list[float] = field(default_factory=list)
+    dev_sums: Tensor | None = None
+    dev_maxes: Tensor | None = None
+    extra: Any = None
+    dev_extra: Any = None
+
+    @classmethod
+    def empty(cls, kind: Kind) -> Accumulator:
+        """A fresh accumulator for ``kind``."""
+        return cls(
+            kind,
+            [0.0] * (kind.num_sums + NUM_FLAGS),
+            [-math.inf] * kind.num_maxes,
+            extra=kind.empty_extra(),
+        )
+
+    def add_host(self, sums: list[float], maxes: list[float]) -> None:
+        """Add host contributions (``sums`` may omit the framework flags)."""
+        for i, value in enumerate(sums):
+            self.sums[i] += value
+        for i, value in enumerate(maxes):
+            self.maxes[i] = _nan_max(self.maxes[i], value)
+
+    def add_dev(self, sums: Tensor, maxes: Tensor | None) -> None:
+        """Add device contributions (``sums`` includes the framework flags)."""
+        if self.dev_sums is None:
+            self.dev_sums = sums
+        else:
+            self.dev_sums = self.dev_sums + sums.to(self.dev_sums.device)
+        if maxes is not None and maxes.numel():
+            if self.dev_maxes is None:
+                self.dev_maxes = maxes
+            else:
+                self.dev_maxes = torch.maximum(self.dev_maxes, maxes.to(self.dev_maxes.device))
+
+    def load(self, state: MetricState) -> None:
+        """Merge a host snapshot into this accumulator."""
+        self.add_host(list(state.sums), list(state.maxes))
+        self.sums[NONFINITE_SLOT] += state.num_nonfinite
+        if self.kind.has_extra:
+            self.extra = self.kind.merge_extra(self.extra, state.extra)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of this accumulator's tensors, or None when all host."""
+        for t in (self.dev_sums, self.dev_maxes):
+            if t is not None:
+                return t.device
+        return None

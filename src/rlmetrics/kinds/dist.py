@@ -1,0 +1,139 @@
+"""Distribution: keeps every element; results mean, std, min, max and exact quantiles."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+
+DEFAULT_QUANTILES = (0.5, 0.9, 0.99)
+
+
+def quantile_suffix(q: float) -> str:
+    """0.5 -> 'p50', 0.999 -> 'p99.9'."""
+    return f"p{round(q * 100, 6):g}"
+
+
+class Dist(Kind):
+    """Every element logged, concatenated on merge (O(n) memory, by design).
+
+    Results: ``name/mean``, ``name/std`` (population), ``name/min``, ``name/max`` and
+    one ``name/pXX`` per quantile, exactly as numpy computes them on the whole batch
+    (numpy's default 'linear' quantile method).
+
+    Example:
+        >>> from rlmetrics import Tracker
+        >>> t = Tracker()
+        >>> t.dist("len", [1, 2, 3, 4])
+        >>> t.compute()["len/p50"]
+        2.5
+    """
+
+    name = "dist"
+    num_sums = 1  # elements kept
+    takes_weight = False
+    has_extra = True
+
+    def __init__(self, quantiles: Sequence[float] = DEFAULT_QUANTILES) -> None:
+        for q in quantiles:
+            if not 0.0 <= q <= 1.0:
+                raise ValueError(f"dist quantiles must lie in [0, 1], got {q!r}")
+        self.quantiles = tuple(float(q) for q in quantiles)
+
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        if weights is None:
+            kept = torch.tensor([float(values.numel())], dtype=torch.float64, device=values.device)
+        else:
+            kept = (weights > 0).sum().double().reshape(1)
+        return kept, values.new_empty(0)
+
+    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
+        acc.sums[0] += 1.0
+        acc.extra.append(value)
+
+    def empty_extra(self) -> list:
+        return []
+
+    def batch_extra(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        return values, None if weights is None else weights > 0
+
+    def reject_extra(self, batch: Any, rejected: Tensor) -> Any:
+        values, kept = batch
+        keep = ~rejected if kept is None else kept & ~rejected
+        return values, keep.expand(values.shape)
+
+    def merge_dev_extra(self, acc_extra: list | None, batch: Any) -> list:
+        return [*(acc_extra or []), batch]
+
+    def merge_extra(self, a: Any, b: Any) -> list:
+        return [np.concatenate((as_array(a), as_array(b)))]
+
+    def extra_size(self, acc: Accumulator) -> int:
+        """Elements stored, kept or not (known without a host sync)."""
+        return as_array(acc.extra).size + sum(v.numel() for v, _ in acc.dev_extra or [])
+
+    def extra_vector(self, acc: Accumulator | None, device: torch.device, size: int) -> Tensor:
+        """[values..., keep flags...], each half padded to ``size`` with dropped slots;
+        filtering happens on the host after the transfer (no sync here)."""
+        if acc is None:
+            return torch.zeros(2 * size, dtype=torch.float64, device=device)
+        values = [torch.as_tensor(as_array(acc.extra), device=device)]
+        keeps = [torch.ones(values[0].numel(), dtype=torch.float64, device=device)]
+        for batch_values, kept in acc.dev_extra or []:
+            values.append(batch_values.to(device))
+            keeps.append(
+                torch.ones(batch_values.numel(), dtype=torch.float64, device=device)
+                if kept is None
+                else kept.to(device, torch.float64)
+            )
+        padding = torch.zeros(
+            size - sum(v.numel() for v in values), dtype=torch.float64, device=device
+        )
+        return torch.cat([*values, padding, *keeps, padding])
+
+    def vector_length(self, size: int) -> int:
+        return 2 * size
+
+    def extra_from_vector(self, vector: np.ndarray) -> list:
+        n = vector.size // 2
+        return [vector[:n][vector[n:] > 0]]
+
+    def host_extra(self, dev_extra: Any) -> list:
+        return [
+            (v if kept is None else v[kept]).cpu().numpy().astype(np.float64)
+            for v, kept in dev_extra or []
+        ]
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        values = as_array(state.extra)
+        if values.size == 0:
+            return None
+        out = {
+            "mean": float(values.mean()),
+            "std": float(values.std()),
+            "min": float(values.min()),
+            "max": float(values.max()),
+        }
+        quantiles = np.quantile(values, self.quantiles) if self.quantiles else []
+        for q, value in zip(self.quantiles, quantiles, strict=True):
+            out[quantile_suffix(q)] = float(value)
+        return out
+
+    def result_names(self) -> tuple[str, ...]:
+        return ("mean", "std", "min", "max", *map(quantile_suffix, self.quantiles))
+
+
+def as_array(extra: Any) -> np.ndarray:
+    """A dist extra (a list of floats and arrays, or an array) as one float64 array."""
+    if extra is None:
+        return np.zeros(0)
+    if isinstance(extra, np.ndarray):
+        return extra.astype(np.float64, copy=False).ravel()
+    scalars = [x for x in extra if not isinstance(x, np.ndarray)]
+    arrays = [x.astype(np.float64, copy=False).ravel() for x in extra if isinstance(x, np.ndarray)]
+    return np.concatenate([np.asarray(scalars, dtype=np.float64), *arrays])

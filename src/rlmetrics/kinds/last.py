@@ -1,0 +1,98 @@
+"""Last / replicated: the latest value on a rank; across ranks, values must agree.
+
+State: sums (Σ v, number of sources), maxes (v, -v). A new value on a rank replaces the
+rank's state; merging adds sources, so disagreement shows as max != min, without a
+gather.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from rlmetrics.kinds.base import NUM_FLAGS, Accumulator, Kind, MetricState
+
+_warned: set[str] = set()
+
+
+class Last(Kind):
+    """A replicated value (learning rate, KL coefficient): the value in effect.
+
+    Example:
+        >>> from rlmetrics import Tracker
+        >>> t = Tracker()
+        >>> t.last("lr", 1e-3); t.last("lr", 2e-3)
+        >>> t.compute()["lr"]
+        0.002
+    """
+
+    name = "last"
+    num_sums = 2
+    num_maxes = 2
+    takes_weight = False
+    replaces = True
+
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        value = values[-1]
+        one = torch.ones((), dtype=torch.float64, device=values.device)
+        return torch.stack((value, one)), torch.stack((value, -value))
+
+    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
+        replace(acc)
+        acc.sums[0] = value
+        acc.sums[1] = 1.0
+        acc.maxes[0] = value
+        acc.maxes[1] = -value
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        total, sources = state.sums
+        if sources == 0:
+            return None
+        high, neg_low = state.maxes
+        if high == -neg_low or math.isnan(high):
+            return {"": high}
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"metric {name!r} (kind 'last'): merged values disagree "
+                f"(min {-neg_low!r}, max {high!r}, {sources:g} sources); reporting their mean",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return {"": total / sources}
+
+
+def replace(acc: Accumulator) -> None:
+    """Drop an accumulator's previous value, keeping its framework flags."""
+    flags = acc.sums[-NUM_FLAGS:]
+    acc.sums[:] = [0.0] * (len(acc.sums) - NUM_FLAGS) + flags
+    acc.maxes[:] = [-math.inf] * len(acc.maxes)
+    if acc.dev_sums is not None:
+        dev_flags = acc.dev_sums[-NUM_FLAGS:]
+        acc.dev_sums = torch.cat((torch.zeros_like(acc.dev_sums[:-NUM_FLAGS]), dev_flags))
+    acc.dev_maxes = None
+
+
+def replace_dev(acc: Accumulator, sums: Tensor, maxes: Tensor, keep_old: Tensor | None) -> None:
+    """Make a device value the rank's latest, unless ``keep_old`` (device bool) is set.
+
+    The host half is folded into the device half so that "latest" spans both.
+    """
+    device = sums.device
+    old_sums = torch.tensor(acc.sums, dtype=torch.float64, device=device)
+    if acc.dev_sums is not None:
+        old_sums = old_sums + acc.dev_sums.to(device)
+    old_maxes = torch.tensor(acc.maxes, dtype=torch.float64, device=device)
+    if acc.dev_maxes is not None:
+        old_maxes = torch.maximum(old_maxes, acc.dev_maxes.to(device))
+    new_values = sums[:-NUM_FLAGS]
+    if keep_old is not None:
+        new_values = torch.where(keep_old, old_sums[:-NUM_FLAGS], new_values)
+        maxes = torch.where(keep_old, old_maxes, maxes)
+    acc.dev_sums = torch.cat((new_values, old_sums[-NUM_FLAGS:] + sums[-NUM_FLAGS:]))
+    acc.dev_maxes = maxes
+    acc.sums[:] = [0.0] * len(acc.sums)
+    acc.maxes[:] = [-math.inf] * len(acc.maxes)

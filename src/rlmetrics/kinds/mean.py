@@ -1,0 +1,45 @@
+"""Weighted mean: state (Σ w·x, Σ w); result Σ w·x / Σ w."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+
+
+class Mean(Kind):
+    """Weighted mean, merged by adding numerator and denominator.
+
+    Never a mean of means: two pieces of 1 and 3 tokens merge to the 4-token mean.
+
+    Example:
+        >>> from rlmetrics import Tracker
+        >>> t = Tracker()
+        >>> t.mean("loss", 1.0, weight=1.0); t.mean("loss", 3.0, weight=3.0)
+        >>> t.compute()["loss"]
+        2.5
+    """
+
+    name = "mean"
+    num_sums = 2
+
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        if weights is None:
+            total = values.sum()
+            count = torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)
+        else:
+            total = (values * weights).sum()
+            count = weights.sum()
+        return torch.stack((total, count)), values.new_empty(0)
+
+    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
+        sums = acc.sums
+        sums[0] += value * weight
+        sums[1] += weight
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        total, weight = state.sums
+        if weight == 0:
+            return None
+        return {"": total / weight}

@@ -1,0 +1,44 @@
+"""Sum: state (Σ x, number of elements); result Σ x."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+
+
+class Sum(Kind):
+    """Sum of every element logged; empty (omitted) when no element was logged.
+
+    Example:
+        >>> from rlmetrics import Tracker
+        >>> t = Tracker()
+        >>> t.sum("tokens", 3); t.sum("tokens", 4)
+        >>> t.compute()["tokens"]
+        7.0
+    """
+
+    name = "sum"
+    num_sums = 2
+    takes_weight = False
+
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        if weights is None:
+            count = torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)
+            return torch.stack((values.sum(), count)), values.new_empty(0)
+        kept = weights > 0
+        return torch.stack(
+            (torch.where(kept, values, 0).sum(), kept.sum().double())
+        ), values.new_empty(0)
+
+    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
+        sums = acc.sums
+        sums[0] += value
+        sums[1] += 1.0
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        total, count = state.sums
+        if count == 0:
+            return None
+        return {"": total}

@@ -1,0 +1,131 @@
+"""TrackerState: the picklable snapshot that moves between processes, and results."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlmetrics.kinds import Kind, MetricState, get_kind
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TrackerState:
+    """The metrics of one process (or a merge of several): name -> MetricState.
+
+    Small and picklable (plain python floats, tuples and numpy arrays inside). Merging is
+    associative and commutative, so states can be combined in any order or tree shape.
+    """
+
+    metrics: Mapping[str, MetricState] = field(default_factory=dict)
+
+    def merge(self, other: TrackerState) -> TrackerState:
+        """A new state holding both; kinds must agree per name."""
+        merged = dict(self.metrics)
+        for name, metric in other.metrics.items():
+            mine = merged.get(name)
+            if mine is None:
+                merged[name] = metric
+            elif mine.kind != metric.kind:
+                raise ValueError(
+                    f"metric {name!r} is kind {mine.kind!r} in one state and {metric.kind!r} "
+                    "in the other"
+                )
+            else:
+                merged[name] = mine.merge(metric, get_kind(mine.kind))
+        return TrackerState(merged)
+
+    @classmethod
+    def merge_all(cls, states: list[TrackerState]) -> TrackerState:
+        """Merge many states, left to right."""
+        out = cls()
+        for state in states:
+            out = out.merge(state)
+        return out
+
+    def compute(self, *, empty: str = "omit") -> dict[str, float]:
+        """The metrics' values, as ``Tracker.compute`` reports them."""
+        return results(self.metrics, get_kind, empty=empty)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain python (JSON-friendly except numpy arrays) for checkpoints."""
+        return {
+            "version": STATE_VERSION,
+            "metrics": {
+                name: {
+                    "kind": m.kind,
+                    "sums": list(m.sums),
+                    "maxes": list(m.maxes),
+                    "extra": _extra_to_plain(m.extra),
+                    "num_nonfinite": m.num_nonfinite,
+                }
+                for name, m in self.metrics.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrackerState:
+        """Inverse of ``to_dict``."""
+        version = data.get("version")
+        if version != STATE_VERSION:
+            raise ValueError(f"unsupported TrackerState version {version!r} (expected 1)")
+        metrics = {}
+        for name, m in data["metrics"].items():
+            extra = m.get("extra")
+            if isinstance(extra, dict) and "array" in extra:
+                extra = [np.asarray(extra["array"], dtype=np.float64)]
+            elif isinstance(extra, list):
+                extra = tuple(extra)
+            metrics[name] = MetricState(
+                m["kind"],
+                tuple(float(x) for x in m["sums"]),
+                tuple(float(x) for x in m["maxes"]),
+                extra,
+                float(m.get("num_nonfinite", 0.0)),
+            )
+        return cls(metrics)
+
+
+def _extra_to_plain(extra: Any) -> Any:
+    if isinstance(extra, list):  # dist: a list of arrays and floats
+        from rlmetrics.kinds.dist import as_array
+
+        return {"array": as_array(extra).tolist()}
+    if isinstance(extra, tuple):
+        return list(extra)
+    return extra
+
+
+def results(
+    states: Mapping[str, MetricState], kind_of: Callable[[str], Kind], *, empty: str
+) -> dict[str, float]:
+    """Every metric's values, sorted by name; empty metrics omitted or NaN.
+
+    Raises:
+        ValueError: two metrics report the same key (``x`` as dist reports ``x/mean``).
+    """
+    out: dict[str, float] = {}
+    sources: dict[str, str] = {}
+    for name in sorted(states):
+        state = states[name]
+        kind = kind_of(state.kind)
+        values = kind.result(state, name)
+        if values is None:
+            values = {s: math.nan for s in kind.result_names()} if empty == "nan" else {}
+        if state.num_nonfinite > 0:
+            values = {**values, "nonfinite_count": state.num_nonfinite}
+        for suffix, value in values.items():
+            key = f"{name}/{suffix}" if suffix else name
+            if key in sources:
+                raise ValueError(
+                    f"metric {name!r} reports {key!r}, which metric {sources[key]!r} "
+                    "reports too; rename one of them"
+                )
+            sources[key] = name
+            out[key] = float(value)
+    return out

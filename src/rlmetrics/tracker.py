@@ -1,0 +1,357 @@
+"""The Tracker: named metrics, each with one aggregation kind, logged without host syncs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlmetrics.inputs import as_number, as_tensor, as_weights, check_name, check_weight_number
+from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
+from rlmetrics.kinds.base import NONFINITE_SLOT, NUM_FLAGS
+from rlmetrics.kinds.dist import DEFAULT_QUANTILES
+from rlmetrics.kinds.last import replace_dev
+from rlmetrics.packing import Layout, local_states
+from rlmetrics.state import TrackerState, results
+
+EMPTY_POLICIES = ("omit", "nan")
+NONFINITE_POLICIES = ("propagate", "skip", "error")
+
+
+class LogMethods:
+    """The logging calls shared by ``Tracker`` and its prefixed views."""
+
+    def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
+        raise NotImplementedError
+
+    def mean(self, name: str, value: Any, weight: Any = None) -> None:
+        """Weighted mean: adds (Σ value·weight, Σ weight); weight None means 1 per element.
+
+        ``weight`` has the value's shape (a bool mask works) or is a python number.
+        """
+        self._log(name, "mean", value, weight)
+
+    def sum(self, name: str, value: Any, mask: Any = None) -> None:
+        """Sum of all elements (where ``mask`` is true, when given)."""
+        self._log(name, "sum", value, mask)
+
+    def max(self, name: str, value: Any, mask: Any = None) -> None:
+        """Largest element (where ``mask`` is true, when given)."""
+        self._log(name, "max", value, mask)
+
+    def min(self, name: str, value: Any, mask: Any = None) -> None:
+        """Smallest element (where ``mask`` is true, when given)."""
+        self._log(name, "min", value, mask)
+
+    def std(self, name: str, value: Any, weight: Any = None) -> None:
+        """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
+        self._log(name, "std", value, weight)
+
+    def last(self, name: str, value: Any) -> None:
+        """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree."""
+        self._log(name, "last", value, None)
+
+    def dist(self, name: str, value: Any, mask: Any = None) -> None:
+        """Every element (where ``mask`` is true): name/mean, /std, /min, /max, /pXX."""
+        self._log(name, "dist", value, mask)
+
+    def log(self, name: str, value: Any, weight: Any = None, *, kind: str) -> None:
+        """Log into any registered kind (built-in or user-defined) by its name."""
+        self._log(name, kind, value, weight)
+
+    def prefixed(self, prefix: str) -> PrefixedTracker:
+        """A view that logs every name as ``prefix + name`` into the same tracker."""
+        raise NotImplementedError
+
+
+class Tracker(LogMethods):
+    """Named metrics of one step, each accumulated by its kind, merged exactly.
+
+    Log calls never synchronise with the device: tensors accumulate on their device and
+    python numbers on the host. ``compute()`` ends the step: it packs every state,
+    syncs over a process group when one is initialised (two collectives for all scalar
+    kinds), transfers once and returns ``dict[str, float]``.
+
+    Args:
+        empty: "omit" leaves empty metrics out of ``compute()``; "nan" reports NaN.
+        nonfinite: "propagate" (the arithmetic decides), "skip" (drop non-finite
+            elements, report ``<name>/nonfinite_count``) or "error" (raise; for tensors
+            at ``compute()``, the offending call dropped, since an eager check would need
+            a host sync).
+        quantiles: the quantiles ``dist`` metrics report.
+
+    Example:
+        >>> t = Tracker()
+        >>> actor = t.prefixed("actor/")
+        >>> for loss, tokens in ((2.0, 1.0), (1.0, 3.0)):
+        ...     actor.mean("pg_loss", loss, weight=tokens)
+        >>> t.compute()
+        {'actor/pg_loss': 1.25}
+    """
+
+    def __init__(
+        self,
+        *,
+        empty: str = "omit",
+        nonfinite: str = "propagate",
+        quantiles: tuple[float, ...] = DEFAULT_QUANTILES,
+    ) -> None:
+        if empty not in EMPTY_POLICIES:
+            raise ValueError(f"Tracker(empty=...) must be one of {EMPTY_POLICIES}, got {empty!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"Tracker(nonfinite=...) must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
+            )
+        self.empty = empty
+        self.nonfinite = nonfinite
+        self._own_kinds: dict[str, Kind] = {"dist": Dist(quantiles)}
+        self._kinds: dict[str, Kind] = {}
+        self._accumulators: dict[str, Accumulator] = {}
+        self.sync_cache: Any = None  # owned by rlmetrics.distributed
+
+    # -- logging ------------------------------------------------------------------
+    def kind(self, kind_name: str) -> Kind:
+        """The kind object this tracker uses for ``kind_name``."""
+        kind = self._kinds.get(kind_name)
+        if kind is None:
+            kind = self._own_kinds.get(kind_name) or get_kind(kind_name)
+            self._kinds[kind_name] = kind
+        return kind
+
+    def _log(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
+        try:
+            acc = self._accumulators.get(name)
+        except TypeError:  # an unhashable name
+            check_name(name)
+            raise
+        if acc is None or acc.kind.name != kind_name:
+            acc = self._accumulator(name, self.kind(kind_name))
+        value_type = type(value)
+        if (value_type is float or value_type is int) and (
+            weight is None or type(weight) is float or type(weight) is int
+        ):
+            self._log_number(acc, name, float(value), 1.0 if weight is None else float(weight))
+        else:
+            self._log_any(acc, name, value, weight)
+
+    def _accumulator(self, name: str, kind: Kind) -> Accumulator:
+        acc = self._accumulators.get(name)
+        if acc is not None:
+            raise ValueError(
+                f"metric {name!r} is already logged as kind {acc.kind.name!r}; "
+                f"cannot log it as kind {kind.name!r}"
+            )
+        check_name(name)
+        acc = Accumulator.empty(kind)
+        self._accumulators[name] = acc
+        return acc
+
+    def _log_number(self, acc: Accumulator, name: str, value: float, weight: float) -> None:
+        if weight != 1.0:
+            check_weight_number(name, weight)
+            if weight == 0.0 and not acc.kind.takes_weight:
+                return
+        if self.nonfinite != "propagate" and not math.isfinite(value):
+            if self.nonfinite == "error":
+                raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
+            acc.sums[NONFINITE_SLOT] += 1.0
+            return
+        acc.kind.add_float(acc, value, weight)
+
+    def _log_any(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
+        number = as_number(name, value)
+        weight_number = None if weight is None else as_number(name, weight, "weight")
+        if number is not None and (weight is None or weight_number is not None):
+            self._log_number(acc, name, number, 1.0 if weight is None else weight_number)
+            return
+        if number is not None:
+            device = weight.device if isinstance(weight, Tensor) else None
+            values = torch.tensor(number, dtype=torch.float64, device=device)
+        else:
+            values = as_tensor(name, value)
+        weights = as_weights(name, weight, values)
+        kind = acc.kind
+        if kind.replaces and values.numel() != 1:
+            raise ValueError(
+                f"metric {name!r} (kind {kind.name!r}) takes one value, "
+                f"got shape {tuple(values.shape)}"
+            )
+        self._log_tensor(acc, values.reshape(-1), weights, tensor_weight=weight_number is None)
+
+    def _log_tensor(
+        self, acc: Accumulator, values: Tensor, weights: Tensor | None, *, tensor_weight: bool
+    ) -> None:
+        """Accumulate on the device; data checks become device flags (no host sync)."""
+        kind = acc.kind
+        if weights is not None:
+            weights = weights.reshape(-1)
+        rejected = None
+        if weights is not None and tensor_weight:
+            rejected = (weights < 0).any() | ~torch.isfinite(weights).all()
+        num_nonfinite = None
+        keep_old = None
+        if self.nonfinite == "skip":
+            finite = torch.isfinite(values)
+            num_nonfinite = (~finite).sum().double()
+            values = torch.where(finite, values, 0.0)
+            weights = finite.double() if weights is None else torch.where(finite, weights, 0.0)
+            keep_old = ~finite.all() if kind.replaces else None
+        elif self.nonfinite == "error":
+            bad = ~torch.isfinite(values).all()
+            rejected = bad if rejected is None else rejected | bad
+        if rejected is not None and weights is not None:
+            weights = torch.where(rejected, 0.0, weights.clamp_min(0.0))
+            weights = torch.where(torch.isfinite(weights), weights, 0.0)
+        sums, maxes = kind.update(values, weights)
+        zero = sums.new_zeros(())
+        flags = torch.stack(
+            (
+                zero if num_nonfinite is None else num_nonfinite,
+                zero if rejected is None else rejected.double(),
+            )
+        )
+        if rejected is not None:
+            sums = torch.where(rejected, 0.0, sums)
+            maxes = torch.where(rejected, -math.inf, maxes)
+            keep_old = rejected if keep_old is None else keep_old | rejected
+        sums = torch.cat((sums, flags))
+        if kind.replaces:
+            replace_dev(acc, sums, maxes, keep_old)
+        else:
+            acc.add_dev(sums, maxes)
+        if kind.has_extra:
+            batch = kind.batch_extra(values, weights)
+            if rejected is not None:
+                batch = kind.reject_extra(batch, rejected)
+            acc.dev_extra = kind.merge_dev_extra(acc.dev_extra, batch)
+
+    def prefixed(self, prefix: str) -> PrefixedTracker:
+        return PrefixedTracker(self, prefix)
+
+    # -- state --------------------------------------------------------------------
+    def __contains__(self, name: object) -> bool:
+        return name in self._accumulators
+
+    def __len__(self) -> int:
+        return len(self._accumulators)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._accumulators)
+
+    def schema(self) -> dict[str, str]:
+        """The names logged since the last reset, with their kind names."""
+        return {name: acc.kind.name for name, acc in self._accumulators.items()}
+
+    @property
+    def accumulators(self) -> Mapping[str, Accumulator]:
+        """The live accumulators (read-only view, for the sync code)."""
+        return self._accumulators
+
+    def device(self) -> torch.device:
+        """Where this tracker's tensors live (the CPU when it holds none)."""
+        for acc in self._accumulators.values():
+            device = acc.device
+            if device is not None:
+                return device
+        return torch.device("cpu")
+
+    def state(self) -> TrackerState:
+        """A small picklable snapshot of this process's metrics (one host transfer).
+
+        Raises:
+            ValueError: a tensor log call was rejected (see ``nonfinite``).
+        """
+        layout = Layout([(name, acc.kind) for name, acc in self._accumulators.items()])
+        return TrackerState(local_states(self._accumulators, layout, self.device()))
+
+    def merge(self, other: Tracker | TrackerState) -> Tracker:
+        """Merge another tracker's metrics (or a state) into this one; returns self.
+
+        The merge is the same associative, commutative one used between micro-batches,
+        ranks and workers. All kinds are checked before anything changes.
+        """
+        state = other.state() if isinstance(other, Tracker) else other
+        if not isinstance(state, TrackerState):
+            raise TypeError(f"merge expects a Tracker or TrackerState, got {type(other).__name__}")
+        kinds = {name: self.kind(metric.kind) for name, metric in state.metrics.items()}
+        for name, kind in kinds.items():
+            acc = self._accumulators.get(name)
+            if acc is not None and acc.kind.name != kind.name:
+                raise ValueError(
+                    f"metric {name!r} is kind {acc.kind.name!r} here but {kind.name!r} in the "
+                    "merged state"
+                )
+        for name, metric in state.metrics.items():
+            acc = self._accumulators.get(name) or self._accumulator(name, kinds[name])
+            acc.load(metric)
+        return self
+
+    def reset(self) -> None:
+        """Forget every metric (a new step begins)."""
+        self._accumulators = {}
+
+    def compute(
+        self,
+        reset: bool = True,
+        *,
+        group: Any = None,
+        timeout: float | timedelta | None = None,
+        sync: bool = True,
+    ) -> dict[str, float]:
+        """End the step: merge across the process group, return every metric's value.
+
+        Syncs over ``group`` (a ProcessGroup, or a (DeviceMesh, dim name) pair) or, when
+        None, over the default group if torch.distributed is initialised; ``sync=False``
+        computes this process's values only. Every rank gets the same dict. This is the
+        one place where the host waits on the device.
+
+        Args:
+            reset: start a new step afterwards (False keeps accumulating).
+            group: the process group to merge over.
+            timeout: seconds (or a timedelta) after which a missing rank raises.
+            sync: False to skip the process group.
+        """
+        from rlmetrics.distributed import should_sync, sync_states
+
+        if sync and should_sync(group):
+            states = sync_states(self, group=group, timeout=timeout)
+        else:
+            states = self.state().metrics
+        out = results(states, self.kind, empty=self.empty)
+        if reset:
+            self.reset()
+        return out
+
+    # -- checkpointing ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpointable dict (plain python and numpy) of the current step's metrics."""
+        return self.state().to_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Replace this tracker's metrics with a ``state_dict()``'s."""
+        state = TrackerState.from_dict(state_dict)
+        self.reset()
+        self.merge(state)
+
+
+class PrefixedTracker(LogMethods):
+    """A view of a Tracker that prepends a prefix to every name it logs."""
+
+    def __init__(self, tracker: Tracker, prefix: str) -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string, got {type(prefix).__name__}")
+        self.tracker = tracker
+        self.prefix = prefix
+
+    def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
+        self.tracker._log(self.prefix + check_name(name), kind, value, weight)
+
+    def prefixed(self, prefix: str) -> PrefixedTracker:
+        return PrefixedTracker(self.tracker, self.prefix + prefix)
+
+
+__all__ = ["NUM_FLAGS", "PrefixedTracker", "Tracker"]
