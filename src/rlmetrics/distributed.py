@@ -1,16 +1,221 @@
-"""Tracker sync over torch.distributed (placeholder until the packed sync lands)."""
+"""Tracker sync over torch.distributed: schema agreement and packed collectives.
+
+A steady-state step costs two collectives, however many scalar metrics exist:
+``all_reduce(SUM)`` over every additive slot and ``all_reduce(MAX)`` over every max slot
+(minima are stored negated). The MAX buffer also carries a "schema changed" flag and
+the layout's hash, so ranks notice without an extra collective when some rank logged a
+name the cached schema lacks; only then do they agree again (one byte gather) and
+repeat the reduce. Kinds with an extra payload (std, dist) add one ``all_gather``.
+
+Nothing here unpickles data that did not come from a rank of the same process group:
+schemas travel as JSON, extras of built-in kinds as float64 tensors; only user kinds
+whose extras cannot be packed travel pickled, and only between the group's ranks.
+
+Timeouts: every collective is issued with ``async_op=True`` and waited on with the
+timeout, so a rank that died or never arrives raises ``SyncTimeoutError`` on the others
+(with gloo; with NCCL the host wait is bounded by the process group's own timeout and
+watchdog, set through ``init_process_group(timeout=...)``).
+
+Replicas: merge over the data-parallel group only. Tensor- or pipeline-parallel copies
+of a DP rank log the same values; each computes over its own DP group and gets the same
+result, so nothing is counted twice. To compute over a group that contains replicas,
+log only on one copy (see ``is_replica_source``).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import pickle
+from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlmetrics.kinds import MetricState
+from rlmetrics.packing import Layout, extra_sizes, pack_extras, pack_scalars, unpack
+
+HEADER = 3  # MAX-buffer tail: [schema changed, layout hash, -layout hash]
+
+
+class SyncTimeoutError(RuntimeError):
+    """A collective did not complete within the timeout (a rank died or hangs)."""
 
 
 def should_sync(group: Any) -> bool:
-    """Whether compute() should merge over a process group."""
-    import torch.distributed as dist
+    """Whether ``compute()`` merges over a process group."""
+    if group is not None:
+        return True
+    return dist.is_available() and dist.is_initialized()
 
-    return group is not None or (dist.is_available() and dist.is_initialized())
+
+def resolve_group(group: Any) -> Any:
+    """A ProcessGroup from None (the default group), a group, or (DeviceMesh, dim)."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("compute(group=None) needs torch.distributed to be initialised")
+        return dist.group.WORLD
+    if isinstance(group, tuple):
+        mesh, dim = group
+        return mesh.get_group(mesh_dim=dim)
+    get_group = getattr(group, "get_group", None)
+    if get_group is not None and hasattr(group, "mesh_dim_names"):  # a 1-D DeviceMesh
+        if group.ndim != 1:
+            raise ValueError("pass (mesh, dim_name) to sync over one dimension of a DeviceMesh")
+        return get_group()
+    return group
 
 
-def sync_states(tracker: Any, *, group: Any, timeout: Any) -> dict:
-    raise NotImplementedError
+def is_replica_source(mesh: Any, replica_dims: tuple[str, ...]) -> bool:
+    """True on the one copy (local rank 0 in every ``replica_dims``) that should log
+    when metrics are merged over a group containing tensor/pipeline-parallel replicas."""
+    return all(mesh.get_local_rank(dim) == 0 for dim in replica_dims)
+
+
+def comm_device(group: Any) -> torch.device:
+    """The device collectives of ``group`` run on: CUDA for NCCL, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _timeout(timeout: float | timedelta | None) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    return timedelta(seconds=float(timeout))
+
+
+def _wait(work: Any, timeout: timedelta | None, what: str) -> None:
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+    except Exception as error:  # gloo raises RuntimeError/DistBackendError on timeout
+        raise SyncTimeoutError(
+            f"rlmetrics sync: {what} did not complete"
+            + (f" within {timeout.total_seconds():g} s" if timeout is not None else "")
+            + " (a rank may have died, hung, or not called compute())"
+        ) from error
+
+
+def all_reduce(tensor: Tensor, op: Any, group: Any, timeout: timedelta | None, what: str) -> None:
+    """An in-place all_reduce that raises SyncTimeoutError instead of hanging."""
+    _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout, what)
+
+
+def all_gather(tensor: Tensor, group: Any, timeout: timedelta | None, what: str) -> list[Tensor]:
+    """All ranks' equal-sized ``tensor``s, in rank order."""
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(out, tensor, group=group, async_op=True), timeout, what)
+    return out
+
+
+def gather_bytes(
+    payload: bytes, group: Any, device: torch.device, timeout: timedelta | None
+) -> list[bytes]:
+    """All ranks' byte strings (two all_gathers: lengths, then padded bytes)."""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = [int(n) for n in all_gather(length, group, timeout, "schema length gather")]
+    buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    pieces = all_gather(buffer, group, timeout, "schema gather")
+    return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(pieces, lengths, strict=True)]
+
+
+def agree_schema(
+    tracker: Any, group: Any, device: torch.device, timeout: timedelta | None
+) -> Layout:
+    """The union of every rank's (name, kind) pairs; a kind conflict raises on all ranks."""
+    local = sorted(tracker.schema().items())
+    payloads = gather_bytes(json.dumps(local).encode(), group, device, timeout)
+    union: dict[str, tuple[str, int]] = {}
+    conflicts: list[str] = []
+    for rank, payload in enumerate(payloads):
+        for name, kind_name in json.loads(payload):
+            seen = union.setdefault(name, (kind_name, rank))
+            if seen[0] != kind_name:
+                conflicts.append(
+                    f"metric {name!r} is kind {seen[0]!r} on rank {seen[1]} "
+                    f"but kind {kind_name!r} on rank {rank}"
+                )
+    if conflicts:
+        raise ValueError("ranks disagree on metric kinds: " + "; ".join(conflicts))
+    return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _) in union.items()])
+
+
+def _fits(accumulators: Mapping[str, Any], layout: Layout) -> bool:
+    index, slots = layout.index, layout.slots
+    for name, acc in accumulators.items():
+        position = index.get(name)
+        if position is None or slots[position].kind is not acc.kind:
+            return False
+    return True
+
+
+def _layout_hash(layout: Layout) -> float:
+    """A float64-exact hash of the layout (52 bits), equal on ranks with equal layouts."""
+    digest = hashlib.blake2b(repr(layout.signature).encode(), digest_size=8).digest()
+    return float(int.from_bytes(digest, "little") >> 12)
+
+
+def sync_states(
+    tracker: Any, *, group: Any = None, timeout: float | timedelta | None = None
+) -> dict[str, MetricState]:
+    """The tracker's metric states merged over ``group`` (every rank gets the same)."""
+    pg = resolve_group(group)
+    wait = _timeout(timeout)
+    device = comm_device(pg)
+    cache = tracker.sync_cache if isinstance(tracker.sync_cache, dict) else {}
+    tracker.sync_cache = cache
+    key = id(pg)
+    layout = cache.get(key)
+    if layout is None:
+        layout = cache[key] = agree_schema(tracker, pg, device, wait)
+    accumulators = tracker.accumulators
+    for _ in range(2):
+        fits = _fits(accumulators, layout)
+        sums, maxes = pack_scalars(accumulators if fits else {}, layout, device)
+        layout_hash = _layout_hash(layout)
+        header = torch.tensor(
+            [0.0 if fits else 1.0, layout_hash, -layout_hash], dtype=torch.float64, device=device
+        )
+        maxes = torch.cat((maxes, header))
+        all_reduce(sums, dist.ReduceOp.SUM, pg, wait, "all_reduce(SUM) of metric states")
+        all_reduce(maxes, dist.ReduceOp.MAX, pg, wait, "all_reduce(MAX) of metric states")
+        maxes_host = maxes.cpu().numpy()
+        changed, high, neg_low = maxes_host[-HEADER:]
+        if changed == 0 and high == -neg_low:
+            return _finish(accumulators, layout, sums, maxes_host[:-HEADER], pg, device, wait)
+        layout = cache[key] = agree_schema(tracker, pg, device, wait)
+    raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
+
+
+def _finish(
+    accumulators: Mapping[str, Any],
+    layout: Layout,
+    sums: Tensor,
+    maxes: np.ndarray,
+    group: Any,
+    device: torch.device,
+    wait: timedelta | None,
+) -> dict[str, MetricState]:
+    """Gather the extras (when any) and unpack the reduced buffers."""
+    sizes = extra_sizes(layout, maxes)
+    extras: list[np.ndarray] = []
+    objects: list[Mapping[str, object]] = []
+    if layout.extra_slots:
+        vector, local_objects = pack_extras(accumulators, layout, sizes, device)
+        if vector.numel():
+            extras = [v.cpu().numpy() for v in all_gather(vector, group, wait, "extras gather")]
+        if local_objects:
+            payloads = gather_bytes(pickle.dumps(local_objects), group, device, wait)
+            objects = [pickle.loads(p) for p in payloads]  # only from this group's ranks
+    return unpack(layout, sums.cpu().numpy(), maxes, extras, objects, sizes)

@@ -109,9 +109,8 @@ def _scatter(
 
 def extra_sizes(layout: Layout, maxes: np.ndarray) -> list[int]:
     """The padded extra size of each extra slot, read from a (reduced) MAX buffer."""
-    return [
-        max(int(maxes[slot.max_offset + slot.kind.num_maxes]), 0) for slot in layout.extra_slots
-    ]
+    sizes = [maxes[slot.max_offset + slot.kind.num_maxes] for slot in layout.extra_slots]
+    return [int(size) if size > 0 else 0 for size in sizes]  # -inf: no rank logged it
 
 
 def pack_extras(

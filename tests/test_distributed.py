@@ -1,0 +1,256 @@
+"""Tracker.compute() over real gloo process groups equals the single-process result."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlmetrics import Tracker
+from rlmetrics.distributed import SyncTimeoutError
+
+from multiprocess import ok_results, run_ranks
+
+KINDS = ("mean", "sum", "max", "min", "std", "last", "dist")
+
+
+def make_batch(seed: int, size: int) -> dict[str, np.ndarray]:
+    """Values with a large offset (std exactness), positive weights with zeros, a mask."""
+    rng = np.random.default_rng(seed)
+    return {
+        "value": rng.normal(1e3, 3.0, size),
+        "weight": rng.integers(0, 4, size).astype(np.float64),
+        "mask": rng.random(size) < 0.7,
+    }
+
+
+def log_piece(tracker: Tracker, batch: dict[str, np.ndarray], idx: np.ndarray) -> None:
+    """Log one micro-batch of every kind; some names only when the piece is non-empty."""
+    value = torch.from_numpy(batch["value"][idx])
+    weight = torch.from_numpy(batch["weight"][idx])
+    mask = torch.from_numpy(batch["mask"][idx])
+    tracker.mean("m/mean", value, weight=weight)
+    tracker.mean("m/masked", value, weight=mask)
+    tracker.sum("m/sum", value, mask=mask)
+    tracker.max("m/max", value, mask=mask)
+    tracker.min("m/min", value)
+    tracker.std("m/std", value, weight=weight)
+    tracker.dist("m/dist", value, mask=mask)
+    tracker.last("m/last", 0.25)
+    if len(idx) and idx[0] % 3 == 0:
+        tracker.mean("sometimes", value)  # a name only some ranks log
+
+
+def split(rng: np.random.Generator, indices: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Random uneven split, empty parts allowed."""
+    cuts = np.sort(rng.integers(0, len(indices) + 1, parts - 1))
+    return np.split(indices, cuts)
+
+
+def partition_run(rank: int, world: int, seed: int) -> tuple[dict, dict, dict]:
+    """Each rank logs its random share in random micro-batches.
+
+    Returns (synced result, whole batch logged at once, every piece logged in one
+    process): the last includes the names only some pieces log.
+    """
+    batch = make_batch(seed, 37)
+    rng = np.random.default_rng(seed + 1)  # the same split on every rank
+    shares = split(rng, rng.permutation(37), world)
+
+    def pieces(r: int) -> list[np.ndarray]:
+        return split(np.random.default_rng(seed + 2 + r), shares[r], 4)
+
+    tracker = Tracker()
+    for piece in pieces(rank):
+        log_piece(tracker, batch, piece)
+    whole = Tracker()
+    log_piece(whole, batch, np.arange(37))
+    one_process = Tracker()
+    for r in range(world):
+        for piece in pieces(r):
+            log_piece(one_process, batch, piece)
+    return tracker.compute(), whole.compute(sync=False), one_process.compute(sync=False)
+
+
+def assert_close(actual: dict, expected: dict, rtol: float = 1e-12) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert math.isclose(actual[key], value, rel_tol=rtol, abs_tol=1e-9), (
+            key,
+            actual[key],
+            value,
+        )
+
+
+def without(metrics: dict, prefix: str) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(prefix)}
+
+
+def run_many_partitions(rank: int, world: int) -> list:
+    return [partition_run(rank, world, seed) for seed in range(6)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sync_equals_single_process(world: int) -> None:
+    per_rank = ok_results(run_ranks(run_many_partitions, world))
+    for seed_results in zip(*per_rank, strict=True):
+        synced = [result[0] for result in seed_results]
+        assert all(s == synced[0] for s in synced), "ranks got different dicts"
+        _, whole, one_process = seed_results[0]
+        assert_close(synced[0], one_process)
+        assert_close(without(synced[0], "sometimes"), without(whole, "sometimes"))
+        assert synced[0]["m/last"] == 0.25
+
+
+def empty_and_partial_ranks(rank: int, world: int) -> list[dict]:
+    """Rank 0 logs nothing in step 1; names appear and vanish between steps."""
+    tracker = Tracker()
+    outs = []
+    if rank != 0:
+        tracker.mean("loss", float(rank), weight=float(rank))
+        tracker.max(f"only_rank_{rank}", 1.0)
+    outs.append(tracker.compute())
+    tracker.mean("loss", 1.0)  # every rank, steady schema subset
+    outs.append(tracker.compute())
+    tracker.sum("new", 2.0)  # a new name on every rank: re-agreement
+    outs.append(tracker.compute())
+    outs.append(tracker.compute())  # nothing logged anywhere
+    return outs
+
+
+def test_empty_ranks_and_changing_names() -> None:
+    world = 3
+    per_rank = ok_results(run_ranks(empty_and_partial_ranks, world))
+    assert all(r == per_rank[0] for r in per_rank)
+    step1, step2, step3, step4 = per_rank[0]
+    assert step1 == {"loss": (1 * 1 + 2 * 2) / 3, "only_rank_1": 1.0, "only_rank_2": 1.0}
+    assert step2 == {"loss": 1.0}
+    assert step3 == {"new": 6.0}
+    assert step4 == {}
+
+
+def subgroups(rank: int, world: int) -> dict:
+    evens = dist.new_group([0, 2])
+    odds = dist.new_group([1, 3])
+    tracker = Tracker()
+    tracker.sum("rank_sum", float(rank))
+    tracker.mean("rank_mean", float(rank))
+    return tracker.compute(group=evens if rank % 2 == 0 else odds)
+
+
+def test_subgroup_sync() -> None:
+    per_rank = ok_results(run_ranks(subgroups, 4))
+    assert per_rank[0] == per_rank[2] == {"rank_sum": 2.0, "rank_mean": 1.0}
+    assert per_rank[1] == per_rank[3] == {"rank_sum": 4.0, "rank_mean": 2.0}
+
+
+def device_mesh(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tracker = Tracker()
+    # tp replicas of one dp rank log the same data; merging over dp counts it once.
+    tracker.mean("x", float(mesh.get_local_rank("dp")))
+    tracker.sum("n", 1.0)
+    return tracker.compute(group=(mesh, "dp"))
+
+
+def test_device_mesh_dimension() -> None:
+    per_rank = ok_results(run_ranks(device_mesh, 4))
+    assert all(r == {"x": 0.5, "n": 2.0} for r in per_rank)
+
+
+def kind_conflict(rank: int, world: int) -> str:
+    tracker = Tracker()
+    tracker.mean("shared", 1.0)
+    if rank == 0:
+        tracker.mean("clash", 1.0)
+    else:
+        tracker.max("clash", 1.0)
+    try:
+        tracker.compute(timeout=30)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_kind_conflict_raises_on_every_rank() -> None:
+    messages = ok_results(run_ranks(kind_conflict, 2))
+    for message in messages:
+        assert "'clash'" in message and "'mean'" in message and "'max'" in message
+
+
+def killed_rank(rank: int, world: int) -> float:
+    tracker = Tracker()
+    tracker.mean("x", 1.0)
+    tracker.compute(timeout=20)  # a healthy first step
+    if rank == 1:
+        os._exit(0)  # dies in the middle of the next step
+    tracker.mean("x", 2.0)
+    start = time.monotonic()
+    try:
+        tracker.compute(timeout=3.0)
+    except SyncTimeoutError:
+        return time.monotonic() - start
+    raise AssertionError("compute() returned although rank 1 died")
+
+
+def test_killed_rank_gives_timeout_error() -> None:
+    outcome = run_ranks(killed_rank, 2, allow_missing=(1,), timeout=60)
+    status, elapsed = outcome[0]
+    assert status == "ok", elapsed
+    assert elapsed < 15.0
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "broadcast",
+    "all_to_all",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "reduce",
+    "barrier",
+    "all_gather_into_tensor",
+    "broadcast_object_list",
+)
+
+
+def count_collectives(rank: int, world: int, num_metrics: int) -> list[int]:
+    """Collectives per compute() for steps 1-3 (steady state from step 2)."""
+    counts = {"n": 0}
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def wrapped(*args, _original=original, **kwargs):
+            counts["n"] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    kinds = ("mean", "sum", "max", "min", "last")
+    tracker = Tracker()
+    per_step = []
+    for step in range(3):
+        for i in range(num_metrics):
+            kind = kinds[i % len(kinds)]
+            value = torch.tensor(float(step + i)) if i % 2 else float(step + i)
+            getattr(tracker, kind)(f"metric_{i}", value)
+        before = counts["n"]
+        tracker.compute()
+        per_step.append(counts["n"] - before)
+    return per_step
+
+
+@pytest.mark.parametrize("num_metrics", [20, 200])
+def test_steady_state_costs_two_collectives(num_metrics: int) -> None:
+    per_rank = ok_results(run_ranks(count_collectives, 2, num_metrics))
+    for first, second, third in per_rank:
+        assert second == third == 2
+        assert first <= 6  # agreement (2 gathers) + the reduce pair
