@@ -254,3 +254,18 @@ def test_steady_state_costs_two_collectives(num_metrics: int) -> None:
     for first, second, third in per_rank:
         assert second == third == 2
         assert first <= 6  # agreement (2 gathers) + the reduce pair
+
+
+def nan_in_max(rank: int, world: int) -> dict:
+    tracker = Tracker()
+    # gloo's MAX keeps whichever operand comes first when one is NaN; rlmetrics must not.
+    tracker.max("nan_on_rank1", torch.tensor([1.0, math.nan]) if rank == 1 else 5.0)
+    tracker.max("nan_on_rank0", math.nan if rank == 0 else 1.0)
+    tracker.min("finite", float(rank))
+    return tracker.compute()
+
+
+def test_nan_propagates_through_max_on_every_rank() -> None:
+    for result in ok_results(run_ranks(nan_in_max, 2)):
+        assert math.isnan(result["nan_on_rank1"]) and math.isnan(result["nan_on_rank0"])
+        assert result["finite"] == 0.0

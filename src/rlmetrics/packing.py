@@ -66,7 +66,8 @@ def pack_scalars(
 ) -> tuple[Tensor, Tensor]:
     """The SUM and MAX buffers of this process, float64 on ``device``.
 
-    Metrics of the layout that this process never logged pack as empty states.
+    Metrics of the layout that this process never logged pack as empty states. The SUM
+    buffer ends with ``layout.num_maxes`` NaN counts, one per max slot.
     """
     sums = np.zeros(layout.num_sums)
     maxes = np.full(layout.num_maxes, -math.inf)
@@ -94,7 +95,11 @@ def pack_scalars(
     if max_parts:
         dev = _scatter(max_index, max_parts, layout.num_maxes, -math.inf, device)
         max_buffer = torch.maximum(max_buffer, dev)
-    return sum_buffer, max_buffer
+    # all_reduce(MAX) need not propagate NaN (gloo does not, symmetrically): carry NaN
+    # as +inf in MAX and as a count per max slot at the SUM buffer's tail.
+    is_nan = torch.isnan(max_buffer)
+    max_buffer = torch.where(is_nan, math.inf, max_buffer)
+    return torch.cat((sum_buffer, is_nan.double())), max_buffer
 
 
 def _scatter(
@@ -171,6 +176,7 @@ def unpack(
             + ", ".join(rejected)
         )
     extra_values = _split_extras(layout, extras, objects, sizes)
+    maxes = np.where(sums[layout.num_sums :] > 0, math.nan, maxes)
     states: dict[str, MetricState] = {}
     for slot in layout.slots:
         slot_sums = sums[slot.sum_offset : slot.sum_offset + slot.num_sums]
