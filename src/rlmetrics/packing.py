@@ -26,6 +26,11 @@ from rlmetrics.kinds.base import (
 )
 
 
+class RejectedInputError(ValueError):
+    """Tensor log calls were rejected on the device (negative or non-finite weights, or
+    non-finite values under ``nonfinite="error"``) and dropped; raised at step end."""
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """Where one metric lives in the packed buffers."""
@@ -162,7 +167,7 @@ def unpack(
     object extras per rank; each rank's extras are merged in rank order.
 
     Raises:
-        ValueError: a metric received rejected input (negative weights, or non-finite
+        RejectedInputError: a metric received rejected input (negative weights, or non-finite
             values under ``nonfinite="error"``) in a tensor log call.
     """
     counts = [
@@ -170,7 +175,7 @@ def unpack(
     ]
     rejected = [f"{slot.name!r} ({slot.kind.name}): {int(n)}" for slot, n in counts if n > 0]
     if rejected:
-        raise ValueError(
+        raise RejectedInputError(
             "tensor log calls were rejected (negative or non-finite weights, or non-finite "
             "values under nonfinite='error') and dropped; rejected calls per metric: "
             + ", ".join(rejected)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from rlmetrics.kinds import Kind, MetricState, get_kind
+from rlmetrics.kinds import Dist, Kind, MetricState, get_kind
 
 STATE_VERSION = 1
 
@@ -41,16 +41,49 @@ class TrackerState:
         return TrackerState(merged)
 
     @classmethod
-    def merge_all(cls, states: list[TrackerState]) -> TrackerState:
-        """Merge many states, left to right."""
+    def merge_all(
+        cls, states: Sequence[TrackerState], replicas: Sequence[bool] | None = None
+    ) -> TrackerState:
+        """Merge many states left to right (keep rank order for bit-identical results).
+
+        Args:
+            states: one state per worker.
+            replicas: one flag per state; True marks a tensor/pipeline-parallel copy
+                whose metrics another state already holds, so it is left out.
+        """
+        if replicas is not None:
+            if len(replicas) != len(states):
+                raise ValueError(
+                    f"replicas has {len(replicas)} entries for {len(states)} states; "
+                    "give one flag per state"
+                )
+            if states and all(replicas):
+                raise ValueError("every state is marked as a replica: nothing would be merged")
+            states = [s for s, copy in zip(states, replicas, strict=True) if not copy]
         out = cls()
         for state in states:
+            if not isinstance(state, TrackerState):
+                raise TypeError(f"expected TrackerState, got {type(state).__name__}")
             out = out.merge(state)
         return out
 
-    def compute(self, *, empty: str = "omit") -> dict[str, float]:
-        """The metrics' values, as ``Tracker.compute`` reports them."""
-        return results(self.metrics, get_kind, empty=empty)
+    def compute(
+        self, *, empty: str = "omit", quantiles: Sequence[float] | None = None
+    ) -> dict[str, float]:
+        """The metrics' values, as ``Tracker.compute`` reports them.
+
+        Args:
+            empty: "omit" or "nan", as ``Tracker(empty=...)``.
+            quantiles: the quantiles ``dist`` metrics report (default: the kind's).
+        """
+        if empty not in ("omit", "nan"):
+            raise ValueError(f"compute(empty=...) must be one of ('omit', 'nan'), got {empty!r}")
+        if quantiles is None:
+            return results(self.metrics, get_kind, empty=empty)
+        dist = Dist(quantiles)
+        return results(
+            self.metrics, lambda name: dist if name == "dist" else get_kind(name), empty=empty
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain python (JSON-friendly except numpy arrays) for checkpoints."""

@@ -7,19 +7,21 @@ from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from rlmetrics.inputs import as_number, as_tensor, as_weights, check_name, check_weight_number
 from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
-from rlmetrics.kinds.base import NONFINITE_SLOT, NUM_FLAGS
+from rlmetrics.kinds.base import NONFINITE_SLOT, NUM_FLAGS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.kinds.last import replace_dev
-from rlmetrics.packing import Layout, local_states
+from rlmetrics.packing import Layout, RejectedInputError, local_states
 from rlmetrics.state import TrackerState, results
 
 EMPTY_POLICIES = ("omit", "nan")
 NONFINITE_POLICIES = ("propagate", "skip", "error")
+BOOL_DTYPES = (torch.bool, np.dtype(bool))
 
 
 class LogMethods:
@@ -79,9 +81,9 @@ class Tracker(LogMethods):
     Args:
         empty: "omit" leaves empty metrics out of ``compute()``; "nan" reports NaN.
         nonfinite: "propagate" (the arithmetic decides), "skip" (drop non-finite
-            elements, report ``<name>/nonfinite_count``) or "error" (raise; for tensors
-            at ``compute()``, the offending call dropped, since an eager check would need
-            a host sync).
+            elements, masked or not, report ``<name>/nonfinite_count``) or "error"
+            (raise; for tensors at ``compute()``, the offending call dropped, since an
+            eager check would need a host sync).
         quantiles: the quantiles ``dist`` metrics report.
 
     Example:
@@ -130,6 +132,16 @@ class Tracker(LogMethods):
             raise
         if acc is None or acc.kind.name != kind_name:
             acc = self._accumulator(name, self.kind(kind_name))
+            try:
+                self._log_value(acc, name, value, weight)
+            except BaseException:
+                del self._accumulators[name]  # a failed first call leaves no empty metric
+                raise
+            return
+        self._log_value(acc, name, value, weight)
+
+    def _log_value(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
+        """Python numbers take the host fast path; everything else goes to the device."""
         value_type = type(value)
         if (value_type is float or value_type is int) and (
             weight is None or type(weight) is float or type(weight) is int
@@ -153,12 +165,13 @@ class Tracker(LogMethods):
     def _log_number(self, acc: Accumulator, name: str, value: float, weight: float) -> None:
         if weight != 1.0:
             check_weight_number(name, weight)
-            if weight == 0.0 and not acc.kind.takes_weight:
-                return
+        # non-finite elements count whether masked out or not, as in the tensor path
         if self.nonfinite != "propagate" and not math.isfinite(value):
             if self.nonfinite == "error":
                 raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
             acc.sums[NONFINITE_SLOT] += 1.0
+            return
+        if weight == 0.0 and not acc.kind.takes_weight:
             return
         acc.kind.add_float(acc, value, weight)
 
@@ -170,7 +183,8 @@ class Tracker(LogMethods):
             return
         if number is not None:
             device = weight.device if isinstance(weight, Tensor) else None
-            values = torch.tensor(number, dtype=torch.float64, device=device)
+            # torch.full, not torch.tensor: on CUDA the latter is a blocking copy
+            values = torch.full((), number, dtype=torch.float64, device=device)
         else:
             values = as_tensor(name, value)
         weights = as_weights(name, weight, values)
@@ -180,17 +194,19 @@ class Tracker(LogMethods):
                 f"metric {name!r} (kind {kind.name!r}) takes one value, "
                 f"got shape {tuple(values.shape)}"
             )
-        self._log_tensor(acc, values.reshape(-1), weights, tensor_weight=weight_number is None)
+        # bool masks are valid weights by construction: only other arrays need data checks
+        check_weights = weight_number is None and getattr(weight, "dtype", None) not in BOOL_DTYPES
+        self._log_tensor(acc, values.reshape(-1), weights, check_weights=check_weights)
 
     def _log_tensor(
-        self, acc: Accumulator, values: Tensor, weights: Tensor | None, *, tensor_weight: bool
+        self, acc: Accumulator, values: Tensor, weights: Tensor | None, *, check_weights: bool
     ) -> None:
         """Accumulate on the device; data checks become device flags (no host sync)."""
         kind = acc.kind
         if weights is not None:
             weights = weights.reshape(-1)
         rejected = None
-        if weights is not None and tensor_weight:
+        if weights is not None and check_weights:
             rejected = (weights < 0).any() | ~torch.isfinite(weights).all()
         num_nonfinite = None
         keep_old = None
@@ -207,13 +223,16 @@ class Tracker(LogMethods):
             weights = torch.where(rejected, 0.0, weights.clamp_min(0.0))
             weights = torch.where(torch.isfinite(weights), weights, 0.0)
         sums, maxes = kind.update(values, weights)
-        zero = sums.new_zeros(())
-        flags = torch.stack(
-            (
-                zero if num_nonfinite is None else num_nonfinite,
-                zero if rejected is None else rejected.double(),
+        if num_nonfinite is None and rejected is None:
+            flags = sums.new_zeros(NUM_FLAGS)
+        else:
+            zero = sums.new_zeros(())
+            flags = torch.stack(
+                (
+                    zero if num_nonfinite is None else num_nonfinite,
+                    zero if rejected is None else rejected.double(),
+                )
             )
-        )
         if rejected is not None:
             sums = torch.where(rejected, 0.0, sums)
             maxes = torch.where(rejected, -math.inf, maxes)
@@ -263,10 +282,23 @@ class Tracker(LogMethods):
         """A small picklable snapshot of this process's metrics (one host transfer).
 
         Raises:
-            ValueError: a tensor log call was rejected (see ``nonfinite``).
+            ValueError: a tensor log call was rejected (negative or non-finite weights,
+                or non-finite values under ``nonfinite="error"``). The rejected calls were
+                dropped and are reported once: the next call returns everything else.
         """
         layout = Layout([(name, acc.kind) for name, acc in self._accumulators.items()])
-        return TrackerState(local_states(self._accumulators, layout, self.device()))
+        try:
+            return TrackerState(local_states(self._accumulators, layout, self.device()))
+        except RejectedInputError:
+            self._forget_rejected()
+            raise
+
+    def _forget_rejected(self) -> None:
+        """Zero every rejected-call count once reported (device ops only, no sync)."""
+        for acc in self._accumulators.values():
+            acc.sums[REJECTED_SLOT] = 0.0
+            if acc.dev_sums is not None:
+                acc.dev_sums = torch.cat((acc.dev_sums[:REJECTED_SLOT], acc.dev_sums.new_zeros(1)))
 
     def merge(self, other: Tracker | TrackerState) -> Tracker:
         """Merge another tracker's metrics (or a state) into this one; returns self.
@@ -314,11 +346,19 @@ class Tracker(LogMethods):
             group: the process group to merge over.
             timeout: seconds (or a timedelta) after which a missing rank raises.
             sync: False to skip the process group.
+
+        Raises:
+            ValueError: a tensor log call was rejected (see ``state``); nothing is reset,
+                and calling ``compute()`` again returns every other call's metrics.
         """
         from rlmetrics.distributed import should_sync, sync_states
 
         if sync and should_sync(group):
-            states = sync_states(self, group=group, timeout=timeout)
+            try:
+                states = sync_states(self, group=group, timeout=timeout)
+            except RejectedInputError:
+                self._forget_rejected()
+                raise
         else:
             states = self.state().metrics
         out = results(states, self.kind, empty=self.empty)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 from rlmetrics.kinds.base import Accumulator, Kind, MetricState
 from rlmetrics.kinds.dist import Dist
 from rlmetrics.kinds.extrema import Max, Min
@@ -14,31 +17,106 @@ BUILTIN_KINDS: tuple[type[Kind], ...] = (Mean, Sum, Max, Min, Std, Last, Dist)
 _registry: dict[str, Kind] = {cls.name: cls() for cls in BUILTIN_KINDS}
 
 
-def register_kind(kind: Kind) -> Kind:
-    """Register a user-defined kind under ``kind.name``, once.
+def register_kind(kind: Kind, *, exist_ok: bool = False) -> Kind:
+    """Register a user-defined kind under ``kind.name``, once per process.
+
+    Every process that logs, merges or computes the kind's metrics must register it,
+    under the same name, before it does so. The kind is checked here (its attributes,
+    the methods it must implement, and one probe ``update`` on a two-element CPU batch),
+    so a malformed kind fails now rather than at a step's sync.
+
+    Args:
+        kind: the kind instance.
+        exist_ok: return the registered kind instead of raising when an equal kind
+            (``==``, by default the same object) is already registered under the name.
+
+    Returns:
+        The registered kind.
 
     Raises:
-        ValueError: the name is taken, or the kind is malformed.
+        ValueError: the name is taken by a different kind, or the kind is malformed.
         TypeError: ``kind`` is not a ``Kind`` instance.
     """
     if not isinstance(kind, Kind):
         raise TypeError(f"register_kind expects a Kind instance, got {type(kind).__name__}")
     if not isinstance(kind.name, str) or not kind.name:
-        raise ValueError(f"kind {kind!r}: name must be a non-empty string")
-    if kind.name in _registry:
-        raise ValueError(f"kind {kind.name!r} is already registered ({_registry[kind.name]!r})")
-    for field in ("num_sums", "num_maxes"):
-        count = getattr(kind, field)
-        if not isinstance(count, int) or count < 0:
-            raise ValueError(f"kind {kind.name!r}: {field} must be an int >= 0, got {count!r}")
-    if type(kind).update is Kind.update:
-        raise ValueError(f"kind {kind.name!r} must implement update()")
-    if type(kind).result is Kind.result:
-        raise ValueError(f"kind {kind.name!r} must implement result()")
-    if kind.has_extra and type(kind).merge_extra is Kind.merge_extra:
-        raise ValueError(f"kind {kind.name!r} has an extra payload but no merge_extra()")
+        raise ValueError(f"kind {kind!r}: name must be a non-empty string, got {kind.name!r}")
+    existing = _registry.get(kind.name)
+    if existing is not None:
+        if exist_ok and existing == kind:
+            return existing
+        if any(cls.name == kind.name for cls in BUILTIN_KINDS):
+            hint = "built-in names are reserved"
+        else:
+            hint = "unregister_kind() it first; exist_ok=True accepts only an equal kind"
+        raise ValueError(
+            f"kind {kind.name!r} is already registered as {existing!r}; cannot register "
+            f"{kind!r} under the same name ({hint})"
+        )
+    check_kind(kind)
     _registry[kind.name] = kind
     return kind
+
+
+def check_kind(kind: Kind) -> None:
+    """Check a kind against the protocol: slot counts, required methods, one probe.
+
+    The probe calls ``update`` on a two-element float64 CPU batch, with and without
+    weights (and on an empty batch, which empty micro-batches produce), and checks the
+    shapes and dtypes it returns. ``register_kind`` calls this.
+
+    Raises:
+        ValueError: naming the kind and what is wrong.
+    """
+    label = f"kind {kind.name!r} ({type(kind).__name__})"
+    for attr in ("num_sums", "num_maxes"):
+        count = getattr(kind, attr)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"{label}: {attr} must be an int >= 0, got {count!r}")
+    for attr in ("takes_weight", "has_extra", "replaces"):
+        if not isinstance(getattr(kind, attr), bool):
+            raise ValueError(f"{label}: {attr} must be a bool, got {getattr(kind, attr)!r}")
+    required = ["update", "result"]
+    if kind.has_extra:
+        required += ["batch_extra", "merge_dev_extra", "merge_extra"]
+        if _overrides(kind, "extra_vector"):
+            required += ["vector_length", "extra_from_vector"]
+    missing = [f"{method}()" for method in required if not _overrides(kind, method)]
+    if missing:
+        why = " (has_extra=True needs the *_extra methods)" if kind.has_extra else ""
+        raise ValueError(f"{label} must implement {', '.join(missing)}{why}")
+    values = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    probes = [(values, None), (values, torch.tensor([1.0, 0.0], dtype=torch.float64))]
+    if not kind.replaces:
+        probes.append((values[:0], None))
+    for probe, weights in probes:
+        _probe_update(kind, label, probe, weights)
+
+
+def _overrides(kind: Kind, method: str) -> bool:
+    return getattr(type(kind), method) is not getattr(Kind, method)
+
+
+def _probe_update(kind: Kind, label: str, values: Tensor, weights: Tensor | None) -> None:
+    what = f"values {values.tolist()}, weights {None if weights is None else weights.tolist()}"
+    try:
+        out = kind.update(values, weights)
+    except Exception as error:
+        raise ValueError(f"{label}: update() failed on a probe batch ({what}): {error}") from error
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+        raise ValueError(
+            f"{label}: update() must return a (sums, maxes) pair of tensors, got {out!r}"
+        )
+    for slots, tensor, count in (
+        ("sums", out[0], kind.num_sums),
+        ("maxes", out[1], kind.num_maxes),
+    ):
+        if tensor.dtype != torch.float64 or tuple(tensor.shape) != (count,):
+            raise ValueError(
+                f"{label}: update() returned {slots} of shape {tuple(tensor.shape)} and dtype "
+                f"{tensor.dtype} for a probe batch ({what}); expected shape ({count},) float64, "
+                f"as num_{slots}={count} declares"
+            )
 
 
 def unregister_kind(name: str) -> None:
@@ -70,6 +148,7 @@ __all__ = [
     "Min",
     "Std",
     "Sum",
+    "check_kind",
     "get_kind",
     "register_kind",
     "unregister_kind",

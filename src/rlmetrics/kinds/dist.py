@@ -47,7 +47,7 @@ class Dist(Kind):
 
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
         if weights is None:
-            kept = torch.tensor([float(values.numel())], dtype=torch.float64, device=values.device)
+            kept = values.new_full((1,), float(values.numel()))  # a fill: no host copy
         else:
             kept = (weights > 0).sum().double().reshape(1)
         return kept, values.new_empty(0)
@@ -60,7 +60,8 @@ class Dist(Kind):
         return []
 
     def batch_extra(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        return values, None if weights is None else weights > 0
+        # a copy: ``values`` may alias the caller's tensor or array, reused after the call
+        return values.clone(), None if weights is None else weights > 0
 
     def reject_extra(self, batch: Any, rejected: Tensor) -> Any:
         values, kept = batch
@@ -113,13 +114,14 @@ class Dist(Kind):
         values = as_array(state.extra)
         if values.size == 0:
             return None
-        out = {
-            "mean": float(values.mean()),
-            "std": float(values.std()),
-            "min": float(values.min()),
-            "max": float(values.max()),
-        }
-        quantiles = np.quantile(values, self.quantiles) if self.quantiles else []
+        with np.errstate(invalid="ignore"):  # inf - inf under nonfinite="propagate"
+            out = {
+                "mean": float(values.mean()),
+                "std": float(values.std()),
+                "min": float(values.min()),
+                "max": float(values.max()),
+            }
+            quantiles = np.quantile(values, self.quantiles) if self.quantiles else []
         for q, value in zip(self.quantiles, quantiles, strict=True):
             out[quantile_suffix(q)] = float(value)
         return out

@@ -12,7 +12,7 @@ from rlmetrics.kinds.base import Accumulator, Kind, MetricState
 
 def _count(values: Tensor, weights: Tensor | None) -> Tensor:
     if weights is None:
-        return torch.tensor([float(values.numel())], dtype=torch.float64, device=values.device)
+        return values.new_full((1,), float(values.numel()))  # a fill: no host copy
     return (weights > 0).sum().double().reshape(1)
 
 

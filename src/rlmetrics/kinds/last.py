@@ -82,10 +82,10 @@ def replace_dev(acc: Accumulator, sums: Tensor, maxes: Tensor, keep_old: Tensor 
     The host half is folded into the device half so that "latest" spans both.
     """
     device = sums.device
-    old_sums = torch.tensor(acc.sums, dtype=torch.float64, device=device)
+    old_sums = _on_device(acc.sums, sums)
     if acc.dev_sums is not None:
         old_sums = old_sums + acc.dev_sums.to(device)
-    old_maxes = torch.tensor(acc.maxes, dtype=torch.float64, device=device)
+    old_maxes = _on_device(acc.maxes, maxes)
     if acc.dev_maxes is not None:
         old_maxes = torch.maximum(old_maxes, acc.dev_maxes.to(device))
     new_values = sums[:-NUM_FLAGS]
@@ -96,3 +96,9 @@ def replace_dev(acc: Accumulator, sums: Tensor, maxes: Tensor, keep_old: Tensor 
     acc.dev_maxes = maxes
     acc.sums[:] = [0.0] * len(acc.sums)
     acc.maxes[:] = [-math.inf] * len(acc.maxes)
+
+
+def _on_device(values: list[float], like: Tensor) -> Tensor:
+    """Host floats as a float64 tensor on ``like``'s device, built by fills: on CUDA,
+    ``torch.tensor(values, device=...)`` would be a blocking host-to-device copy."""
+    return torch.stack([like.new_full((), value, dtype=torch.float64) for value in values])

@@ -27,7 +27,7 @@ class Mean(Kind):
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
         if weights is None:
             total = values.sum()
-            count = torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)
+            count = values.new_full((), float(values.numel()))  # a fill: no host copy
         else:
             total = (values * weights).sum()
             count = weights.sum()

@@ -25,7 +25,7 @@ class Sum(Kind):
 
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
         if weights is None:
-            count = torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)
+            count = values.new_full((), float(values.numel()))  # a fill: no host copy
             return torch.stack((values.sum(), count)), values.new_empty(0)
         kept = weights > 0
         return torch.stack(

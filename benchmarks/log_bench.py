@@ -1,0 +1,217 @@
+"""Benchmark the cost of one log call: rlmetrics vs torchmetrics vs a verl-style list append.
+
+Run from the repository root (about half a minute on 2 cores):
+
+    .venv/bin/python benchmarks/log_bench.py
+
+Options: ``--rounds 60``, ``--calls 2000`` (calls per timed batch for scalar inputs; a
+tenth of it for the 1k-element input), ``--threads 1`` (torch intra-op threads),
+``--no-write`` (print only). By default the table is written into
+``benchmarks/RESULTS.md`` between the ``log_bench`` markers; the rest of that file is
+kept as it is.
+
+Inputs (CPU): a python float, a 0-d float32 tensor, and a 1k-element float32 tensor with
+a bool mask. Contenders, each given the input the way its users pass it:
+
+* rlmetrics: ``Tracker.mean(name, value, weight=mask)``;
+* torchmetrics: ``MeanMetric.update(value, weight=mask)``;
+* verl-style: ``metrics[name].append(value.item() if tensor)``, and for the masked input
+  the masked mean first (``(x * mask).sum() / mask.sum()``), as verl's loss helpers do.
+
+A timed batch is ``calls`` back-to-back calls of one contender on one input, timed with
+``time.perf_counter_ns``; its per-call mean is one sample. Every round runs one batch of
+each (contender, input) pair, in a shuffled order, so drift hits all of them alike. The
+table reports the median sample per pair after one untimed warm-up round. On CPU,
+``.item()`` costs no device sync: on a GPU the verl-style column would also wait for the
+device on every call, which rlmetrics never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rlmetrics import Tracker
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+START, END = "<!-- log_bench:start -->", "<!-- log_bench:end -->"
+CONTENDERS = ("rlmetrics", "torchmetrics", "verl-style")
+INPUTS = ("python float", "0-d tensor", "1k tensor + bool mask")
+TARGET_NS = 2000  # rlmetrics, python float
+
+Call = Callable[[], None]
+
+
+def make_calls() -> dict[tuple[str, str], tuple[Call, Call]]:
+    """(contender, input) -> (one log call, a reset run between batches, untimed)."""
+    from torchmetrics import MeanMetric
+
+    scalar = 0.73
+    zero_d = torch.tensor(0.73)
+    values = torch.randn(1000)
+    mask = torch.rand(1000) > 0.3
+    inputs = {"python float": (scalar, None), "0-d tensor": (zero_d, None)}
+    inputs["1k tensor + bool mask"] = (values, mask)
+    calls: dict[tuple[str, str], tuple[Call, Call]] = {}
+    for label, (value, weight) in inputs.items():
+        tracker = Tracker()
+        calls["rlmetrics", label] = (
+            (lambda t=tracker, v=value: t.mean("loss", v))
+            if weight is None
+            else (lambda t=tracker, v=value, w=weight: t.mean("loss", v, weight=w)),
+            tracker.reset,
+        )
+        metric = MeanMetric()
+        calls["torchmetrics", label] = (
+            (lambda m=metric, v=value: m.update(v))
+            if weight is None
+            else (lambda m=metric, v=value, w=weight: m.update(v, weight=w)),
+            metric.reset,
+        )
+        store: dict[str, list[float]] = {}
+        calls["verl-style", label] = (verl_call(store, value, weight), store.clear)
+    return calls
+
+
+def verl_call(store: dict[str, list[float]], value: object, mask: torch.Tensor | None) -> Call:
+    """verl's pattern: reduce to a python float now (``.item()``), append to a list."""
+    if mask is not None:
+        assert isinstance(value, torch.Tensor)
+
+        def masked() -> None:
+            mean = (value * mask).sum() / mask.sum()
+            store.setdefault("loss", []).append(mean.item())
+
+        return masked
+
+    def plain() -> None:
+        item = value.item() if isinstance(value, torch.Tensor) else value
+        store.setdefault("loss", []).append(item)
+
+    return plain
+
+
+def time_batch(call: Call, calls: int) -> float:
+    """Mean ns per call over ``calls`` back-to-back calls."""
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter_ns() - start) / calls
+
+
+def run(rounds: int, calls: int, seed: int) -> dict[tuple[str, str], list[float]]:
+    """Per-batch mean ns per call, for every (contender, input), rounds interleaved."""
+    table = make_calls()
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in table}
+    order = list(table)
+    rnd = random.Random(seed)
+    for round_index in range(rounds + 1):  # round 0 warms up
+        rnd.shuffle(order)
+        for key in order:
+            call, reset = table[key]
+            n = calls if key[1] != INPUTS[2] else max(calls // 10, 1)
+            sample = time_batch(call, n)
+            reset()
+            if round_index:
+                samples[key].append(sample)
+    return samples
+
+
+def markdown(samples: dict[tuple[str, str], list[float]]) -> list[str]:
+    """The results table: medians in µs, and each contender's ratio to rlmetrics."""
+    rows = [
+        "| input | rlmetrics µs | torchmetrics µs | verl-style µs | torchmetrics / rl "
+        "| verl-style / rl |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label in INPUTS:
+        med = {c: statistics.median(samples[c, label]) for c in CONTENDERS}
+        cells = " | ".join(f"{med[c] / 1000:.2f}" for c in CONTENDERS)
+        ratios = " | ".join(f"{med[c] / med['rlmetrics']:.2f}x" for c in CONTENDERS[1:])
+        rows.append(f"| {label} | {cells} | {ratios} |")
+    return rows
+
+
+def machine(threads: int) -> str:
+    """One line describing where the numbers come from."""
+    import torchmetrics
+
+    return (
+        f"{os.cpu_count()} CPUs (nproc), {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, "
+        f"torchmetrics {torchmetrics.__version__}, torch threads {threads}, "
+        f"{datetime.date.today().isoformat()}"
+    )
+
+
+def section(rows: list[str], args: argparse.Namespace, verdict: str) -> str:
+    """The whole marked section of RESULTS.md."""
+    return "\n".join(
+        [
+            START,
+            "## log_bench: cost of one log call (`benchmarks/log_bench.py`)",
+            "",
+            f"Machine: {machine(args.threads)}.",
+            "",
+            f"Cells: the median over {args.rounds} rounds of a batch's mean cost per call "
+            f"({args.calls} calls per batch for scalars, {max(args.calls // 10, 1)} for the "
+            "1k tensor), contenders and inputs interleaved in a shuffled order each round, "
+            "one warm-up round discarded. CPU tensors: `.item()` costs no device sync here, "
+            "so the verl-style column is a lower bound of its cost on a GPU.",
+            "",
+            *rows,
+            "",
+            verdict,
+            END,
+        ]
+    )
+
+
+def write_results(text: str) -> None:
+    """Replace the marked section of RESULTS.md (or append it); keep everything else."""
+    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text, old)
+    else:
+        new = old.rstrip("\n") + "\n\n" + text + "\n"
+    RESULTS.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark, print the table, write RESULTS.md."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    samples = run(args.rounds, args.calls, args.seed)
+    rows = markdown(samples)
+    scalar = statistics.median(samples["rlmetrics", INPUTS[0]])
+    verdict = (
+        f"Target ≤ {TARGET_NS / 1000:g} µs per python-float log call (rlmetrics): "
+        f"{scalar / 1000:.2f} µs, {'met' if scalar <= TARGET_NS else 'MISSED'}."
+    )
+    print("\n".join(rows))
+    print(verdict)
+    print(f"total {time.perf_counter() - start:.0f} s")
+    if not args.no_write:
+        write_results(section(rows, args, verdict))
+
+
+if __name__ == "__main__":
+    main()

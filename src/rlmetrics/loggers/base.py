@@ -1,0 +1,92 @@
+"""The Logger protocol and the failure policy every backend shares.
+
+A logger receives one ``dict[str, float]`` per step. Writing must never stop training:
+a backend that fails to write warns once per kind of failure (with the exception in the
+message) and carries on. Missing optional libraries are different: they raise
+``ImportError`` at construction, naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol, runtime_checkable
+
+
+class LoggerWarning(RuntimeWarning):
+    """A logging backend failed; training continues."""
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """What the trainer calls on every backend.
+
+    Backends whose position in the run matters (a JSONL file, an MLflow run) also have
+    ``state_dict()`` and ``load_state_dict(state)``; see ``has_state``.
+    """
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Write one step's metrics."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release the backend."""
+        ...
+
+
+def has_state(logger: object) -> bool:
+    """Whether ``logger`` checkpoints its position (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(logger, "state_dict", None)) and callable(
+        getattr(logger, "load_state_dict", None)
+    )
+
+
+def missing_extra(backend: str, module: str, extra: str, error: ImportError) -> ImportError:
+    """The ImportError raised when a backend's library is not installed."""
+    message = (
+        f"the {backend} logger needs the {module!r} package, which could not be imported "
+        f"({error}); install it with: pip install 'rlmetrics[{extra}]'"
+    )
+    exc = ImportError(message, name=module)
+    exc.__cause__ = error
+    return exc
+
+
+class FailureReporter:
+    """Warns once per (operation, exception type): the policy "never stop training"."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._seen: set[tuple[str, type[BaseException]]] = set()
+
+    @contextmanager
+    def guard(self, operation: str) -> Iterator[None]:
+        """Run a backend call; an exception becomes a (first-time) warning."""
+        try:
+            yield
+        except Exception as exc:  # a logger must never stop training
+            self.report(operation, exc)
+
+    def report(self, operation: str, exc: Exception) -> None:
+        """Warn about ``exc`` unless this kind of failure was already reported."""
+        key = (operation, type(exc))
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        cause = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        warnings.warn(
+            f"rlmetrics: the {self.backend} logger failed to {operation}: {cause}. "
+            "Training continues; further failures of this kind are not reported.",
+            LoggerWarning,
+            stacklevel=4,
+        )
+
+
+def as_float(value: Any) -> float:
+    """A metric value as a python float (numbers, numpy scalars, 0-d tensors)."""
+    if isinstance(value, float):
+        return value
+    item = getattr(value, "item", None)
+    return float(item() if callable(item) else value)

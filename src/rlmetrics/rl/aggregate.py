@@ -1,0 +1,126 @@
+"""Aggregation modes: per-token losses to the mini-batch objective, and its metric.
+
+For a mini-batch with global counts ``N`` (valid tokens) and ``S`` (sequences with a
+valid token), token losses ``l[i, t]``, mask ``m`` and ``n_i = Σ_t m[i, t]``:
+
+=========================  ==========================================
+mode                       objective J
+=========================  ==========================================
+token-mean                 Σ_{i,t} m·l / N
+seq-mean-token-sum         Σ_i (Σ_t m·l) / S
+seq-mean-token-mean        Σ_i (Σ_t m·l / n_i) / S
+seq-mean-token-sum-norm    Σ_i (Σ_t m·l / C) / S   (C = norm_constant, fixed)
+=========================  ==========================================
+
+Each micro-batch's loss for backward is its share of J times ``grad_scale`` (dp_size
+under gradient averaging), so the shares summed over micro-batches and averaged over
+ranks give exactly ∇J. Its metric update is a ``mean`` whose weights sum to 1 over the
+mini-batch (``m/N`` per token, or ``1/S`` per sequence) and whose weighted sum is J:
+merged over a step, it is the mean of the mini-batches' objectives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlmetrics.rl.counts import BatchCounts, resolve_counts
+from rlmetrics.rl.updates import MetricUpdate, bool_mask, masked
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+def check_agg(agg: str, norm_constant: float | None) -> None:
+    """Validate an aggregation mode and its constant."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    if agg == "seq-mean-token-sum-norm" and not (
+        norm_constant is not None and float(norm_constant) > 0
+    ):
+        raise ValueError(
+            "agg='seq-mean-token-sum-norm' needs norm_constant > 0 (a fixed number such as "
+            f"the maximum response length), got {norm_constant!r}"
+        )
+
+
+def seq_values(
+    losses: Tensor, mask: Tensor, agg: str, norm_constant: float | None = None
+) -> Tensor:
+    """Per-sequence values of a seq-mean mode, (B,); 0 for fully masked sequences."""
+    sums = masked(losses, mask).sum(-1)
+    if agg == "seq-mean-token-sum":
+        return sums
+    if agg == "seq-mean-token-mean":
+        return sums / bool_mask(mask).sum(-1).clamp_min(1).to(sums.dtype)
+    if agg == "seq-mean-token-sum-norm":
+        return sums / float(norm_constant)
+    raise ValueError(f"seq_values: {agg!r} is not a seq-mean mode")
+
+
+def _denominator(count: Tensor | float, like: Tensor) -> Tensor | float:
+    """A global count as a divisor in ``like``'s dtype (at least 1: empty -> 0 loss)."""
+    if isinstance(count, Tensor):
+        return count.to(device=like.device, dtype=like.dtype).clamp_min(1)
+    return max(float(count), 1.0)
+
+
+def aggregate(
+    losses: Tensor,
+    mask: Tensor,
+    counts: BatchCounts | None,
+    agg: str = "token-mean",
+    norm_constant: float | None = None,
+) -> Tensor:
+    """This micro-batch's share of the objective, scaled for backward.
+
+    Args:
+        losses: per-token losses, (B, T).
+        mask: valid tokens, (B, T).
+        counts: the mini-batch's ``global_counts`` (None: this piece is the whole
+            mini-batch on a single process).
+        agg: one of ``AGG_MODES``.
+        norm_constant: C of seq-mean-token-sum-norm.
+    """
+    check_agg(agg, norm_constant)
+    counts = resolve_counts(counts, mask)
+    if losses.dtype in (torch.float16, torch.bfloat16):  # counts in 8 bits would round
+        losses = losses.float()
+    if agg == "token-mean":
+        total = masked(losses, mask).sum() / _denominator(counts.num_tokens, losses)
+    else:
+        values = seq_values(losses, mask, agg, norm_constant)
+        total = values.sum() / _denominator(counts.num_seqs, losses)
+    return total * counts.grad_scale
+
+
+def objective_update(
+    name: str,
+    losses: Tensor,
+    mask: Tensor,
+    counts: BatchCounts | None,
+    agg: str = "token-mean",
+    norm_constant: float | None = None,
+) -> MetricUpdate:
+    """The metric of ``aggregate``: the mini-batch objective, mean over optimizer steps.
+
+    A ``mean`` update whose weights sum to 1 over the whole mini-batch (all micro-batches,
+    all ranks) and whose weighted values sum to the objective J; empty micro-batches add
+    nothing. ``grad_scale`` never enters.
+    """
+    check_agg(agg, norm_constant)
+    counts = resolve_counts(counts, mask)
+    losses = losses.detach()
+    mask = bool_mask(mask)
+    if agg == "token-mean":
+        weight = mask.double() / _denominator(counts.num_tokens, mask.double())
+        return MetricUpdate(name, "mean", masked(losses, mask), weight)
+    values = seq_values(losses, mask, agg, norm_constant)
+    has_tokens = mask.any(-1).double()
+    return MetricUpdate(
+        name, "mean", values, has_tokens / _denominator(counts.num_seqs, has_tokens)
+    )

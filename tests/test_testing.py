@@ -1,0 +1,145 @@
+"""rlmetrics.testing.assert_partition_invariant: passes correct code, catches the
+classic metric bugs, and reports a table of what drifts."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from rlmetrics import rl
+from rlmetrics.testing import Piece, assert_partition_invariant
+
+
+def make_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([4, 1, 0, 3, 4, 2, 1])
+    shape = (7, 4)
+    logp = torch.randn(*shape, generator=g, dtype=torch.float64) * 0.5 - 1
+    return {
+        "response_mask": torch.arange(4)[None, :] < lengths[:, None],
+        "logp": logp,
+        "old": logp + torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3,
+        "ref": logp + torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3,
+        "adv": torch.randn(*shape, generator=g, dtype=torch.float64),
+    }
+
+
+def policy(piece: Piece) -> rl.LossOutput:
+    return rl.ppo_policy_loss(piece["logp"], piece["old"], piece["adv"], piece["response_mask"],
+                              counts=piece.counts, clip_low=0.1, clip_high=0.1)  # fmt: skip
+
+
+def test_correct_code_passes_over_every_mode_and_epochs() -> None:
+    def fn(piece, tracker):
+        for agg in rl.AGG_MODES:
+            m = piece["response_mask"]
+            kw = {"counts": piece.counts, "agg": agg, "norm_constant": 4}
+            pg = rl.ppo_policy_loss(piece["logp"], piece["old"], piece["adv"], m, **kw)
+            kl = rl.kl_loss(piece["logp"], piece["ref"], m, **kw)
+            rl.log_updates(tracker.prefixed(f"{agg}/"), pg.updates + kl.updates)
+
+    metrics = assert_partition_invariant(fn, make_batch(), epochs=(1, 2))
+    assert "token-mean/actor/pg_loss" in metrics and len(metrics) == 20
+
+
+def test_catches_a_mean_of_means_clip_fraction() -> None:
+    def fn(piece, tracker):
+        m = piece["response_mask"]
+        clipped = policy(piece).updates[1].value  # per-token 0/1 clip flags
+        if m.any():
+            tracker.mean("actor/pg_clipfrac", clipped[m].mean())  # weight 1 per micro-batch
+
+    with pytest.raises(AssertionError, match=r"actor/pg_clipfrac +\d+ +ranks="):
+        assert_partition_invariant(fn, make_batch())
+
+
+def test_catches_a_loss_summed_over_micro_batches() -> None:
+    def fn(piece, tracker):
+        m = piece["response_mask"]
+        if m.any():  # the micro-batch mean, summed: grows with the number of micro-batches
+            tracker.sum("actor/pg_loss", (policy(piece).updates[0].value.sum() / m.sum()))
+
+    with pytest.raises(AssertionError, match="actor/pg_loss"):
+        assert_partition_invariant(fn, make_batch())
+
+
+def test_catches_the_backward_scale_leaking_into_the_metric() -> None:
+    def fn(piece, tracker):
+        tracker.sum("actor/pg_loss", policy(piece).loss.detach())  # carries grad_scale
+
+    with pytest.raises(AssertionError, match=r"actor/pg_loss .*ranks=4"):
+        assert_partition_invariant(fn, make_batch(), micro_batch_sizes=(7,))
+
+
+def test_catches_kl_loss_overwritten_per_micro_batch() -> None:
+    def fn(piece, tracker):
+        out = rl.kl_loss(piece["logp"], piece["ref"], piece["response_mask"], counts=piece.counts)
+        update = out.updates[0]
+        if piece["response_mask"].any():  # a dict entry updated, not appended
+            tracker.last(
+                "actor/kl_loss", (update.value * update.weight).sum() / update.weight.sum()
+            )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # ranks disagree: reported as such
+        with pytest.raises(AssertionError, match="actor/kl_loss"):
+            assert_partition_invariant(fn, make_batch())
+
+
+def lr_fn(read_before_step: bool):
+    """Per micro-batch lr logging; the scheduler steps at the accumulation boundary."""
+    schedulers: dict[tuple, list[float]] = {}
+
+    def fn(piece, tracker):
+        info = piece.info
+        lr = schedulers.setdefault((info.partition, info.rank), [1.0])  # one replica per rank
+        before = lr[0]
+        if info.is_last:  # optimizer.step(); scheduler.step()
+            lr[0] *= 0.5
+        tracker.mean("actor/lr", before if read_before_step else lr[0])
+
+    return fn
+
+
+def test_catches_lr_read_after_the_scheduler_step() -> None:
+    assert_partition_invariant(lr_fn(read_before_step=True), make_batch())
+    with pytest.raises(AssertionError, match="actor/lr"):
+        assert_partition_invariant(lr_fn(read_before_step=False), make_batch())
+
+
+def test_report_is_a_table_with_missing_metrics() -> None:
+    def fn(piece, tracker):
+        tracker.sum("rows", float(len(piece["logp"])))
+        if len(piece["logp"]) >= 7:
+            tracker.mean("only_whole", 1.0)
+
+    with pytest.raises(AssertionError) as info:
+        assert_partition_invariant(fn, make_batch(), ranks=(2,), epochs=(1, 2))
+    report = str(info.value)
+    assert report.splitlines()[0] == "2 metric(s) depend on the partition:"
+    assert "metric" in report and "worst run" in report and "rel diff" in report
+    assert "missing" in report and "epochs=2" in report
+    assert "rows " not in report.split("only_whole")[0].splitlines()[-1]
+
+
+def test_options_are_checked() -> None:
+    batch = make_batch()
+    with pytest.raises(TypeError, match="unknown options"):
+        assert_partition_invariant(lambda p, t: None, batch, micro_batch=2)
+    with pytest.raises(ValueError, match="share their first dimension"):
+        assert_partition_invariant(lambda p, t: None, {**batch, "x": torch.zeros(3)})
+
+
+def test_pieces_carry_counts_and_token_budgets_respected() -> None:
+    seen = []
+
+    def fn(piece, tracker):
+        assert piece.counts.num_tokens.item() == 15
+        assert piece.counts.grad_scale == piece.info.num_ranks
+        if "token_budget=4" in piece.info.partition:
+            seen.append(int(piece["response_mask"].sum()))
+
+    assert_partition_invariant(fn, make_batch(), token_budgets=(4,), mask_key="response_mask")
+    assert seen and max(seen) <= 4

@@ -1,0 +1,468 @@
+"""Tracker semantics: errors, non-finite policies, empty metrics, steps, prefixes, no syncs."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from rlmetrics import Kind, MetricState, Tracker, TrackerState, register_kind, unregister_kind
+from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
+
+from helpers import SyncTrap, no_host_copies, reference, trap
+
+NAN, INF = math.nan, math.inf
+
+
+def filled(nonfinite: str = "propagate") -> Tracker:
+    """A tracker holding one metric of each kind, from python numbers and tensors."""
+    t = Tracker(nonfinite=nonfinite)
+    t.mean("mean", 1.0, weight=2.0)
+    t.mean("mean", torch.tensor([4.0, 10.0]), weight=torch.tensor([1.0, 0.0]))
+    t.sum("sum", 3)
+    t.sum("sum", np.array([1.5, 2.5]))
+    t.max("max", torch.tensor([-1.0, 5.0]))
+    t.min("min", -2.0)
+    t.std("std", torch.tensor([1.0, 3.0], dtype=torch.float64))
+    t.last("last", 0.5)
+    t.dist("dist", [1.0, 2.0, 3.0, 4.0])
+    return t
+
+
+FILLED = {
+    "mean": 2.0,
+    "sum": 7.0,
+    "max": 5.0,
+    "min": -2.0,
+    "std": 1.0,
+    "last": 0.5,
+    "dist/mean": 2.5,
+    "dist/std": float(np.std([1.0, 2.0, 3.0, 4.0])),
+    "dist/min": 1.0,
+    "dist/max": 4.0,
+    "dist/p50": 2.5,
+    "dist/p90": float(np.quantile([1.0, 2.0, 3.0, 4.0], 0.9)),
+    "dist/p99": float(np.quantile([1.0, 2.0, 3.0, 4.0], 0.99)),
+}
+
+
+def test_filled_tracker_reports_exact_values() -> None:
+    assert filled().compute() == FILLED
+
+
+# -- errors, and that each loses nothing ------------------------------------------------------
+def test_same_name_two_kinds_names_the_metric_and_both_kinds() -> None:
+    t = filled()
+    with pytest.raises(ValueError, match=r"metric 'mean' .*kind 'mean'.* kind 'sum'"):
+        t.sum("mean", 1.0)
+    with pytest.raises(ValueError, match=r"metric 'std' .*kind 'std'.* kind 'dist'"):
+        t.dist("std", torch.ones(3))
+    assert t.compute() == FILLED
+
+
+def test_merging_states_of_two_kinds_names_both_and_changes_nothing() -> None:
+    t, other = filled(), Tracker()
+    other.max("sum", 1.0)
+    other.mean("new", 1.0)
+    with pytest.raises(ValueError, match=r"metric 'sum' is kind 'sum' here but 'max'"):
+        t.merge(other)
+    with pytest.raises(ValueError, match=r"metric 'sum' is kind 'sum' in one state and 'max'"):
+        t.state().merge(other.state())
+    assert "new" not in t
+    assert t.compute() == FILLED
+
+
+def test_merge_rejects_other_types() -> None:
+    with pytest.raises(TypeError, match="merge expects a Tracker or TrackerState, got dict"):
+        Tracker().merge({})
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["1.0", None, object(), {"a": 1}, 1 + 2j, np.array(["a"]), torch.tensor([1j])],
+    ids=["str", "none", "object", "dict", "complex", "str_array", "complex_tensor"],
+)
+def test_non_numeric_value_is_a_type_error_naming_the_metric(value: object) -> None:
+    t = filled()
+    with pytest.raises(TypeError, match=r"metric 'mean': value must be"):
+        t.mean("mean", value)
+    with pytest.raises(TypeError, match=r"metric 'fresh': value must be"):
+        t.max("fresh", value)
+    with pytest.raises(TypeError, match=r"metric 'mean': weight must be"):
+        t.mean("mean", torch.ones(2), weight="1")
+    assert "fresh" not in t  # a failed first call leaves no empty metric behind
+    assert t.compute() == FILLED
+
+
+def test_bad_names_are_rejected() -> None:
+    t = Tracker()
+    with pytest.raises(TypeError, match="metric names must be strings, got int 3"):
+        t.mean(3, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="metric names must be strings, got list"):
+        t.mean(["a"], 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="metric names must not be empty"):
+        t.mean("", 1.0)
+    assert len(t) == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "weight", "shapes"),
+    [
+        (torch.ones(3), torch.ones(2), r"\(2,\) does not match value shape \(3,\)"),
+        (np.ones((2, 3)), np.ones(6), r"\(6,\) does not match value shape \(2, 3\)"),
+        (1.0, torch.ones(3, dtype=torch.bool), r"\(3,\) does not match value shape \(\)"),
+        ([1.0, 2.0], [[1.0, 1.0]], r"\(1, 2\) does not match value shape \(2,\)"),
+    ],
+)
+def test_weight_shape_mismatch(value: object, weight: object, shapes: str) -> None:
+    t = filled()
+    with pytest.raises(ValueError, match=r"metric 'mean': weight shape " + shapes):
+        t.mean("mean", value, weight=weight)
+    with pytest.raises(ValueError, match=r"metric 'max': weight shape " + shapes):
+        t.max("max", value, mask=weight)
+    assert t.compute() == FILLED
+
+
+@pytest.mark.parametrize("weight", [-1.0, -1, NAN, INF, np.float32(-0.5)])
+def test_bad_python_weight_raises_at_once(weight: object) -> None:
+    t = filled()
+    with pytest.raises(ValueError, match=r"metric 'mean': weights must be finite and >= 0"):
+        t.mean("mean", 1.0, weight=weight)
+    with pytest.raises(ValueError, match=r"metric 'std': weights must be finite and >= 0"):
+        t.std("std", torch.ones(2), weight=weight)
+    with pytest.raises(ValueError, match=r"metric 'new': weights must be finite and >= 0"):
+        t.mean("new", 1.0, weight=weight)
+    assert "new" not in t
+    assert t.compute() == FILLED
+
+
+@pytest.mark.parametrize(
+    "weight", [torch.tensor([1.0, -1.0]), np.array([-0.5, 1.0]), torch.tensor([NAN, 1.0])]
+)
+def test_bad_tensor_weight_raises_at_compute_and_the_call_is_dropped(weight: object) -> None:
+    """Checking tensor data at the log call would sync, so the error comes at compute()."""
+    t = filled()
+    t.mean("mean", torch.tensor([100.0, 200.0]), weight=weight)  # no error yet
+    t.std("new", torch.tensor([1.0, 2.0]), weight=weight)
+    with pytest.raises(ValueError, match=r"rejected calls per metric: 'mean' \(mean\): 1, 'new'"):
+        t.compute()
+    assert t.compute() == FILLED  # reported once; everything else is intact
+
+
+def test_bad_tensor_weight_raises_at_state_too() -> None:
+    t = filled()
+    t.sum("sum", torch.ones(2), mask=torch.tensor([-1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"'sum' \(sum\): 1"):
+        t.state()
+    assert t.state().compute() == FILLED
+
+
+# -- non-finite policies -------------------------------------------------------------------
+def test_propagate_gives_what_the_arithmetic_gives() -> None:
+    t = Tracker()
+    t.mean("mean", torch.tensor([1.0, INF]))
+    t.sum("sum", -INF)
+    t.max("max", torch.tensor([1.0, NAN]))
+    t.min("min", NAN)
+    t.min("min", 0.0)
+    t.std("std", [1.0, NAN])
+    t.dist("dist", [1.0, INF])
+    other = Tracker()
+    other.max("max", 3.0)  # a NaN survives merges in either order
+    other.min("min", torch.tensor([-1.0]))
+    out = Tracker().merge(other).merge(t).compute()
+    assert out["mean"] == INF and out["sum"] == -INF and out["dist/max"] == INF
+    assert all(math.isnan(out[k]) for k in ("max", "min", "std", "dist/std"))
+    assert not any("nonfinite_count" in key for key in out)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_skip_drops_nonfinite_elements_and_counts_them(as_tensor: bool) -> None:
+    values = [1.0, NAN, 3.0, INF, -INF, 5.0]
+    mask = [True, True, True, False, True, False]  # masked-out non-finite values count too
+    t = Tracker(nonfinite="skip")
+    for kind in ("mean", "sum", "max", "min", "std", "dist"):
+        if as_tensor:
+            t.log(kind, torch.tensor(values), torch.tensor(mask), kind=kind)
+        else:
+            for value, keep in zip(values, mask, strict=True):
+                t.log(kind, value, keep, kind=kind)
+    t.last("last", 2.0)
+    t.last("last", torch.tensor(NAN) if as_tensor else NAN)  # keeps the previous value
+    out = t.compute()
+    finite = [1.0, 3.0]
+    for kind in ("mean", "sum", "max", "min", "std", "dist"):
+        for key, value in reference(kind, kind, np.array(finite), None).items():
+            assert out.pop(key) == pytest.approx(value, rel=1e-15), key
+        assert out.pop(f"{kind}/nonfinite_count") == 3.0
+    assert out == {"last": 2.0, "last/nonfinite_count": 1.0}
+
+
+def test_skip_reports_an_all_nonfinite_metric_by_its_count_only() -> None:
+    t = Tracker(nonfinite="skip")
+    t.mean("x", torch.tensor([NAN, INF]))
+    assert t.compute() == {"x/nonfinite_count": 2.0}
+
+
+def test_error_policy_python_raises_at_once_naming_the_metric() -> None:
+    t = filled("error")
+    with pytest.raises(ValueError, match=r"metric 'mean': non-finite value nan"):
+        t.mean("mean", NAN)
+    with pytest.raises(ValueError, match=r"metric 'max': non-finite value -inf"):
+        t.max("max", -INF, mask=False)
+    assert t.compute() == FILLED
+
+
+def test_error_policy_tensor_raises_at_compute_then_reports_the_rest() -> None:
+    t = filled("error")
+    t.dist("dist", torch.tensor([7.0, INF]))
+    t.last("last", torch.tensor(NAN))
+    t.mean("mean", torch.tensor([1.0, 2.0]))  # a good tensor call after the bad ones
+    with pytest.raises(ValueError, match=r"'dist' \(dist\): 1, 'last' \(last\): 1"):
+        t.compute()
+    assert t.compute() == {**FILLED, "mean": (2.0 + 4.0 + 3.0) / 5}
+
+
+def test_unknown_policies_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"Tracker\(empty=...\) must be one of"):
+        Tracker(empty="zero")
+    with pytest.raises(ValueError, match=r"Tracker\(nonfinite=...\) must be one of"):
+        Tracker(nonfinite="ignore")
+
+
+# -- empty metrics --------------------------------------------------------------------------
+def _empty_everywhere(t: Tracker) -> None:
+    t.mean("mean", torch.ones(2), weight=torch.zeros(2))
+    t.mean("mean", 1.0, weight=0.0)
+    t.sum("sum", torch.zeros(0))
+    t.max("max", 5.0, mask=False)
+    t.min("min", torch.ones(3), mask=torch.zeros(3, dtype=torch.bool))
+    t.std("std", np.zeros(0))
+    t.dist("dist", [1.0], mask=[False])
+
+
+def test_empty_metrics_are_omitted() -> None:
+    t = Tracker()
+    _empty_everywhere(t)
+    assert len(t) == 6
+    assert t.compute() == {}
+    assert Tracker().compute() == {}
+
+
+def test_empty_nan_reports_nan_for_every_key() -> None:
+    t = Tracker(empty="nan")
+    _empty_everywhere(t)
+    out = t.compute()
+    dist_keys = [f"dist/{s}" for s in ("mean", "std", "min", "max")]
+    dist_keys += [f"dist/{quantile_suffix(q)}" for q in DEFAULT_QUANTILES]
+    assert sorted(out) == sorted(["mean", "sum", "max", "min", "std", *dist_keys])
+    assert all(math.isnan(v) for v in out.values())
+
+
+# -- steps -----------------------------------------------------------------------------
+def test_compute_resets_and_reset_false_keeps_accumulating() -> None:
+    t = Tracker()
+    t.mean("loss", torch.tensor([1.0, 2.0]))
+    assert t.compute(reset=False) == {"loss": 1.5}
+    t.mean("loss", 6.0)
+    assert t.compute(reset=False) == {"loss": 3.0}
+    assert t.compute() == {"loss": 3.0}
+    assert t.compute() == {}
+    t.sum("loss", 1.0)  # a new step may use the name with another kind
+    assert t.compute() == {"loss": 1.0}
+
+
+def test_last_keeps_the_latest_on_a_rank() -> None:
+    t = Tracker()
+    t.last("lr", 1.0)
+    t.last("lr", torch.tensor([2.0]))
+    assert t.compute(reset=False) == {"lr": 2.0}
+    t.last("lr", np.float32(0.5))
+    assert t.compute(reset=False) == {"lr": 0.5}
+    t.last("lr", torch.tensor(0.25, dtype=torch.float64))
+    assert t.compute() == {"lr": 0.25}
+    with pytest.raises(ValueError, match=r"metric 'lr' \(kind 'last'\) takes one value"):
+        t.last("lr", torch.ones(2))
+
+
+def test_last_across_sources_must_agree_or_warns_once() -> None:
+    a, b = Tracker(), Tracker()
+    a.last("lr_disagree", 1.0)
+    b.last("lr_disagree", torch.tensor(3.0))
+    state = a.state().merge(b.state())
+    with pytest.warns(RuntimeWarning, match="'lr_disagree' .*min 1.0, max 3.0, 2 sources"):
+        assert state.compute() == {"lr_disagree": 2.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert state.compute() == {"lr_disagree": 2.0}  # warned once only
+        a.last("lr_disagree", 3.0)
+        assert a.merge(b).compute() == {"lr_disagree": 3.0}
+
+
+def test_dist_quantiles_are_configurable() -> None:
+    x = np.arange(11.0) ** 2
+    t = Tracker(quantiles=(0.25, 0.999))
+    t.dist("x", torch.from_numpy(x[:4]))
+    t.dist("x", x[4:])
+    out = t.compute()
+    assert out["x/p25"] == np.quantile(x, 0.25)
+    assert out["x/p99.9"] == np.quantile(x, 0.999)
+    with pytest.raises(ValueError, match="dist quantiles must lie in"):
+        Tracker(quantiles=(1.5,))
+
+
+def test_dist_copies_what_it_keeps() -> None:
+    """Reusing a buffer after logging it must not rewrite what was logged."""
+    t = Tracker()
+    buffer, array = torch.zeros(2, dtype=torch.float64), np.zeros(2)
+    for value in (1.0, 2.0):
+        buffer.fill_(value)
+        array.fill(value + 2)
+        t.dist("t", buffer)
+        t.dist("a", array)
+    out = t.compute()
+    assert (out["t/min"], out["t/max"], out["a/min"], out["a/max"]) == (1.0, 2.0, 3.0, 4.0)
+
+
+def test_name_clash_between_result_keys_is_reported() -> None:
+    t = Tracker()
+    t.dist("x", 1.0)
+    t.mean("x/mean", 1.0)
+    with pytest.raises(ValueError, match=r"metric 'x/mean' reports 'x/mean'.*'x'"):
+        t.compute()
+
+
+# -- prefixes -------------------------------------------------------------------------------
+def test_prefixed_views_log_into_the_same_tracker() -> None:
+    t = Tracker()
+    actor = t.prefixed("actor/")
+    actor.mean("pg_loss", torch.tensor([1.0, 3.0]), weight=torch.tensor([True, True]))
+    t.mean("actor/pg_loss", 5.0)
+    actor.prefixed("opt/").last("lr", 1e-3)
+    actor.prefixed("opt/").prefixed("x/").sum("n", 2)
+    actor.log("entropy", [0.5, 1.5], kind="std")
+    with pytest.raises(ValueError, match=r"metric 'actor/pg_loss' .*'mean'.*'max'"):
+        actor.max("pg_loss", 1.0)
+    assert t.compute() == {
+        "actor/entropy": 0.5,
+        "actor/opt/lr": 1e-3,
+        "actor/opt/x/n": 2.0,
+        "actor/pg_loss": 3.0,
+    }
+    with pytest.raises(TypeError, match="prefix must be a string, got int"):
+        t.prefixed(1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="metric names must be strings"):
+        actor.mean(None, 1.0)  # type: ignore[arg-type]
+
+
+# -- no host sync in the log path ---------------------------------------------------------------
+@pytest.fixture
+def armed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Arm SyncTrap, and forbid copying host data to a tensor's device while armed."""
+    for factory in ("tensor", "as_tensor"):
+        monkeypatch.setattr(torch, factory, no_host_copies(getattr(torch, factory)))
+    SyncTrap.armed = True
+    yield
+    SyncTrap.armed = True
+
+
+def test_sync_trap_catches_syncs_through_ops(armed: None) -> None:
+    x = trap([1.0, 2.0])
+    assert type((x * 2).sum()) is SyncTrap
+    for sync in (
+        lambda: (x * 2).sum().item(),
+        lambda: x.tolist(),
+        lambda: bool(x[0] > 0),
+        lambda: float(x[0]),
+        lambda: x.cpu(),
+        lambda: x.numpy(),
+    ):
+        with pytest.raises(AssertionError, match="host sync in the log path"):
+            sync()
+
+
+@pytest.mark.parametrize("policy", ["propagate", "skip", "error"])
+def test_log_calls_never_sync(armed: None, policy: str) -> None:
+    """Every log method, with tensor values, weights and masks: no host sync until compute."""
+    x = [1.0, 2.0, 4.0, 8.0]
+    w = [1.0, 0.0, 2.0, 1.0]
+    m = [True, False, True, True]
+    t = Tracker(nonfinite=policy)
+    view = t.prefixed("p/")
+    t.mean("mean", 0.5)  # a host part next to the device part
+    t.mean("mean", trap(x), weight=trap(w, torch.float64))
+    view.mean("mean", trap(x), weight=trap(m, torch.bool))
+    view.mean("mean", 3.0, weight=trap(1.0))
+    t.mean("mean", trap(2.0), weight=2.0)
+    t.sum("sum", trap(x, torch.int64), mask=trap(m, torch.bool))
+    t.max("max", trap(x), mask=trap(m, torch.bool))
+    t.min("min", trap(x, torch.bfloat16))
+    t.std("std", trap(x), weight=trap(w))
+    t.std("std", 16.0)
+    t.last("last", 1.0)
+    t.last("last", trap(0.5))
+    t.last("last", 0.25)
+    t.last("last", trap([0.125]))
+    t.dist("dist", trap(x), mask=trap(m, torch.bool))
+    t.dist("dist", 16.0)
+    t.log("log", trap(x), trap(m, torch.bool), kind="sum")
+    SyncTrap.armed = False  # compute() is where the host may wait
+    out = t.compute()
+    xs = np.array(x)
+    assert out["mean"] == (0.5 + 1 + 8 + 8 + 4) / 7
+    assert out["p/mean"] == (1 + 4 + 8 + 3) / 4
+    assert out["sum"] == out["log"] == 13.0
+    assert (out["max"], out["min"], out["last"]) == (8.0, 1.0, 0.125)
+    assert out["std"] == pytest.approx(
+        reference("std", "s", np.append(xs, 16.0), np.append(w, 1.0))["s"], rel=1e-15
+    )
+    assert out["dist/p50"] == 6.0
+
+
+# -- custom kinds ----------------------------------------------------------------------------
+class Range(Kind):
+    """max - min of the selected elements (the example of docs/concepts.md)."""
+
+    name = "test_range"
+    num_sums = 1  # number of elements selected
+    num_maxes = 2  # (max x, max -x)
+    takes_weight = False  # a weight is a mask
+
+    def update(self, values: torch.Tensor, weights: torch.Tensor | None) -> tuple:
+        keep = torch.ones_like(values, dtype=torch.bool) if weights is None else weights > 0
+        floor = values.new_full((1,), -math.inf)  # keeps amax defined on empty batches
+        high = torch.cat((torch.where(keep, values, -math.inf), floor)).amax()
+        neg_low = torch.cat((torch.where(keep, -values, -math.inf), floor)).amax()
+        return keep.sum().double().reshape(1), torch.stack((high, neg_low))
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        if state.sums[0] == 0:
+            return None
+        high, neg_low = state.maxes
+        return {"": high + neg_low}
+
+
+def test_custom_kind_logs_merges_and_reports() -> None:
+    register_kind(Range())
+    try:
+        with pytest.raises(ValueError, match="kind 'test_range' is already registered"):
+            register_kind(Range())
+        a, b = Tracker(), Tracker()
+        a.log(
+            "r", torch.tensor([1.0, 9.0, 4.0]), torch.tensor([True, False, True]), kind="test_range"
+        )
+        a.log("r", 2.5, kind="test_range")
+        b.log("r", -0.5, kind="test_range")
+        b.log("r", 100.0, 0.0, kind="test_range")
+        b.log("unused", torch.zeros(0), kind="test_range")
+        out = Tracker(empty="nan").merge(a).merge(TrackerState().merge(b.state())).compute()
+        assert out["r"] == 4.5
+        assert math.isnan(out["unused"])
+    finally:
+        unregister_kind("test_range")
+    with pytest.raises(ValueError, match="unknown kind 'test_range'"):
+        Tracker().log("x", 1.0, kind="test_range")
