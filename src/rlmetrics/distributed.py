@@ -70,6 +70,25 @@ def resolve_group(group: Any) -> Any:
     return group
 
 
+def world_size(group: Any = None) -> int:
+    """The size of ``group`` (default: the world); 1 when torch.distributed is not
+    initialised, so single-process code takes the same path."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(resolve_group(group))
+
+
+def all_reduce_sum(
+    tensor: Tensor, group: Any = None, timeout: float | timedelta | None = None
+) -> Tensor:
+    """Sum ``tensor`` in place over ``group`` (a no-op on one process); returns it."""
+    if world_size(group) > 1:
+        all_reduce(
+            tensor, dist.ReduceOp.SUM, resolve_group(group), _timeout(timeout), "all_reduce(SUM)"
+        )
+    return tensor
+
+
 def is_replica_source(mesh: Any, replica_dims: tuple[str, ...]) -> bool:
     """True on the one copy (local rank 0 in every ``replica_dims``) that should log
     when metrics are merged over a group containing tensor/pipeline-parallel replicas."""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlmetrics.distributed import all_reduce_sum, world_size
 from rlmetrics.rl.updates import bool_mask
 
 GRAD_REDUCTIONS = ("mean", "sum")
@@ -52,23 +53,10 @@ def global_counts(mask: Tensor, group: Any = None, *, grad_reduce: str = "mean")
     """
     if grad_reduce not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduce must be one of {GRAD_REDUCTIONS}, got {grad_reduce!r}")
-    counts = local_counts(mask)
+    counts = all_reduce_sum(local_counts(mask), group)
     world = world_size(group)
-    if world > 1:
-        import torch.distributed as dist  # fenced: only here and in rlmetrics.distributed
-
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     scale = float(world) if grad_reduce == "mean" else 1.0
     return BatchCounts(counts[0], counts[1], scale)
-
-
-def world_size(group: Any = None) -> int:
-    """The size of ``group`` (or the default group); 1 without torch.distributed."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
 
 
 def resolve_counts(counts: BatchCounts | None, mask: Tensor) -> BatchCounts:
