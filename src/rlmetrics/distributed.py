@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import weakref
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -152,22 +153,36 @@ def gather_bytes(
 def agree_schema(
     tracker: Any, group: Any, device: torch.device, timeout: timedelta | None
 ) -> Layout:
-    """The union of every rank's (name, kind) pairs; a kind conflict raises on all ranks."""
-    local = sorted(tracker.schema().items())
+    """The union of every rank's (name, kind) pairs.
+
+    Raises:
+        ValueError: on every rank, when ranks log a name with two kinds, or with one
+            kind configured two ways (a histogram with other edges).
+    """
+    local = sorted(
+        (name, acc.kind.name, acc.kind.fingerprint()) for name, acc in tracker.accumulators.items()
+    )
     payloads = gather_bytes(json.dumps(local).encode(), group, device, timeout)
-    union: dict[str, tuple[str, int]] = {}
+    union: dict[str, tuple[str, str, int]] = {}
     conflicts: list[str] = []
     for rank, payload in enumerate(payloads):
-        for name, kind_name in json.loads(payload):
-            seen = union.setdefault(name, (kind_name, rank))
-            if seen[0] != kind_name:
+        for name, kind_name, fingerprint in json.loads(payload):
+            seen_kind, seen_fingerprint, seen_rank = union.setdefault(
+                name, (kind_name, fingerprint, rank)
+            )
+            if seen_kind != kind_name:
                 conflicts.append(
-                    f"metric {name!r} is kind {seen[0]!r} on rank {seen[1]} "
+                    f"metric {name!r} is kind {seen_kind!r} on rank {seen_rank} "
                     f"but kind {kind_name!r} on rank {rank}"
+                )
+            elif seen_fingerprint != fingerprint:
+                conflicts.append(
+                    f"metric {name!r} has kind {kind_name!r} configured as {seen_fingerprint!r} "
+                    f"on rank {seen_rank} but as {fingerprint!r} on rank {rank}"
                 )
     if conflicts:
         raise ValueError("ranks disagree on metric kinds: " + "; ".join(conflicts))
-    return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _) in union.items()])
+    return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()])
 
 
 def _fits(accumulators: Mapping[str, Any], layout: Layout) -> bool:
@@ -192,9 +207,13 @@ def sync_states(
     pg = resolve_group(group)
     wait = _timeout(timeout)
     device = comm_device(pg)
-    cache = tracker.sync_cache if isinstance(tracker.sync_cache, dict) else {}
-    tracker.sync_cache = cache
-    key = id(pg)
+    cache = tracker.sync_cache
+    if not isinstance(cache, weakref.WeakKeyDictionary):
+        cache = tracker.sync_cache = weakref.WeakKeyDictionary()
+    # keyed by the group object (weakly), never by id(): a group created after another
+    # was destroyed may reuse its id on some ranks only, which would send those ranks
+    # straight to the reduce with a stale layout while the others agree again
+    key = pg
     layout = cache.get(key)
     if layout is None:
         layout = cache[key] = agree_schema(tracker, pg, device, wait)

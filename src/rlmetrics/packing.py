@@ -60,7 +60,7 @@ class Layout:
         self.num_sums = sum_offset
         self.num_maxes = max_offset
         self.extra_slots = [slot for slot in self.slots if slot.kind.has_extra]
-        self.signature = tuple((slot.name, slot.kind.name) for slot in self.slots)
+        self.signature = tuple((slot.name, slot.kind.fingerprint()) for slot in self.slots)
 
     def __contains__(self, name: str) -> bool:
         return name in self.index

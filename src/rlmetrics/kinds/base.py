@@ -48,6 +48,12 @@ class MetricState:
 
     def merge(self, other: MetricState, kind: Kind) -> MetricState:
         """Merge two states of the same kind; neither input changes."""
+        if len(self.sums) != len(other.sums) or len(self.maxes) != len(other.maxes):
+            raise ValueError(
+                f"cannot merge two {self.kind!r} states with different slot counts "
+                f"({len(self.sums)}+{len(self.maxes)} vs {len(other.sums)}+{len(other.maxes)}): "
+                "the kind is configured differently where they were made"
+            )
         return MetricState(
             self.kind,
             tuple(a + b for a, b in zip(self.sums, other.sums, strict=True)),
@@ -84,6 +90,12 @@ class Kind:
     """True for kinds whose new value replaces the rank's state (``last``)."""
 
     # -- accumulation (device side) -------------------------------------------------
+    def fingerprint(self) -> str:
+        """What must match across processes for two states of this kind to merge: the
+        name and slot layout. Kinds with parameters that change the meaning of their
+        slots (a histogram's edges) override it to include them."""
+        return f"{self.name}:{self.num_sums}:{self.num_maxes}:{int(self.has_extra)}"
+
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
         """Return one batch's (sums, maxes) contributions as float64 device tensors.
 

@@ -1,0 +1,161 @@
+"""Fixed-bin histogram: the worked example of a user-defined kind.
+
+State: one additive count (Σ weight) per bin, plus an underflow and an overflow bin, and
+two max slots (largest value, negated smallest value). Everything merges by SUM or MAX,
+so the kind is packed into the same two ``all_reduce`` calls as the scalar kinds.
+
+Bins are half-open, ``[edges[i], edges[i + 1])``, as ``np.searchsorted(edges, x,
+side="right")`` assigns them: the underflow bin holds ``x < edges[0]``, the overflow
+bin ``x >= edges[-1]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
+
+
+class Histogram(Kind):
+    """Weighted counts in fixed bins, reported as fractions, with quantile estimates.
+
+    Results, for a metric ``name``: ``name/count`` (total weight), ``name/under``,
+    ``name/bin_0`` ... ``name/bin_{n-1}``, ``name/over`` (fractions of the total
+    weight; ``report_bins=False`` leaves them out) and one ``name/pXX`` per quantile,
+    interpolated linearly inside its bin. The underflow and overflow bins interpolate
+    between the observed extreme and the outer edge, and every estimate is clamped to
+    the observed [min, max], so ``p0`` and ``p100`` are exact.
+
+    Args:
+        name: the kind's registered name (log with ``tracker.log(..., kind=name)``).
+        edges: at least two finite, strictly increasing bin edges.
+        quantiles: the quantiles to estimate, each in [0, 1].
+        report_bins: whether to report the per-bin fractions.
+
+    Example:
+        >>> from rlmetrics import Tracker, register_kind, unregister_kind
+        >>> kind = register_kind(Histogram(name="doc_hist", edges=[0, 1, 2, 4]))
+        >>> t = Tracker()
+        >>> t.log("latency", [0.5, 1.5, 1.5, 3.0], kind="doc_hist")
+        >>> out = t.compute()
+        >>> out["latency/bin_1"], out["latency/p50"]
+        (0.5, 1.5)
+        >>> unregister_kind("doc_hist")
+    """
+
+    takes_weight = True
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        edges: Sequence[float],
+        quantiles: Sequence[float] = DEFAULT_QUANTILES,
+        report_bins: bool = True,
+    ) -> None:
+        edge_list = [float(e) for e in edges]
+        if len(edge_list) < 2:
+            raise ValueError(f"Histogram {name!r}: needs at least 2 edges, got {edge_list!r}")
+        if not all(math.isfinite(e) for e in edge_list):
+            raise ValueError(f"Histogram {name!r}: edges must be finite, got {edge_list!r}")
+        if any(b <= a for a, b in itertools.pairwise(edge_list)):
+            raise ValueError(
+                f"Histogram {name!r}: edges must be strictly increasing, got {edge_list!r}"
+            )
+        for q in quantiles:
+            if not 0.0 <= q <= 1.0:
+                raise ValueError(f"Histogram {name!r}: quantiles must lie in [0, 1], got {q!r}")
+        self.name = name
+        self.edges = tuple(edge_list)
+        self.quantiles = tuple(float(q) for q in quantiles)
+        self.report_bins = bool(report_bins)
+        self.num_sums = len(self.edges) + 1  # under, n - 1 inner bins, over
+        self.num_maxes = 2  # max, -min
+        self._device_edges: dict[torch.device, Tensor] = {}
+
+    # -- accumulation -----------------------------------------------------------------
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Per-bin Σ weight (SUM) and (max, -min) of the weighted elements (MAX)."""
+        device = values.device
+        edges = self._device_edges.get(device)
+        if edges is None:
+            edges = self._device_edges[device] = torch.tensor(
+                self.edges, dtype=torch.float64, device=device
+            )
+        bins = torch.bucketize(values, edges, right=True)
+        if weights is None:
+            weights = torch.ones_like(values)
+        counts = torch.zeros(self.num_sums, dtype=torch.float64, device=device)
+        counts.index_add_(0, bins, weights)
+        if values.numel() == 0:  # a shape check, not a data check: no sync
+            return counts, torch.full((2,), -math.inf, dtype=torch.float64, device=device)
+        kept = weights > 0
+        high = torch.where(kept, values, -math.inf).amax()
+        neg_low = torch.where(kept, -values, -math.inf).amax()
+        return counts, torch.stack((high, neg_low))
+
+    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
+        """Pure-python fast path for one number."""
+        if weight == 0:
+            return
+        acc.sums[bisect.bisect_right(self.edges, value)] += weight
+        acc.add_host([], [value, -value])
+
+    # -- result -------------------------------------------------------------------------
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        """Fractions per bin and quantile estimates (host only)."""
+        counts = np.asarray(state.sums, dtype=np.float64)
+        total = counts.sum()
+        if not total > 0:
+            return None
+        high, neg_low = state.maxes
+        out = {"count": float(total)}
+        if self.report_bins:
+            fractions = counts / total
+            out["under"] = float(fractions[0])
+            out.update({f"bin_{i}": float(f) for i, f in enumerate(fractions[1:-1])})
+            out["over"] = float(fractions[-1])
+        for q in self.quantiles:
+            out[quantile_suffix(q)] = self.quantile(counts, -neg_low, high, q)
+        return out
+
+    def quantile(self, counts: np.ndarray, low: float, high: float, q: float) -> float:
+        """The ``q`` quantile estimated from bin ``counts`` and the observed range."""
+        if math.isnan(low) or math.isnan(high):
+            return math.nan
+        cumulative = np.cumsum(counts)
+        target = q * cumulative[-1]
+        i = int(np.flatnonzero((cumulative >= target) & (counts > 0))[0])
+        lower = [low, *self.edges][i]
+        upper = [*self.edges, high][i]
+        lower, upper = max(lower, low), min(upper, high)
+        before = cumulative[i] - counts[i]
+        return float(lower + (target - before) / counts[i] * (upper - lower))
+
+    def result_names(self) -> tuple[str, ...]:
+        bins = ("under", *(f"bin_{i}" for i in range(len(self.edges) - 1)), "over")
+        return ("count", *(bins if self.report_bins else ()), *map(quantile_suffix, self.quantiles))
+
+    # -- identity: equal configurations are the same kind ---------------------------------
+    def _config(self) -> tuple:
+        return (self.name, self.edges, self.quantiles, self.report_bins)
+
+    def fingerprint(self) -> str:
+        return f"{super().fingerprint()}:{list(self.edges)!r}"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._config() == self._config()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._config()))
+
+    def __repr__(self) -> str:
+        return f"Histogram(name={self.name!r}, edges={list(self.edges)!r})"

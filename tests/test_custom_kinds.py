@@ -1,0 +1,317 @@
+"""User-defined kinds: registration checks, the Histogram example against numpy, and
+one merge result through the container, the Ray-style driver merge and a gloo group."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from rlmetrics import Kind, MetricState, Tracker, TrackerState, register_kind, unregister_kind
+from rlmetrics.kinds import check_kind, get_kind
+from rlmetrics.kinds.histogram import Histogram
+
+from multiprocess import ok_results, run_ranks
+
+EDGES = (0.0, 0.5, 1.0, 2.0, 4.0)
+HIST = Histogram(name="test_hist", edges=EDGES, quantiles=(0.0, 0.1, 0.5, 0.9, 1.0))
+
+
+class Distinct(Kind):
+    """A kind that cannot be packed: the set of distinct values, synced by object gather."""
+
+    name = "test_distinct"
+    num_sums = 1
+    takes_weight = False
+    has_extra = True
+
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        kept = values.numel() if weights is None else (weights > 0).sum()
+        return torch.as_tensor(kept, dtype=torch.float64).reshape(1), values.new_empty(0)
+
+    def empty_extra(self) -> frozenset:
+        return frozenset()
+
+    def batch_extra(self, values: Tensor, weights: Tensor | None) -> Tensor:
+        return values.clone() if weights is None else values[weights > 0]
+
+    def merge_dev_extra(self, acc_extra: Any, batch: Tensor) -> list:
+        return [*(acc_extra or []), batch]
+
+    def host_extra(self, dev_extra: Any) -> frozenset:
+        return frozenset(float(x) for batch in dev_extra or [] for x in batch.tolist())
+
+    def merge_extra(self, a: Any, b: Any) -> frozenset:
+        return frozenset(a) | frozenset(b)
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        return {"": float(len(state.extra))} if state.sums[0] else None
+
+
+DISTINCT = Distinct()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kinds() -> Any:
+    register_kind(HIST, exist_ok=True)
+    register_kind(DISTINCT, exist_ok=True)
+    yield
+    unregister_kind(HIST.name)
+    unregister_kind(DISTINCT.name)
+
+
+# -- the Histogram kind against numpy ---------------------------------------------------
+def numpy_histogram(x: np.ndarray, w: np.ndarray, quantiles: tuple[float, ...]) -> dict:
+    """Fractions by np.histogram (under/over included) and quantiles by np.interp on the
+    piecewise-linear CDF through (min, 0), (edge_i, count below edge_i), (max, total)."""
+    x, w = x[w > 0], w[w > 0]
+    outer = np.array([-np.inf, *EDGES, np.inf])
+    counts, _ = np.histogram(x, bins=outer, weights=w)
+    total = counts.sum()
+    out = {"h/count": total, "h/under": counts[0] / total, "h/over": counts[-1] / total}
+    out.update({f"h/bin_{i}": c / total for i, c in enumerate(counts[1:-1])})
+    knots = np.array([x.min(), *EDGES, x.max()])
+    cdf = np.concatenate(([0.0], np.cumsum(counts)))
+    for q in quantiles:
+        out[f"h/p{round(q * 100, 6):g}"] = np.interp(q * total, cdf, knots)
+    return out
+
+
+def test_histogram_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.gamma(2.0, 0.8, 500) - 0.3  # every bin, under and over non-empty
+    w = rng.integers(0, 3, 500).astype(np.float64)
+    tracker = Tracker()
+    tracker.log("h", torch.from_numpy(x), weight=torch.from_numpy(w), kind="test_hist")
+    out = tracker.compute()
+    expected = numpy_histogram(x, w, HIST.quantiles)
+    assert out.keys() == expected.keys()
+    for key, value in expected.items():
+        assert out[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    assert out["h/p0"] == x[w > 0].min() and out["h/p100"] == x[w > 0].max()
+
+
+def test_histogram_bins_are_half_open_and_numbers_match_tensors() -> None:
+    values = [-1.0, 0.0, 0.5, 0.99, 2.0, 4.0, 7.0]  # edges fall into the bin they open
+    by_number, by_tensor = Tracker(), Tracker()
+    for v in values:
+        by_number.log("h", v, kind="test_hist")
+    by_tensor.log("h", torch.tensor(values), kind="test_hist")
+    out = by_number.compute()
+    assert out == by_tensor.compute()
+    fractions = [out[k] * 7 for k in ("h/under", "h/bin_0", "h/bin_1", "h/bin_2", "h/bin_3")]
+    assert fractions == [1, 1, 2, 0, 1] and out["h/over"] * 7 == 2
+
+
+def test_histogram_weights_masks_and_empty() -> None:
+    tracker = Tracker(empty="nan")
+    tracker.log(
+        "h", torch.tensor([100.0, 1.5, -50.0]), weight=torch.tensor([0, 1, 0]), kind=HIST.name
+    )
+    tracker.log("empty", torch.zeros(0), kind=HIST.name)
+    out = tracker.compute()
+    assert out["h/p0"] == out["h/p100"] == 1.5  # masked elements set no extreme
+    assert out["h/count"] == 1.0 and out["h/bin_2"] == 1.0
+    assert set(k for k in out if k.startswith("empty/")) == {
+        f"empty/{s}" for s in HIST.result_names()
+    }
+    assert all(math.isnan(v) for k, v in out.items() if k.startswith("empty/"))
+
+
+def test_histogram_is_partition_invariant() -> None:
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.normal(1.0, 1.5, 300))
+    w = torch.from_numpy(rng.integers(0, 4, 300).astype(np.float64))
+    whole = Tracker()
+    whole.log("h", x, weight=w, kind=HIST.name)
+    pieces = []
+    for idx in np.array_split(rng.permutation(300), 5):
+        part = Tracker()
+        part.log("h", x[idx], weight=w[idx], kind=HIST.name)
+        pieces.append(part.state())
+    assert TrackerState.merge_all(pieces[::-1]).compute() == whole.compute()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"edges": [1.0]}, "at least 2 edges"),
+        ({"edges": [0.0, 0.0, 1.0]}, "strictly increasing"),
+        ({"edges": [0.0, math.inf]}, "finite"),
+        ({"edges": [0.0, 1.0], "quantiles": (1.5,)}, r"quantiles must lie in \[0, 1\]"),
+    ],
+)
+def test_histogram_rejects_bad_configuration(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Histogram(name="bad", **kwargs)
+
+
+# -- registration ---------------------------------------------------------------------
+def test_registering_a_name_twice_raises() -> None:
+    other = Histogram(name="test_hist", edges=(0.0, 1.0))
+    with pytest.raises(ValueError, match="kind 'test_hist' is already registered as Histogram"):
+        register_kind(other)
+    with pytest.raises(ValueError, match="exist_ok=True accepts only an equal kind"):
+        register_kind(other, exist_ok=True)
+    with pytest.raises(ValueError, match="already registered"):
+        register_kind(Histogram(name="test_hist", edges=EDGES, quantiles=HIST.quantiles))
+    equal = Histogram(name="test_hist", edges=list(EDGES), quantiles=HIST.quantiles)
+    assert register_kind(equal, exist_ok=True) is HIST
+    with pytest.raises(ValueError, match=r"'mean' is already registered.*built-in names"):
+        register_kind(Histogram(name="mean", edges=(0.0, 1.0)))
+    with pytest.raises(ValueError, match="built in and cannot be unregistered"):
+        unregister_kind("mean")
+
+
+def test_unregister_then_register_again() -> None:
+    kind = register_kind(Histogram(name="test_hist_tmp", edges=(0.0, 1.0)))
+    unregister_kind("test_hist_tmp")
+    with pytest.raises(ValueError, match="unknown kind 'test_hist_tmp'"):
+        get_kind("test_hist_tmp")
+    assert register_kind(kind) is kind
+    unregister_kind("test_hist_tmp")
+
+
+class Malformed(Kind):
+    name = "test_malformed"
+    num_sums = 2
+
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        return values.sum().reshape(1), values.new_empty(0)  # one slot, not two
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        return {"": state.sums[0]}
+
+
+def make(base: type[Kind], **attrs: Any) -> Kind:
+    return type("Custom", (base,), attrs)()
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "match"),
+    [
+        ("not a kind", TypeError, "expects a Kind instance, got str"),
+        (make(Malformed, name=""), ValueError, "name must be a non-empty string"),
+        (make(Malformed, num_sums=-1), ValueError, "num_sums must be an int >= 0, got -1"),
+        (make(Malformed, num_maxes=True), ValueError, "num_maxes must be an int >= 0, got True"),
+        (make(Malformed, has_extra=1), ValueError, "has_extra must be a bool, got 1"),
+        (make(Kind, name="test_empty"), ValueError, r"must implement update\(\), result\(\)"),
+        (
+            make(Malformed, has_extra=True),
+            ValueError,
+            r"must implement batch_extra\(\), merge_dev_extra\(\), merge_extra\(\) \(has_extra",
+        ),
+        (
+            make(Malformed),
+            ValueError,
+            r"'test_malformed' \(Custom\): update\(\) returned sums of shape \(1,\).*expected "
+            r"shape \(2,\) float64, as num_sums=2 declares",
+        ),
+        (
+            make(Malformed, update=lambda self, v, w: (v.float()[:2], v[:0])),
+            ValueError,
+            "dtype torch.float32",
+        ),
+        (
+            make(Malformed, update=lambda self, v, w: [v, v]),
+            ValueError,
+            r"must return a \(sums, maxes\) pair of tensors",
+        ),
+        (
+            make(Malformed, update=lambda self, v, w: (v[-1].reshape(1).repeat(2), v[:0])),
+            ValueError,
+            r"update\(\) failed on a probe batch \(values \[\], weights None\): index -1",
+        ),
+    ],
+)
+def test_malformed_kinds_are_refused(kind: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        register_kind(kind)
+    assert get_kind("mean").name == "mean"  # nothing half-registered
+
+
+def test_check_kind_accepts_every_builtin_and_the_examples() -> None:
+    for name in ("mean", "sum", "max", "min", "std", "last", "dist"):
+        check_kind(get_kind(name))
+    check_kind(HIST)
+    check_kind(DISTINCT)
+
+
+# -- one result through three merge paths ---------------------------------------------
+def shard_data(rank: int) -> tuple[Tensor, Tensor]:
+    """Rank ``rank``'s values and integer weights (a fixed split of one batch)."""
+    rng = np.random.default_rng(7)
+    x = np.round(rng.normal(1.0, 1.5, 200), 1)  # repeated values for the Distinct kind
+    w = rng.integers(0, 3, 200).astype(np.float64)
+    idx = np.array_split(np.arange(200), 2)[rank]
+    return torch.from_numpy(x[idx]), torch.from_numpy(w[idx])
+
+
+def rank_tracker(rank: int) -> Tracker:
+    register_kind(HIST, exist_ok=True)  # every process registers the same kinds
+    register_kind(DISTINCT, exist_ok=True)
+    x, w = shard_data(rank)
+    tracker = Tracker()
+    for chunk in range(3):  # a few micro-batches
+        sl = slice(chunk * 40, (chunk + 1) * 40)
+        tracker.log("lat", x[sl], weight=w[sl], kind=HIST.name)
+        tracker.log("uniq", x[sl], weight=w[sl], kind=DISTINCT.name)
+        tracker.mean("m", x[sl], weight=w[sl])
+    return tracker
+
+
+def gloo_compute(rank: int, world_size: int) -> dict[str, float]:
+    return rank_tracker(rank).compute()
+
+
+def test_custom_kinds_merge_identically_through_container_ray_and_gloo() -> None:
+    tensordict = pytest.importorskip("tensordict", reason="the container path needs tensordict")
+    from rlmetrics.tensordict import attach_metrics, collect, get_metrics
+
+    outputs = [
+        attach_metrics(tensordict.TensorDict({"x": shard_data(r)[0]}, [100]), rank_tracker(r))
+        for r in range(2)
+    ]
+    container = get_metrics(collect(outputs)).compute()
+    # the Ray path: worker states pickled to a driver and merged there
+    states = [pickle.loads(pickle.dumps(rank_tracker(r).state())) for r in range(2)]
+    driver = TrackerState.merge_all(states).compute()
+    gloo = ok_results(run_ranks(gloo_compute, 2))
+    assert gloo[0] == gloo[1] == driver == container
+    assert {"lat/p50", "lat/bin_3", "uniq", "m"} <= container.keys()
+    x = torch.cat([shard_data(r)[0] for r in range(2)])
+    w = torch.cat([shard_data(r)[1] for r in range(2)])
+    assert container["uniq"] == len(set(x[w > 0].tolist()))
+    expected = numpy_histogram(x.numpy(), w.numpy(), HIST.quantiles)
+    for key, value in expected.items():
+        assert container[key.replace("h/", "lat/")] == pytest.approx(value, rel=1e-12, abs=1e-12)
+
+
+def differently_configured(rank: int, world_size: int) -> str:
+    """Both ranks name a histogram 'h_cfg', with other edges on rank 1."""
+    edges = (0.0, 1.0, 2.0) if rank == 0 else (0.0, 1.0, 3.0)
+    register_kind(Histogram(name="h_cfg", edges=edges))
+    tracker = Tracker()
+    tracker.log("lat", 0.5, kind="h_cfg")
+    try:
+        tracker.compute(timeout=30)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_one_kind_configured_two_ways_across_ranks_raises_on_every_rank() -> None:
+    for message in ok_results(run_ranks(differently_configured, 2)):
+        assert "'lat'" in message and "configured as" in message and "rank 1" in message
+
+
+def test_merging_states_of_differently_sized_kinds_raises() -> None:
+    small = MetricState("h", (1.0, 2.0), ())
+    large = MetricState("h", (1.0, 2.0, 3.0), ())
+    with pytest.raises(ValueError, match="different slot counts"):
+        small.merge(large, HIST)
