@@ -111,18 +111,15 @@ class Tracker(LogMethods):
         self.empty = empty
         self.nonfinite = nonfinite
         self._own_kinds: dict[str, Kind] = {"dist": Dist(quantiles)}
-        self._kinds: dict[str, Kind] = {}
         self._accumulators: dict[str, Accumulator] = {}
         self.sync_cache: Any = None  # owned by rlmetrics.distributed
 
     # -- logging ------------------------------------------------------------------
     def kind(self, kind_name: str) -> Kind:
-        """The kind object this tracker uses for ``kind_name``."""
-        kind = self._kinds.get(kind_name)
-        if kind is None:
-            kind = self._own_kinds.get(kind_name) or get_kind(kind_name)
-            self._kinds[kind_name] = kind
-        return kind
+        """The kind object this tracker uses for ``kind_name``: its own ``dist`` (with
+        its quantiles), else the registered one (looked up each time, so a kind
+        registered again later is seen)."""
+        return self._own_kinds.get(kind_name) or get_kind(kind_name)
 
     def _log(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
         try:
