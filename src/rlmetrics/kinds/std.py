@@ -46,7 +46,87 @@ def chan_merge_tensor(a: Tensor, b: Tensor) -> Tensor:
     return torch.stack((w, mean, m2))
 
 
-class Std(Kind):
+def chan_merge_many(a: tuple, b: tuple) -> tuple:
+    """Merge two flat tuples of consecutive (W, mean, M2) triples, triple by triple."""
+    out: tuple = ()
+    for i in range(0, len(a), 3):
+        out += chan_merge(tuple(a[i : i + 3]), tuple(b[i : i + 3]))
+    return out
+
+
+def chan_merge_many_tensor(a: Tensor, b: Tensor) -> Tensor:
+    """``chan_merge_many`` for flat float64 tensors of 3k elements, on device."""
+    return torch.cat([chan_merge_tensor(x, y) for x, y in zip(a.split(3), b.split(3), strict=True)])
+
+
+def moment_triple(values: Tensor, weights: Tensor | None) -> Tensor:
+    """One batch's (W, mean, M2) by two passes on device: exact when |mean| >> std."""
+    if weights is None:
+        weights = torch.ones_like(values)
+    w = weights.sum()
+    mean = (values * weights).sum() / torch.where(w > 0, w, 1.0)
+    deviation = torch.where(weights > 0, values - mean, 0.0)
+    return torch.stack((w, mean, (weights * deviation * deviation).sum()))
+
+
+class MomentTriples(Kind):
+    """Base of kinds whose state is ``num_triples`` (W, mean, M2) triples, Chan-merged.
+
+    A logged tensor is split into ``num_triples`` equal parts, one per triple; the
+    states travel as float64 vectors of 3 * ``num_triples`` (one gather at sync).
+    """
+
+    num_sums = 0
+    has_extra = True
+    num_triples = 1
+
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        empty = values.new_empty(0)
+        return empty, empty
+
+    def empty_extra(self) -> tuple[float, ...]:
+        return EMPTY * self.num_triples
+
+    def batch_extra(self, values: Tensor, weights: Tensor | None) -> Tensor:
+        parts = values.chunk(self.num_triples) if self.num_triples > 1 else (values,)
+        weight_parts = (
+            [None] * len(parts)
+            if weights is None
+            else (weights.chunk(self.num_triples) if self.num_triples > 1 else (weights,))
+        )
+        return torch.cat([moment_triple(v, w) for v, w in zip(parts, weight_parts, strict=True)])
+
+    def reject_extra(self, batch: Tensor, rejected: Tensor) -> Tensor:
+        return torch.where(rejected, 0.0, batch)
+
+    def merge_dev_extra(self, acc_extra: Tensor | None, batch: Tensor) -> Tensor:
+        return batch if acc_extra is None else chan_merge_many_tensor(acc_extra, batch)
+
+    def merge_extra(self, a: Any, b: Any) -> tuple[float, ...]:
+        return chan_merge_many(tuple(a), tuple(b))
+
+    def host_extra(self, dev_extra: Tensor) -> tuple[float, ...]:
+        return tuple(dev_extra.tolist())
+
+    def extra_size(self, acc: Accumulator) -> int:
+        return 1
+
+    def extra_vector(self, acc: Accumulator | None, device: torch.device, size: int) -> Tensor:
+        if acc is None:
+            return torch.zeros(3 * self.num_triples, dtype=torch.float64, device=device)
+        host = torch.tensor(acc.extra, dtype=torch.float64, device=device)
+        if acc.dev_extra is None:
+            return host
+        return chan_merge_many_tensor(host, acc.dev_extra.to(device))
+
+    def vector_length(self, size: int) -> int:
+        return 3 * self.num_triples
+
+    def extra_from_vector(self, vector: np.ndarray) -> tuple[float, ...]:
+        return tuple(float(x) for x in vector)
+
+
+class Std(MomentTriples):
     """Population (ddof=0) standard deviation, weighted, exact when |mean| >> std.
 
     Example:
@@ -58,12 +138,6 @@ class Std(Kind):
     """
 
     name = "std"
-    num_sums = 0
-    has_extra = True
-
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        empty = values.new_empty(0)
-        return empty, empty
 
     def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
         if weight == 0:
@@ -74,47 +148,6 @@ class Std(Kind):
         mean += delta * (weight / w)
         m2 += weight * delta * (value - mean)
         acc.extra = (w, mean, m2)
-
-    def empty_extra(self) -> tuple[float, float, float]:
-        return EMPTY
-
-    def batch_extra(self, values: Tensor, weights: Tensor | None) -> Tensor:
-        if weights is None:
-            weights = torch.ones_like(values)
-        w = weights.sum()
-        mean = (values * weights).sum() / torch.where(w > 0, w, 1.0)
-        deviation = torch.where(weights > 0, values - mean, 0.0)
-        m2 = (weights * deviation * deviation).sum()
-        return torch.stack((w, mean, m2))
-
-    def reject_extra(self, batch: Tensor, rejected: Tensor) -> Tensor:
-        return torch.where(rejected, 0.0, batch)
-
-    def merge_dev_extra(self, acc_extra: Tensor | None, batch: Tensor) -> Tensor:
-        return batch if acc_extra is None else chan_merge_tensor(acc_extra, batch)
-
-    def merge_extra(self, a: Any, b: Any) -> tuple[float, float, float]:
-        return chan_merge(tuple(a), tuple(b))
-
-    def host_extra(self, dev_extra: Tensor) -> tuple[float, float, float]:
-        return tuple(dev_extra.tolist())
-
-    def extra_size(self, acc: Accumulator) -> int:
-        return 1
-
-    def extra_vector(self, acc: Accumulator | None, device: torch.device, size: int) -> Tensor:
-        if acc is None:
-            return torch.zeros(3, dtype=torch.float64, device=device)
-        host = torch.tensor(acc.extra, dtype=torch.float64, device=device)
-        if acc.dev_extra is None:
-            return host
-        return chan_merge_tensor(host, acc.dev_extra.to(device))
-
-    def vector_length(self, size: int) -> int:
-        return 3
-
-    def extra_from_vector(self, vector: np.ndarray) -> tuple[float, float, float]:
-        return tuple(float(x) for x in vector)
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         w, _, m2 = state.extra
