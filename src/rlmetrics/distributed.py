@@ -24,9 +24,9 @@ log only on one copy (see ``is_replica_source``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
+import time
 import weakref
 from collections.abc import Mapping
 from datetime import timedelta
@@ -40,7 +40,7 @@ from torch import Tensor
 from rlmetrics.kinds import MetricState
 from rlmetrics.packing import Layout, extra_sizes, pack_extras, pack_scalars, unpack
 
-HEADER = 3  # MAX-buffer tail: [schema changed, layout hash, -layout hash]
+HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
 
 
 class SyncTimeoutError(RuntimeError):
@@ -113,16 +113,20 @@ def _timeout(timeout: float | timedelta | None) -> timedelta | None:
 
 
 def _wait(work: Any, timeout: timedelta | None, what: str) -> None:
+    start = time.monotonic()
     try:
         if timeout is None:
             work.wait()
         else:
             work.wait(timeout)
     except Exception as error:  # gloo raises RuntimeError/DistBackendError on timeout
+        # the backend's reason tells a timeout (hang) from a closed connection (death)
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         raise SyncTimeoutError(
             f"rlmetrics sync: {what} did not complete"
             + (f" within {timeout.total_seconds():g} s" if timeout is not None else "")
-            + " (a rank may have died, hung, or not called compute())"
+            + f" (failed after {time.monotonic() - start:.1f} s: {cause}); "
+            "a rank may have died, hung, or not called compute()"
         ) from error
 
 
@@ -196,8 +200,16 @@ def _fits(accumulators: Mapping[str, Any], layout: Layout) -> bool:
 
 def _layout_hash(layout: Layout) -> float:
     """A float64-exact hash of the layout (52 bits), equal on ranks with equal layouts."""
-    digest = hashlib.blake2b(repr(layout.signature).encode(), digest_size=8).digest()
-    return float(int.from_bytes(digest, "little") >> 12)
+    return layout.digest
+
+
+def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list[float]:
+    """Per layout slot, 1.0 when this process logged the name this step, else 0.0."""
+    if not fits:
+        return [0.0] * len(layout.slots)
+    if len(accumulators) == len(layout.slots):
+        return [1.0] * len(layout.slots)
+    return [1.0 if name in accumulators else 0.0 for name in layout.names]
 
 
 def sync_states(
@@ -220,18 +232,22 @@ def sync_states(
     accumulators = tracker.accumulators
     for _ in range(2):
         fits = _fits(accumulators, layout)
-        sums, maxes = pack_scalars(accumulators if fits else {}, layout, device)
         layout_hash = _layout_hash(layout)
-        header = torch.tensor(
-            [0.0 if fits else 1.0, layout_hash, -layout_hash], dtype=torch.float64, device=device
+        header = (*_logged(accumulators, layout, fits), 0.0 if fits else 1.0, layout_hash)
+        sums, maxes = pack_scalars(
+            accumulators if fits else {}, layout, device, max_tail=(*header, -layout_hash)
         )
-        maxes = torch.cat((maxes, header))
         all_reduce(sums, dist.ReduceOp.SUM, pg, wait, "all_reduce(SUM) of metric states")
         all_reduce(maxes, dist.ReduceOp.MAX, pg, wait, "all_reduce(MAX) of metric states")
         maxes_host = maxes.cpu().numpy()
         changed, high, neg_low = maxes_host[-HEADER:]
         if changed == 0 and high == -neg_low:
-            return _finish(accumulators, layout, sums, maxes_host[:-HEADER], pg, device, wait)
+            tail = len(layout.slots) + HEADER
+            states = _finish(accumulators, layout, sums, maxes_host[:-tail], pg, device, wait)
+            logged = maxes_host[-tail:-HEADER]
+            # a cached layout may hold names no rank logged this step: leave them out,
+            # as a single process would (they are not empty metrics, under empty="nan")
+            return {name: s for (name, s), seen in zip(states.items(), logged, strict=True) if seen}
         layout = cache[key] = agree_schema(tracker, pg, device, wait)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 

@@ -28,10 +28,13 @@ def check_name(name: object) -> str:
 
 def as_number(name: str, value: object, what: str = "value") -> float | None:
     """``value`` as a python float when it is a real number, else None."""
-    if isinstance(value, NUMBER_TYPES):
-        return float(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
+    if isinstance(value, (*NUMBER_TYPES, numbers.Real)):
+        try:
+            return float(value)
+        except OverflowError as error:  # a python int beyond float64's range
+            raise ValueError(
+                f"metric {name!r}: {what} is out of float64's range ({error})"
+            ) from error
     if isinstance(value, complex | np.complexfloating):
         raise TypeError(f"metric {name!r}: {what} must be real, got complex {value!r}")
     return None

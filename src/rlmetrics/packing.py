@@ -8,9 +8,13 @@ tensors with one index_put per buffer: the host never waits on the device here.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property, partial
+from itertools import chain, repeat
+from operator import attrgetter, is_not
 
 import numpy as np
 import torch
@@ -44,7 +48,11 @@ class Slot:
 
 
 class Layout:
-    """The packed positions of an agreed schema (sorted (name, kind) pairs)."""
+    """The packed positions of an agreed schema (sorted (name, kind) pairs).
+
+    Index arrays used by packing and unpacking are built once per layout (lazily), so a
+    steady-state step does no per-metric bookkeeping beyond reading the states.
+    """
 
     def __init__(self, schema: Sequence[tuple[str, Kind]]) -> None:
         self.slots: list[Slot] = []
@@ -61,49 +69,170 @@ class Layout:
         self.num_maxes = max_offset
         self.extra_slots = [slot for slot in self.slots if slot.kind.has_extra]
         self.signature = tuple((slot.name, slot.kind.fingerprint()) for slot in self.slots)
+        self.names = [slot.name for slot in self.slots]
+        self.kinds = [slot.kind for slot in self.slots]
 
     def __contains__(self, name: str) -> bool:
         return name in self.index
 
+    @cached_property
+    def digest(self) -> float:
+        """A float64-exact 52-bit hash of the signature, equal on ranks with equal layouts."""
+        digest = hashlib.blake2b(repr(self.signature).encode(), digest_size=8).digest()
+        return float(int.from_bytes(digest, "little") >> 12)
+
+    @cached_property
+    def blanks(self) -> list[Accumulator]:
+        """Per slot, an empty stand-in (read only) for a metric this process never logged."""
+        return [
+            Accumulator(s.kind, [0.0] * s.num_sums, [-math.inf] * s.kind.num_maxes)
+            for s in self.slots
+        ]
+
+    @cached_property
+    def kind_max_positions(self) -> np.ndarray:
+        """MAX-buffer positions of the kinds' own max slots (extra-size slots excluded)."""
+        return np.concatenate(
+            [np.arange(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
+            or [np.zeros(0, dtype=np.int64)]
+        )
+
+    @cached_property
+    def sum_positions(self) -> list[np.ndarray]:
+        """Per slot, its SUM-buffer positions (framework flags included)."""
+        return [np.arange(s.sum_offset, s.sum_offset + s.num_sums) for s in self.slots]
+
+    @cached_property
+    def max_positions(self) -> list[np.ndarray]:
+        """Per slot, the MAX-buffer positions of the kind's own max slots."""
+        return [np.arange(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
+
+    @cached_property
+    def rejected_positions(self) -> np.ndarray:
+        """SUM-buffer positions of every slot's rejected-call count."""
+        return np.array(
+            [s.sum_offset + s.num_sums + REJECTED_SLOT for s in self.slots], dtype=np.int64
+        )
+
+    @cached_property
+    def kind_names(self) -> list[str]:
+        """Per slot, the kind's registered name."""
+        return [slot.kind.name for slot in self.slots]
+
+    @cached_property
+    def sum_slices(self) -> list[slice]:
+        """Per slot, the kind's own SUM-buffer slots (framework flags excluded)."""
+        return [slice(s.sum_offset, s.sum_offset + s.kind.num_sums) for s in self.slots]
+
+    @cached_property
+    def max_slices(self) -> list[slice]:
+        """Per slot, the kind's own MAX-buffer slots (extra-size slot excluded)."""
+        return [slice(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
+
+    @cached_property
+    def nonfinite_positions(self) -> list[int]:
+        """Per slot, the SUM-buffer position of its non-finite count."""
+        return [s.sum_offset + s.num_sums + NONFINITE_SLOT for s in self.slots]
+
 
 def pack_scalars(
-    accumulators: Mapping[str, Accumulator], layout: Layout, device: torch.device
+    accumulators: Mapping[str, Accumulator],
+    layout: Layout,
+    device: torch.device,
+    *,
+    max_tail: Sequence[float] = (),
 ) -> tuple[Tensor, Tensor]:
     """The SUM and MAX buffers of this process, float64 on ``device``.
 
     Metrics of the layout that this process never logged pack as empty states. The SUM
-    buffer ends with ``layout.num_maxes`` NaN counts, one per max slot.
+    buffer ends with ``layout.num_maxes`` NaN counts, one per max slot; the MAX buffer
+    ends with ``max_tail`` (taken as is).
     """
-    sums = np.zeros(layout.num_sums)
+    accs = _in_order(accumulators, layout)
+    sums = np.fromiter(chain.from_iterable(map(_get_sums, accs)), np.float64, count=layout.num_sums)
+    maxes = _host_maxes(accs, layout)
+    dev_sums = list(map(_get_dev_sums, accs))
+    dev_maxes = list(map(_get_dev_maxes, accs))
+    if not (any(map(_is_set, dev_sums)) or any(map(_is_set, dev_maxes))):
+        # all host: NaN bookkeeping in numpy, one transfer per buffer
+        is_nan = np.isnan(maxes)
+        maxes[is_nan] = math.inf
+        sum_buffer = np.concatenate((sums, is_nan.astype(np.float64)))
+        max_buffer = np.concatenate((maxes, np.asarray(max_tail, dtype=np.float64)))
+        return torch.from_numpy(sum_buffer).to(device), torch.from_numpy(max_buffer).to(device)
+    return _merge_device(layout, sums, maxes, dev_sums, dev_maxes, device, max_tail)
+
+
+_get_sums = attrgetter("sums")
+_get_maxes = attrgetter("maxes")
+_get_dev_sums = attrgetter("dev_sums")
+_get_dev_maxes = attrgetter("dev_maxes")
+_is_set = partial(is_not, None)
+
+
+def _in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator]:
+    """The accumulators in layout order, blanks where this process logged nothing.
+
+    Raises:
+        KeyError: an accumulator's name is not in the layout.
+    """
+    accs = list(map(accumulators.get, layout.names))
+    missing = accs.count(None)
+    if len(accs) - missing != len(accumulators):
+        unknown = next(name for name in accumulators if name not in layout.index)
+        raise KeyError(unknown)
+    if missing:
+        accs = [b if a is None else a for a, b in zip(accs, layout.blanks, strict=True)]
+    return accs
+
+
+def _host_maxes(accs: list[Accumulator], layout: Layout) -> np.ndarray:
+    """The host half of the MAX buffer (extra-size slots filled in for extra kinds)."""
+    kind_maxes = chain.from_iterable(map(_get_maxes, accs))
+    if not layout.extra_slots:
+        return np.fromiter(kind_maxes, np.float64, count=layout.num_maxes)
+    positions = layout.kind_max_positions
     maxes = np.full(layout.num_maxes, -math.inf)
-    sum_index: list[np.ndarray] = []
-    sum_parts: list[Tensor] = []
-    max_index: list[np.ndarray] = []
-    max_parts: list[Tensor] = []
-    for name, acc in accumulators.items():
-        slot = layout.slots[layout.index[name]]
-        sums[slot.sum_offset : slot.sum_offset + slot.num_sums] = acc.sums
-        kind_maxes = slot.kind.num_maxes
-        maxes[slot.max_offset : slot.max_offset + kind_maxes] = acc.maxes
-        if slot.kind.has_extra:
-            maxes[slot.max_offset + kind_maxes] = slot.kind.extra_size(acc)
-        if acc.dev_sums is not None:
-            sum_index.append(np.arange(slot.sum_offset, slot.sum_offset + slot.num_sums))
-            sum_parts.append(acc.dev_sums)
-        if acc.dev_maxes is not None:
-            max_index.append(np.arange(slot.max_offset, slot.max_offset + kind_maxes))
-            max_parts.append(acc.dev_maxes)
+    maxes[positions] = np.fromiter(kind_maxes, np.float64, count=len(positions))
+    blanks = layout.blanks
+    for slot in layout.extra_slots:
+        position = layout.index[slot.name]
+        acc = accs[position]
+        if acc is not blanks[position]:
+            maxes[slot.max_offset + slot.kind.num_maxes] = slot.kind.extra_size(acc)
+    return maxes
+
+
+def _merge_device(
+    layout: Layout,
+    sums: np.ndarray,
+    maxes: np.ndarray,
+    dev_sums: list[Tensor | None],
+    dev_maxes: list[Tensor | None],
+    device: torch.device,
+    max_tail: Sequence[float],
+) -> tuple[Tensor, Tensor]:
+    """Add the device halves to the host halves on ``device`` (no host sync)."""
     sum_buffer = torch.from_numpy(sums).to(device)
     max_buffer = torch.from_numpy(maxes).to(device)
-    if sum_parts:
-        sum_buffer = sum_buffer + _scatter(sum_index, sum_parts, layout.num_sums, 0.0, device)
-    if max_parts:
-        dev = _scatter(max_index, max_parts, layout.num_maxes, -math.inf, device)
+    sum_rows = [i for i, t in enumerate(dev_sums) if t is not None]
+    if sum_rows:
+        index = [layout.sum_positions[i] for i in sum_rows]
+        parts = [dev_sums[i] for i in sum_rows]
+        sum_buffer = sum_buffer + _scatter(index, parts, layout.num_sums, 0.0, device)
+    max_rows = [i for i, t in enumerate(dev_maxes) if t is not None]
+    if max_rows:
+        index = [layout.max_positions[i] for i in max_rows]
+        parts = [dev_maxes[i] for i in max_rows]
+        dev = _scatter(index, parts, layout.num_maxes, -math.inf, device)
         max_buffer = torch.maximum(max_buffer, dev)
     # all_reduce(MAX) need not propagate NaN (gloo does not, symmetrically): carry NaN
     # as +inf in MAX and as a count per max slot at the SUM buffer's tail.
     is_nan = torch.isnan(max_buffer)
     max_buffer = torch.where(is_nan, math.inf, max_buffer)
+    if max_tail:
+        tail = torch.tensor(max_tail, dtype=torch.float64, device=device)
+        max_buffer = torch.cat((max_buffer, tail))
     return torch.cat((sum_buffer, is_nan.double())), max_buffer
 
 
@@ -170,30 +299,38 @@ def unpack(
         RejectedInputError: a metric received rejected input (negative weights, or non-finite
             values under ``nonfinite="error"``) in a tensor log call.
     """
-    counts = [
-        (slot, sums[slot.sum_offset + slot.num_sums + REJECTED_SLOT]) for slot in layout.slots
+    rejected_counts = sums[layout.rejected_positions]
+    if (rejected_counts > 0).any():
+        _raise_rejected(layout, rejected_counts)
+    if layout.extra_slots:
+        extra_values = _split_extras(layout, extras, objects, sizes)
+        extra_of = map(extra_values.get, layout.names)
+    else:
+        extra_of = repeat(None)
+    s = sums.tolist()
+    m = np.where(sums[layout.num_sums :] > 0, math.nan, maxes).tolist()
+    states = map(
+        MetricState,
+        layout.kind_names,
+        map(tuple, map(s.__getitem__, layout.sum_slices)),
+        map(tuple, map(m.__getitem__, layout.max_slices)),
+        extra_of,
+        map(s.__getitem__, layout.nonfinite_positions),
+    )
+    return dict(zip(layout.names, states, strict=True))
+
+
+def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
+    rejected = [
+        f"{slot.name!r} ({slot.kind.name}): {int(n)}"
+        for slot, n in zip(layout.slots, counts, strict=True)
+        if n > 0
     ]
-    rejected = [f"{slot.name!r} ({slot.kind.name}): {int(n)}" for slot, n in counts if n > 0]
-    if rejected:
-        raise RejectedInputError(
-            "tensor log calls were rejected (negative or non-finite weights, or non-finite "
-            "values under nonfinite='error') and dropped; rejected calls per metric: "
-            + ", ".join(rejected)
-        )
-    extra_values = _split_extras(layout, extras, objects, sizes)
-    maxes = np.where(sums[layout.num_sums :] > 0, math.nan, maxes)
-    states: dict[str, MetricState] = {}
-    for slot in layout.slots:
-        slot_sums = sums[slot.sum_offset : slot.sum_offset + slot.num_sums]
-        slot_maxes = maxes[slot.max_offset : slot.max_offset + slot.kind.num_maxes]
-        states[slot.name] = MetricState(
-            slot.kind.name,
-            tuple(slot_sums[: slot.kind.num_sums].tolist()),
-            tuple(slot_maxes.tolist()),
-            extra_values.get(slot.name),
-            float(slot_sums[NONFINITE_SLOT]),
-        )
-    return states
+    raise RejectedInputError(
+        "tensor log calls were rejected (negative or non-finite weights, or non-finite "
+        "values under nonfinite='error') and dropped; rejected calls per metric: "
+        + ", ".join(rejected)
+    )
 
 
 def _split_extras(

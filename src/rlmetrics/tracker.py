@@ -143,7 +143,14 @@ class Tracker(LogMethods):
         if (value_type is float or value_type is int) and (
             weight is None or type(weight) is float or type(weight) is int
         ):
-            self._log_number(acc, name, float(value), 1.0 if weight is None else float(weight))
+            try:
+                number = float(value)
+                weight = 1.0 if weight is None else float(weight)
+            except OverflowError:  # an int beyond float64's range: as_number names it
+                as_number(name, value)
+                as_number(name, weight, "weight")
+                raise
+            self._log_number(acc, name, number, weight)
         else:
             self._log_any(acc, name, value, weight)
 
@@ -318,6 +325,10 @@ class Tracker(LogMethods):
             acc = self._accumulators.get(name) or self._accumulator(name, kinds[name])
             acc.load(metric)
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the sync cache: it holds this process's groups (weakly)."""
+        return {**self.__dict__, "sync_cache": None}
 
     def reset(self) -> None:
         """Forget every metric (a new step begins)."""

@@ -1,0 +1,463 @@
+"""Benchmark one step's metric sync over gloo: rlmetrics vs bare collectives, verl, torchmetrics.
+
+Run from the repository root (about 3-4 minutes on 2 shared cores):
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_bench.py
+
+Options: ``--worlds 2 4``, ``--sizes 8 64 512``, ``--iters 200``, ``--warmup 8``,
+``--no-write`` (print only), ``--reading FILE`` (a paragraph to add). By default the
+table is written into ``benchmarks/RESULTS.md`` between the ``sync_bench`` markers; the
+rest of that file is kept as it is.
+
+For each world size the script spawns that many processes on 127.0.0.1 (gloo, one
+thread each). Every iteration each rank logs the same fresh values (python floats from
+a few micro-batches) into every contender, untimed; then, contender by contender in an
+order that rotates each iteration, all ranks pass a barrier and time the sync alone:
+
+* rlmetrics: ``Tracker.compute()`` of N scalar metrics of mixed kinds;
+* bare: one all_reduce(SUM) and one all_reduce(MAX) of float64 CPU tensors of the
+  sizes rlmetrics packs (recorded from one steady-state ``compute()``), plus the host read;
+* verl-style: ``all_gather_object`` of a ``dict[str, list[float]]``, then a mean per key;
+* torchmetrics: ``MetricCollection`` of N ``MeanMetric``s, ``compute()`` (reset untimed),
+  run on every k-th iteration only when N is large.
+
+A sample is the max over ranks of that iteration's time (the step waits for the
+slowest rank). Warm-up iterations are discarded; medians and p90 are reported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import argparse
+import datetime
+import gc
+import math
+import platform
+import re
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlmetrics import Tracker
+
+KINDS = ("mean", "sum", "max", "min", "last")
+MICRO_BATCHES = 4
+RESULTS = Path(__file__).with_name("RESULTS.md")
+START, END = "<!-- sync_bench:start -->", "<!-- sync_bench:end -->"
+CONTENDERS = ("rlmetrics", "bare", "verl", "torchmetrics")
+CPU = "cpu:"  # key prefix of process-CPU times
+
+Values = list[list[float]]  # [metric][micro-batch]
+
+
+def tm_every(world: int, n: int, iters: int) -> int:
+    """torchmetrics runs on every k-th measured iteration (~4 collectives per metric)."""
+    samples = 60 if n <= 8 else 15 if n <= 64 else 4 if world <= 2 else 3
+    return max(1, math.ceil(iters / samples))
+
+
+class Contender:
+    """One sync implementation: ``prepare`` (untimed logging), ``run`` (timed)."""
+
+    name = ""
+
+    def prepare(self, values: Values) -> None:
+        raise NotImplementedError
+
+    def run(self) -> Any:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Untimed clean-up after ``run``."""
+
+
+class RlMetrics(Contender):
+    name = "rlmetrics"
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.tracker = Tracker()
+
+    def prepare(self, values: Values) -> None:
+        t = self.tracker
+        methods = [getattr(t, KINDS[i % len(KINDS)]) for i in range(len(self.names))]
+        for mb in range(MICRO_BATCHES):
+            for log, name, vals in zip(methods, self.names, values, strict=True):
+                log(name, vals[mb])
+
+    def run(self) -> dict[str, float]:
+        return self.tracker.compute()
+
+    def reduce_sizes(self) -> list[tuple[int, Any]]:
+        """Run compute() once, recording the (numel, op) of every all_reduce it issues."""
+        seen: list[tuple[int, Any]] = []
+        original = dist.all_reduce
+
+        def spy(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, **kwargs: Any) -> Any:
+            seen.append((tensor.numel(), op))
+            return original(tensor, op=op, **kwargs)
+
+        dist.all_reduce = spy
+        try:
+            self.run()
+        finally:
+            dist.all_reduce = original
+        return seen
+
+
+class Bare(Contender):
+    name = "bare"
+
+    def __init__(self, reduces: list[tuple[int, Any]]) -> None:
+        ops = [op for _, op in reduces]
+        if ops != [dist.ReduceOp.SUM, dist.ReduceOp.MAX]:
+            raise RuntimeError(f"rlmetrics issued {reduces}, expected one SUM and one MAX")
+        self.sums = torch.zeros(reduces[0][0], dtype=torch.float64)
+        self.maxes = torch.zeros(reduces[1][0], dtype=torch.float64)
+
+    def prepare(self, values: Values) -> None:
+        flat = np.resize(np.asarray(values).ravel(), len(self.sums) + len(self.maxes))
+        self.sums.copy_(torch.from_numpy(flat[: len(self.sums)]))
+        self.maxes.copy_(torch.from_numpy(flat[len(self.sums) :]))
+
+    def run(self) -> tuple[list[float], list[float]]:
+        dist.all_reduce(self.sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(self.maxes, op=dist.ReduceOp.MAX)
+        return self.sums.numpy().tolist(), self.maxes.numpy().tolist()
+
+
+class VerlStyle(Contender):
+    name = "verl"
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.metrics: dict[str, list[float]] = {}
+
+    def prepare(self, values: Values) -> None:
+        self.metrics = {name: [] for name in self.names}
+        for mb in range(MICRO_BATCHES):
+            for name, vals in zip(self.names, values, strict=True):
+                self.metrics[name].append(vals[mb])
+
+    def run(self) -> dict[str, float]:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.metrics)
+        return {k: float(np.mean([v for d in gathered for v in d[k]])) for k in gathered[0]}
+
+
+class TorchMetrics(Contender):
+    name = "torchmetrics"
+
+    def __init__(self, names: list[str]) -> None:
+        from torchmetrics import MeanMetric, MetricCollection
+
+        self.names = names
+        self.collection = MetricCollection(
+            {name: MeanMetric() for name in names}, compute_groups=False
+        )
+
+    def prepare(self, values: Values) -> None:
+        metrics = [self.collection[name] for name in self.names]
+        for mb in range(MICRO_BATCHES):
+            for metric, vals in zip(metrics, values, strict=True):
+                metric.update(vals[mb])
+
+    def run(self) -> dict[str, Any]:
+        return self.collection.compute()
+
+    def finish(self) -> None:
+        self.collection.reset()
+
+
+def step_values(seed: int, rank: int, it: int, n: int) -> Values:
+    """This rank's values for one iteration: N metrics x MICRO_BATCHES python floats.
+
+    ``last`` metrics (replicated values such as the learning rate) agree across ranks.
+    """
+    values = np.random.default_rng((seed, rank, it + 1, n)).normal(1.0, 0.5, (n, MICRO_BATCHES))
+    shared = np.random.default_rng((seed, it + 1, n)).normal(1.0, 0.5, (n, MICRO_BATCHES))
+    is_last = np.arange(n) % len(KINDS) == KINDS.index("last")
+    return np.where(is_last[:, None], shared, values).tolist()
+
+
+def skip_tm(it: int, warmup: int, every: int) -> bool:
+    """Whether torchmetrics sits out iteration ``it`` (at large N its only warm-up is the
+    untimed check round)."""
+    if every == 1:
+        return False
+    return it < warmup or (it - warmup) % every != 0
+
+
+def timed(contender: Contender) -> tuple[int, int]:
+    """Barrier, then this rank's wall and process-CPU nanoseconds for ``contender.run()``
+    (gc paused). CPU time counts every thread of the rank (gloo's too), not the waits."""
+    dist.barrier()
+    gc.disable()
+    start, cpu = time.perf_counter_ns(), time.process_time_ns()
+    contender.run()
+    elapsed, cpu = time.perf_counter_ns() - start, time.process_time_ns() - cpu
+    gc.enable()
+    return elapsed, cpu
+
+
+def check_agree(outs: dict[str, Any], names: list[str]) -> None:
+    """The mean-kind metrics agree across rlmetrics, verl-style and torchmetrics."""
+    for i, name in enumerate(names):
+        if KINDS[i % len(KINDS)] != "mean":
+            continue
+        ref = outs["verl"][name]
+        assert math.isclose(outs["rlmetrics"][name], ref, rel_tol=1e-12), name
+        if "torchmetrics" in outs:  # float32 states
+            assert math.isclose(float(outs["torchmetrics"][name]), ref, rel_tol=1e-5), name
+
+
+def bench_size(rank: int, world: int, n: int, args: argparse.Namespace) -> dict[str, list[int]]:
+    """Per-contender, per-iteration times (ns) of this rank; -1 where not run."""
+    names = [f"m{i:03d}" for i in range(n)]
+    rl = RlMetrics(names)
+    rl.prepare(step_values(args.seed, rank, -1, n))
+    rl.run()  # agree the schema once, as a training run's first step does
+    rl.prepare(step_values(args.seed, rank, -1, n))
+    bare = Bare(rl.reduce_sizes())  # a steady-state step's two buffers, as packed
+    contenders: list[Contender] = [rl, bare, VerlStyle(names), TorchMetrics(names)]
+    every = tm_every(world, n, args.iters)
+    times: dict[str, list[int]] = {k + c.name: [] for c in contenders for k in ("", CPU)}
+    for it in range(args.warmup + args.iters):
+        values = step_values(args.seed, rank, it, n)
+        if it == 0:
+            check_outputs(contenders, names, values)
+        shift = it % len(contenders)
+        for c in contenders[shift:] + contenders[:shift]:
+            if c.name == "torchmetrics" and skip_tm(it, args.warmup, every):
+                times[c.name].append(-1)
+                times[CPU + c.name].append(-1)
+                continue
+            c.prepare(values)
+            wall, cpu = timed(c)
+            times[c.name].append(wall)
+            times[CPU + c.name].append(cpu)
+            c.finish()
+    out = {k: v[args.warmup :] for k, v in times.items()}
+    out["floats"] = [bare.sums.numel(), bare.maxes.numel()]
+    return out
+
+
+def check_outputs(contenders: list[Contender], names: list[str], values: Values) -> None:
+    """One untimed round whose outputs are compared (sanity, not part of the timing)."""
+    outs: dict[str, Any] = {}
+    for c in contenders:
+        c.prepare(values)
+        outs[c.name] = c.run()
+        c.finish()
+    check_agree(outs, names)
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    """One rank: every N in turn; rank 0 sends the per-iteration max over ranks."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        out: dict[int, dict[str, list[int]]] = {}
+        for n in args.sizes:
+            mine = bench_size(rank, world, n, args)
+            every: list[Any] = [None] * world
+            dist.all_gather_object(every, mine)
+            out[n] = {k: np.max([r[k] for r in every], axis=0).tolist() for k in mine}
+        if rank == 0:
+            queue.put(out)
+    except BaseException as error:
+        queue.put(f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_world(world: int, args: argparse.Namespace) -> dict[int, dict[str, list[int]]]:
+    """Spawn ``world`` gloo ranks and return rank 0's merged timings."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        out = queue.get(timeout=args.timeout)
+        if isinstance(out, str):
+            raise RuntimeError(out)
+        return out
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def stats(samples: list[int]) -> tuple[float, float, int]:
+    """(median, p90) in microseconds and the sample count, ignoring skipped (-1) ones."""
+    us = np.array([s for s in samples if s >= 0], dtype=np.float64) / 1e3
+    return float(np.median(us)), float(np.percentile(us, 90)), len(us)
+
+
+def medians(
+    results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = ""
+) -> dict[tuple[int, int], dict]:
+    """{(ranks, N): {contender: (median, p90, samples)}}; ``prefix=CPU`` for CPU times."""
+    return {
+        (world, n): {c: stats(times[prefix + c]) for c in CONTENDERS}
+        for world, by_n in results.items()
+        for n, times in by_n.items()
+    }
+
+
+def table(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "") -> list[str]:
+    """Markdown rows: medians / p90 per contender and the three ratios."""
+    rows = [
+        "| ranks | N | SUM+MAX floats | rlmetrics | bare | verl-style | torchmetrics "
+        "| rl / bare | tm / rl | verl / rl |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (world, n), s in medians(results, prefix).items():
+        floats = "+".join(map(str, results[world][n]["floats"]))
+        cells = [f"{s[c][0]:,.0f} / {s[c][1]:,.0f} ({s[c][2]})" for c in CONTENDERS]
+        rl = s["rlmetrics"][0]
+        ratios = [rl / s["bare"][0], s["torchmetrics"][0] / rl, s["verl"][0] / rl]
+        rows.append(
+            f"| {world} | {n} | {floats} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{r:.2f}x" for r in ratios)
+            + " |"
+        )
+    return rows
+
+
+def verdict(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "") -> str:
+    """The targets, each with the measured ratios and met / missed."""
+    m = medians(results, prefix)
+    ratio = {
+        k: (v["rlmetrics"][0], v["bare"][0], v["verl"][0], v["torchmetrics"][0])
+        for k, v in m.items()
+    }
+    bare = {k: rl / b for k, (rl, b, _, _) in ratio.items()}
+    tm = {k: t / rl for k, (rl, _, _, t) in ratio.items() if k[1] == 64}
+    verl = {k: v / rl for k, (rl, _, v, _) in ratio.items() if k[1] == 512}
+
+    def fmt(values: dict[tuple[int, int], float]) -> str:
+        return ", ".join(f"{w} ranks N={n}: {r:.2f}x" for (w, n), r in values.items()) or "-"
+
+    def met(ok: bool, values: dict) -> str:
+        return "not measured" if not values else "met" if ok else "missed"
+
+    grows = len(verl) < 2 or list(verl.values()) == sorted(verl.values())
+    return (
+        f"rlmetrics / bare ≤ 1.25x: {fmt(bare)}; "
+        f"{met(all(r <= 1.25 for r in bare.values()), bare)}. "
+        f"torchmetrics / rlmetrics ≥ 100x at N=64: {fmt(tm)}; "
+        f"{met(all(r >= 100 for r in tm.values()), tm)}. "
+        f"verl-style / rlmetrics > 1 at N=512, growing with ranks: {fmt(verl)}; "
+        f"{met(all(r > 1 for r in verl.values()) and grows, verl)}."
+    )
+
+
+def machine() -> str:
+    """One line describing where the numbers come from."""
+    import torchmetrics
+
+    return (
+        f"{os.cpu_count()} CPUs (nproc), {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, "
+        f"torchmetrics {torchmetrics.__version__}, gloo on 127.0.0.1, OMP_NUM_THREADS=1, "
+        f"{datetime.date.today().isoformat()}"
+    )
+
+
+def section(results: dict, args: argparse.Namespace, reading: str) -> str:
+    """The whole marked section of RESULTS.md."""
+    return "\n".join(
+        [
+            START,
+            "## sync_bench: one step's metric sync (`benchmarks/sync_bench.py`)",
+            "",
+            f"Machine: {machine()}.",
+            "",
+            f"Cells: median / p90 in µs (samples). A sample is the max over ranks of one "
+            f"iteration; {args.warmup} warm-up iterations discarded, {args.iters} measured, "
+            "contenders interleaved round-robin per iteration, each after a barrier; "
+            "torchmetrics runs on every k-th iteration only at larger N. SUM+MAX floats: "
+            "the sizes of the two buffers rlmetrics all_reduces (the bare contender's too).",
+            "",
+            "Wall time of the sync (what the targets are about):",
+            "",
+            *table(results),
+            "",
+            "Targets, wall time: " + verdict(results),
+            "",
+            "Process CPU time of the sync (all threads of a rank, gloo's included; waits and "
+            "time descheduled excluded, so far less sensitive to a shared machine):",
+            "",
+            *table(results, CPU),
+            "",
+            "Same targets, CPU time: " + verdict(results, CPU),
+            "",
+            reading,
+            END,
+        ]
+    )
+
+
+def write_results(text: str) -> None:
+    """Replace the marked section of RESULTS.md (or append it); keep everything else."""
+    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text, old)
+    else:
+        new = old.rstrip("\n") + "\n\n" + text + "\n"
+    RESULTS.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run every world size, print the table, write RESULTS.md."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--reading", type=Path, help="a file with the paragraph to write")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    results = {world: run_world(world, args) for world in args.worlds}
+    for prefix, what in (("", "wall"), (CPU, "process CPU")):
+        print(f"{what} time, median / p90 us (samples):")
+        print("\n".join(table(results, prefix)))
+        print(verdict(results, prefix))
+    print(f"total {time.perf_counter() - start:.0f} s")
+    reading = args.reading.read_text().strip() if args.reading else ""
+    if not args.no_write:
+        write_results(section(results, args, reading))
+
+
+if __name__ == "__main__":
+    main()

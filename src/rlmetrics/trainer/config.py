@@ -1,0 +1,178 @@
+"""Frozen, keyword-only config dataclasses; every field documents its flag.
+
+``rlmetrics.cli`` turns each field into ``--field-name`` with its ``help`` metadata, so
+the command line and these defaults never drift apart. ``TrainConfig`` groups the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TASKS = ("reverse", "copy")
+DTYPES = ("float32", "float64")
+ALGOS = ("grpo", "ppo")
+KL_TYPES = ("k1", "abs", "mse", "low_var_kl")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LAUNCHERS = ("spawn",)
+
+
+def opt(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with a default and the help text of its CLI flag."""
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+def check(ok: bool, name: str, value: Any, need: str) -> None:
+    """Raise ValueError naming the field, the value and what it needs."""
+    if not ok:
+        raise ValueError(f"{name} must be {need}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskConfig:
+    """The built-in verifiable task (see ``task.py``)."""
+
+    task: str = opt(
+        "reverse", "reverse: answer the prompt backwards; copy: repeat it", choices=TASKS
+    )
+    num_symbols: int = opt(5, "number of distinct symbols in prompts")
+    min_prompt_len: int = opt(1, "shortest prompt (symbols)")
+    max_prompt_len: int = opt(5, "longest prompt (symbols)")
+    end_bonus: float = opt(0.3, "share of the reward for ending at the right place")
+
+    def __post_init__(self) -> None:
+        check(self.task in TASKS, "task", self.task, f"one of {TASKS}")
+        check(self.num_symbols >= 2, "num_symbols", self.num_symbols, ">= 2")
+        check(self.min_prompt_len >= 1, "min_prompt_len", self.min_prompt_len, ">= 1")
+        check(
+            self.max_prompt_len >= self.min_prompt_len,
+            "max_prompt_len", self.max_prompt_len, ">= min_prompt_len",
+        )  # fmt: skip
+        check(0.0 <= self.end_bonus <= 1.0, "end_bonus", self.end_bonus, "in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """The tiny causal transformer (actor, reference and critic share it)."""
+
+    n_layer: int = opt(2, "transformer blocks")
+    n_head: int = opt(4, "attention heads")
+    n_embd: int = opt(64, "embedding width (a multiple of n_head)")
+    dtype: str = opt("float32", "parameter and compute dtype", choices=DTYPES)
+
+    def __post_init__(self) -> None:
+        check(self.n_layer >= 1, "n_layer", self.n_layer, ">= 1")
+        check(self.n_head >= 1, "n_head", self.n_head, ">= 1")
+        check(self.n_embd % self.n_head == 0, "n_embd", self.n_embd, "a multiple of n_head")
+        check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlgoConfig:
+    """The RL algorithm, its batch partition and its optimiser."""
+
+    algo: str = opt("grpo", "grpo (groups of n samples) or ppo (a critic and GAE)", choices=ALGOS)
+    num_prompts: int = opt(
+        32, "prompts per step (a batch is num_prompts * samples_per_prompt sequences)", metavar="P"
+    )
+    samples_per_prompt: int = opt(8, "samples per prompt (GRPO's group size n)", metavar="N")
+    mini_batches: int = opt(1, "optimizer steps per epoch (the batch is cut in K)", metavar="K")
+    epochs: int = opt(1, "passes over the batch per step (PPO epochs)", metavar="E")
+    micro_batch_size: int | None = opt(None, "sequences per micro-batch (None: all)", metavar="M")
+    max_tokens_per_micro_batch: int | None = opt(
+        None, "token budget per micro-batch (prompt + response tokens)", metavar="T"
+    )
+    lr: float = opt(3e-3, "peak learning rate (actor)")
+    critic_lr: float = opt(1e-2, "peak learning rate (critic, ppo)")
+    warmup_steps: int = opt(5, "linear warmup steps")
+    min_lr_ratio: float = opt(0.1, "cosine decay floor, as a fraction of lr")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = opt(1.0, "gradient clipping threshold")
+    clip_low: float = opt(0.2, "PPO ratio clip below 1")
+    clip_high: float = opt(0.28, "PPO ratio clip above 1")
+    kl_coef: float = opt(0.001, "KL loss coefficient (0 skips the reference model)")
+    kl_type: str = opt("low_var_kl", "KL estimator", choices=KL_TYPES)
+    entropy_coef: float = opt(0.0, "entropy bonus coefficient")
+    loss_agg: str = opt("token-mean", "loss aggregation mode (rlmetrics.rl)", choices=AGG_MODES)
+    temperature: float = opt(1.0, "sampling temperature")
+    gamma: float = opt(1.0, "GAE discount (ppo)")
+    lam: float = opt(1.0, "GAE lambda (ppo)")
+    vf_clip: float = opt(0.5, "value clip range (ppo)")
+
+    def __post_init__(self) -> None:
+        check(self.algo in ALGOS, "algo", self.algo, f"one of {ALGOS}")
+        for name in ("num_prompts", "samples_per_prompt", "mini_batches", "epochs"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
+        n = self.samples_per_prompt
+        check(self.algo != "grpo" or n >= 2, "samples_per_prompt", n, ">= 2 with grpo")
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise ValueError("micro_batch_size and max_tokens_per_micro_batch are exclusive")
+        for name in ("micro_batch_size", "max_tokens_per_micro_batch"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, name, value, ">= 1 or None")
+        num_seqs = self.num_prompts * n
+        check(self.mini_batches <= num_seqs, "mini_batches", self.mini_batches, "<= batch size")
+        check(self.lr > 0 and self.critic_lr > 0, "lr", (self.lr, self.critic_lr), "> 0")
+        check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, ">= 0")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "> 0")
+        check(self.kl_type in KL_TYPES, "kl_type", self.kl_type, f"one of {KL_TYPES}")
+        check(self.loss_agg in AGG_MODES, "loss_agg", self.loss_agg, f"one of {AGG_MODES}")
+        check(self.temperature > 0, "temperature", self.temperature, "> 0")
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences per step."""
+        return self.num_prompts * self.samples_per_prompt
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """The run: length, ranks, seed, logging."""
+
+    steps: int = opt(150, "training steps")
+    dp: int = opt(2, "data-parallel ranks (spawn launcher; torchrun sets its own)", metavar="D")
+    seed: int = opt(0, "seed of the model init and of every step's rollout", metavar="S")
+    run_dir: str = opt("runs/demo", "folder for the run's logs", metavar="DIR")
+    metrics_jsonl: str | None = opt(
+        None, "JSONL file, one line per step (None: RUN_DIR/metrics.jsonl)", metavar="PATH"
+    )
+    loggers: str = opt(
+        "console,jsonl", "comma-separated: console,jsonl,tensorboard,wandb,mlflow", metavar="LIST"
+    )
+    log_every: int = opt(50, "print a metrics table every k steps (0: never)")
+    progress: bool = opt(True, "show a progress bar")
+    timeout: float = opt(120.0, "seconds before a missing rank raises in a metrics sync")
+
+    def __post_init__(self) -> None:
+        check(self.steps >= 1, "steps", self.steps, ">= 1")
+        check(self.dp >= 1, "dp", self.dp, ">= 1")
+        check(self.log_every >= 0, "log_every", self.log_every, ">= 0")
+        from rlmetrics.loggers import parse_backends  # raises ValueError naming a bad one
+
+        parse_backends(self.loggers)
+        check(self.timeout > 0, "timeout", self.timeout, "> 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Everything a rank needs to train."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        for name, kind in SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise TypeError(f"TrainConfig.{name} must be a {kind.__name__}, got {value!r}")
+
+
+SECTIONS: dict[str, type] = {
+    "task": TaskConfig,
+    "model": ModelConfig,
+    "algo": AlgoConfig,
+    "run": RunConfig,
+}

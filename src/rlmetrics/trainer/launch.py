@@ -1,0 +1,100 @@
+"""Launchers: spawn D local gloo ranks, or join a torchrun job from its environment.
+
+Both end in ``train(config, rank, world_size)``; a Ray actor can call it the same way
+after initialising its process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlmetrics.trainer.config import TrainConfig
+from rlmetrics.trainer.train import train
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads each local rank may use without oversubscribing the machine."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _spawned(rank: int, cfg: TrainConfig, world_size: int, port: int, out: str) -> None:
+    """One spawned rank: init gloo on 127.0.0.1, train, rank 0 saves the history."""
+    torch.set_num_threads(threads_per_rank(world_size))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=cfg.run.timeout),
+    )  # fmt: skip
+    try:
+        history = train(cfg, rank, world_size)
+        dist.barrier()  # leave together: a rank tearing gloo down early can abort a peer
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(history))
+
+
+def spawn(cfg: TrainConfig) -> list[dict[str, float]]:
+    """Run ``cfg.run.dp`` local ranks (gloo; one process each unless dp is 1).
+
+    Returns rank 0's history: every step's metrics. A failing rank raises here with
+    its traceback (``torch.multiprocessing.ProcessRaisedException``).
+    """
+    world_size = cfg.run.dp
+    if world_size == 1:
+        torch.set_num_threads(threads_per_rank(1))
+        return train(cfg, 0, 1)
+    with tempfile.TemporaryDirectory(prefix="rlmetrics-") as tmp:
+        out = str(Path(tmp) / "history.json")
+        mp.spawn(_spawned, args=(cfg, world_size, free_port(), out), nprocs=world_size)
+        return json.loads(Path(out).read_text())
+
+
+def from_env(cfg: TrainConfig) -> list[dict[str, float]]:
+    """Join the job torchrun started (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+
+    NCCL and one GPU per process when CUDA is available, gloo on the CPU otherwise.
+    """
+    try:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except KeyError as err:
+        raise RuntimeError(
+            f"environment variable {err.args[0]} is not set: start this with torchrun, "
+            "e.g. torchrun --nproc-per-node 2 -m rlmetrics.trainer (or use rlmetrics demo)"
+        ) from err
+    device: Any = "cpu"
+    kwargs: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(threads_per_rank(local))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout), **kwargs)
+    try:
+        history = train(cfg, rank, world_size, device=device)
+        dist.barrier()  # leave together: a rank tearing gloo down early can abort a peer
+        return history
+    finally:
+        dist.destroy_process_group()

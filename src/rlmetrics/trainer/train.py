@@ -1,0 +1,177 @@
+"""The per-rank training loop: rollout, log-probs, advantages, updates, one metrics sync.
+
+``train(config, rank, world_size)`` is a plain function: the spawn launcher, torchrun
+and a Ray actor all call it once per rank, after the process group is initialised.
+Every rank computes ``tracker.compute(group)`` once per step and gets the same dict;
+rank 0 writes it to the loggers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlmetrics import rl
+from rlmetrics.tracker import Tracker
+from rlmetrics.trainer.config import TrainConfig
+from rlmetrics.trainer.model import TinyGPT, build_models
+from rlmetrics.trainer.report import Reporter
+from rlmetrics.trainer.rollout import Batch, response_mask, rollout, select, shard_indices
+from rlmetrics.trainer.task import Task
+from rlmetrics.trainer.update import (
+    Learner,
+    actor_loss,
+    build_learner,
+    critic_loss,
+    infer,
+    optimize,
+    ppo_advantages,
+    sampled_log_probs,
+)
+
+
+@dataclass
+class Rank:
+    """What one rank holds during a run."""
+
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    group: Any
+    device: torch.device
+    task: Task
+    actor: Learner
+    ref: TinyGPT
+    critic: Learner | None
+
+
+def setup(cfg: TrainConfig, rank: int, world_size: int, group: Any, device: Any) -> Rank:
+    """Build the task, the models (identical on every rank) and their optimizers."""
+    task = Task(cfg.task)
+    is_ppo = cfg.algo.algo == "ppo"
+    actor, ref, critic = build_models(
+        cfg.model, task.vocab_size, task.block_size, critic=is_ppo, seed=cfg.run.seed
+    )
+    device = torch.device(device or "cpu")
+    steps = cfg.run.steps
+    actor_learner = build_learner("actor", actor.to(device), cfg.algo.lr, cfg.algo, steps)
+    critic_learner = None
+    if critic is not None:
+        critic_learner = build_learner(
+            "critic", critic.to(device), cfg.algo.critic_lr, cfg.algo, steps
+        )
+    return Rank(cfg, rank, world_size, group, device, task, actor_learner, ref.to(device),
+                critic_learner)  # fmt: skip
+
+
+def my_shard(r: Rank, batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
+    """This rank's rows of the batch, and its rows of each mini-batch (shard positions)."""
+    rows = shard_indices(len(batch["tokens"]), r.cfg.algo.mini_batches, r.rank, r.world_size)
+    shard = select(batch, torch.cat(rows))
+    bounds = torch.tensor([0] + [len(x) for x in rows]).cumsum(0).tolist()
+    return shard, [torch.arange(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def prepare(r: Rank, batch: Batch, tracker: Tracker) -> tuple[Batch, list[torch.Tensor]]:
+    """Advantages, old and reference log-probs (and values) of this rank's shard."""
+    algo = r.cfg.algo
+    if algo.algo == "grpo":  # group statistics need the whole batch: every rank has it
+        batch["advantages"] = rl.grpo_advantages(batch["scores"], batch["group"],
+                                                 response_mask(batch))  # fmt: skip
+    shard, minis = my_shard(r, batch)
+    with rl.timer(tracker, "old_log_prob"):
+        shard["old_log_probs"] = infer(
+            sampled_log_probs(r.actor.model, algo), shard, minis, algo, r.device
+        )
+    if algo.kl_coef:
+        with rl.timer(tracker, "ref"):
+            shard["ref_log_probs"] = infer(
+                sampled_log_probs(r.ref, algo), shard, minis, algo, r.device
+            )
+    if r.critic is not None:
+        with rl.timer(tracker, "values"):
+            critic = r.critic.model
+            values = infer(lambda mb: critic(mb["tokens"][:, :-1]), shard, minis, algo, r.device)
+            shard["values"] = values * response_mask(shard)
+        with rl.timer(tracker, "adv"):
+            ppo_advantages(shard, algo, r.world_size, r.group, r.device)
+    return shard, minis
+
+
+def log_batch(r: Rank, shard: Batch, tracker: Tracker) -> None:
+    """Rollout metrics of this rank's rows: scores, advantages, returns, lengths."""
+    mask = response_mask(shard)
+    prompt_mask = torch.arange(r.task.max_prompt_tokens)[None, :] < shard["prompt_lengths"][:, None]
+    rl.log_updates(tracker, rl.batch_metrics(
+        mask, scores=shard["scores"], rewards=shard["scores"], advantages=shard["advantages"],
+        returns=shard.get("returns"), values=shard.get("values"), prompt_mask=prompt_mask,
+        max_response_length=r.task.max_response_len, max_prompt_length=r.task.max_prompt_tokens,
+    ))  # fmt: skip
+
+
+def train_step(r: Rank, step: int, tracker: Tracker) -> dict[str, float]:
+    """One step on this rank; returns the step's metrics, merged over all ranks."""
+    algo, start = r.cfg.algo, time.perf_counter()
+    with rl.timer(tracker, "gen"):
+        batch = rollout(
+            r.actor.model, r.task, num_prompts=algo.num_prompts, n=algo.samples_per_prompt,
+            temperature=algo.temperature, seed=r.cfg.run.seed, step=step,
+        )  # fmt: skip
+    total_tokens = float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
+    shard, minis = prepare(r, batch, tracker)
+    log_batch(r, shard, tracker)
+    common = {"world_size": r.world_size, "group": r.group}
+    if r.critic is not None:
+        with rl.timer(tracker, "update_critic", num_tokens=total_tokens):
+            optimize(r.critic, critic_loss(r.critic.model, algo), shard, minis, algo, tracker,
+                     **common)  # fmt: skip
+    with rl.timer(tracker, "update_actor", num_tokens=total_tokens):
+        optimize(r.actor, actor_loss(r.actor.model, algo), shard, minis, algo, tracker, **common)
+    rl.log_updates(tracker, [rl.kl_coef_update(algo.kl_coef)])
+    seconds = time.perf_counter() - start
+    tracker.max("timing_s/step", seconds)
+    my_tokens = (shard["prompt_lengths"] + shard["response_lengths"]).sum().double()
+    rl.log_updates(tracker, rl.perf_updates(my_tokens, seconds))
+    start = time.perf_counter()
+    metrics = tracker.compute(group=r.group, timeout=r.cfg.run.timeout)
+    metrics["timing_s/metrics"] = time.perf_counter() - start  # this rank's sync, after it
+    return metrics
+
+
+def train(
+    config: TrainConfig,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    group: Any = None,
+    device: Any = None,
+    report: bool | None = None,
+) -> list[dict[str, float]]:
+    """Train on this rank (the process group, if any, is already initialised).
+
+    Args:
+        config: the run's config (the same on every rank).
+        rank, world_size: this rank in the data-parallel group.
+        group: the data-parallel process group (None: the default group, if any).
+        device: where the models live (default: the CPU).
+        report: write logs and a progress bar (default: on rank 0 only).
+
+    Returns:
+        every step's metrics (the same on every rank).
+    """
+    r = setup(config, rank, world_size, group, device)
+    tracker = Tracker()
+    history: list[dict[str, float]] = []
+    show = rank == 0 if report is None else report
+    with Reporter(config) if show else nullcontext() as reporter:
+        for step in range(1, config.run.steps + 1):
+            metrics = train_step(r, step, tracker)
+            history.append(metrics)
+            if reporter is not None:
+                reporter.log(step, metrics)
+    return history

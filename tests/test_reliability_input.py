@@ -1,0 +1,297 @@
+"""Bad and extreme input: each gets a clear error or a documented result, and what was
+accumulated before stays intact. Extends tests/test_tracker.py and tests/test_kinds.py
+(which cover non-numeric values, bad weights, shape mismatches and the basic policies).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rlmetrics import Tracker
+from rlmetrics.loggers import JsonlLogger
+from rlmetrics.packing import RejectedInputError
+
+from helpers import reference
+
+NAN, INF = math.nan, math.inf
+KINDS = ("mean", "sum", "max", "min", "std", "last", "dist")
+GOOD = [1.0, 3.0]
+
+
+def same(actual: dict, expected: dict) -> None:
+    """Equal keys; values equal to 1e-12, NaN equal to NaN."""
+    assert actual.keys() == expected.keys(), (actual, expected)
+    for key, value in expected.items():
+        if math.isnan(value):
+            assert math.isnan(actual[key]), key
+        else:
+            assert actual[key] == pytest.approx(value, rel=1e-12, abs=0), key
+
+
+def with_good(kind: str, policy: str) -> Tracker:
+    """A tracker holding GOOD for ``kind`` (a python float and a tensor) and a bystander."""
+    t = Tracker(nonfinite=policy)
+    if kind == "last":
+        t.last("m", GOOD[-1])
+    else:
+        t.log("m", GOOD[0], kind=kind)
+        t.log("m", torch.tensor(GOOD[1:]), kind=kind)
+    t.sum("bystander", 5.0)
+    return t
+
+
+def expected_good(kind: str) -> dict:
+    return {**reference(kind, "m", np.array(GOOD[-1:] if kind == "last" else GOOD), None)}
+
+
+# -- non-finite values: every kind, every policy, python and tensor --------------------------
+@pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("form", ["python", "tensor"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_propagate_gives_numpys_answer(kind: str, form: str, bad: float) -> None:
+    """propagate: the arithmetic decides, exactly as numpy on all the values."""
+    t = with_good(kind, "propagate")
+    t.log("m", bad if form == "python" else torch.tensor([bad]), kind=kind)
+    values = np.array([bad] if kind == "last" else [*GOOD, bad])
+    with np.errstate(invalid="ignore"):
+        expected = reference(kind, "m", values, None)
+    same(t.compute(), {**expected, "bystander": 5.0})
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("form", ["python", "tensor"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_skip_drops_and_counts(kind: str, form: str, bad: float) -> None:
+    """skip: the value is dropped (last keeps the previous one) and counted."""
+    t = with_good(kind, "skip")
+    t.log("m", bad if form == "python" else torch.tensor([bad]), kind=kind)
+    expected = {**expected_good(kind), "m/nonfinite_count": 1.0, "bystander": 5.0}
+    same(t.compute(), expected)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_error_policy_raises_naming_the_metric_and_keeps_the_rest(kind: str, bad: float) -> None:
+    """error: a python value raises at once; a tensor call is dropped and reported at
+    compute() (no host sync at log time). Either way the step's other values survive."""
+    t = with_good(kind, "error")
+    with pytest.raises(ValueError, match=r"metric 'm': non-finite value"):
+        t.log("m", bad, kind=kind)
+    t.log("m", torch.tensor([bad]), kind=kind)
+    with pytest.raises(RejectedInputError, match=rf"'m' \({kind}\): 1"):
+        t.compute()
+    same(t.compute(), {**expected_good(kind), "bystander": 5.0})
+
+
+# -- dtypes ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("value", "weight", "what"),
+    [
+        (np.complex128(1 + 1j), None, "value"),
+        (np.array([1j, 2.0]), None, "value"),
+        (torch.ones(2), torch.tensor([1j, 1.0]), "weight"),
+        (torch.ones(2), np.array([1j, 1.0]), "weight"),
+        (1.0, 2j, "weight"),
+    ],
+    ids=["np_scalar", "np_array", "tensor_weight", "np_weight", "python_weight"],
+)
+def test_complex_values_and_weights_are_type_errors(value, weight, what) -> None:
+    t = with_good("mean", "propagate")
+    with pytest.raises(TypeError, match=rf"metric 'm': {what} must be real"):
+        t.mean("m", value, weight=weight)
+    with pytest.raises(TypeError, match=r"metric 'fresh': .* must be real"):
+        t.mean("fresh", value, weight=weight)
+    assert "fresh" not in t
+    same(t.compute(), {**expected_good("mean"), "bystander": 5.0})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bool_values_count_as_zero_and_one(kind: str) -> None:
+    """Documented: bool values (python, numpy, tensor) are 0.0 and 1.0."""
+    bits = [True, False, True, True]
+    t = Tracker()
+    if kind == "last":
+        t.last("py", True)
+        t.last("np", np.bool_(False))
+        t.last("t", torch.tensor(True))
+        assert t.compute() == {"py": 1.0, "np": 0.0, "t": 1.0}
+        return
+    t.log("t", torch.tensor(bits), kind=kind)
+    t.log("np", np.array(bits), kind=kind)
+    for bit in bits:
+        t.log("py", bit, kind=kind)
+    expected = reference(kind, "x", np.array(bits, dtype=np.float64), None)
+    out = t.compute()
+    for name in ("t", "np", "py"):
+        got = {k.replace(name, "x", 1): v for k, v in out.items() if k.split("/")[0] == name}
+        same(got, expected)
+
+
+def test_integer_sums_never_wrap_they_are_float64() -> None:
+    """Documented: integers become float64 before anything is added, so nothing wraps
+    around; a result is exact while it stays within 2**53 and otherwise the nearest
+    float64 (int64 max rounds up to 2**63)."""
+    i32, i64 = 2**31 - 1, 2**63 - 1
+    t = Tracker()
+    t.sum("int32", torch.full((3,), i32, dtype=torch.int32))  # int32 sum would wrap
+    t.sum("int64", torch.full((2,), i64, dtype=torch.int64))  # int64 sum would wrap
+    t.sum("int64_np", np.full(4, 2**62, dtype=np.int64))
+    t.sum("uint8", torch.tensor([200, 200], dtype=torch.uint8))  # uint8 sum would wrap
+    t.mean("int8", torch.tensor([127, 127, -128], dtype=torch.int8))
+    t.sum("python_int", 2**80)
+    t.sum("python_int", 1)  # lost to rounding: 2**80 + 1 is not a float64
+    t.max("near_max", torch.tensor([i64], dtype=torch.int64))
+    assert t.compute() == {
+        "int32": 3.0 * i32,  # 6442450941, exact
+        "int64": 2.0**64,  # each element rounds to 2**63
+        "int64_np": 2.0**64,  # exact
+        "uint8": 400.0,
+        "int8": 126 / 3,
+        "python_int": 2.0**80,
+        "near_max": 2.0**63,
+    }
+
+
+def test_python_int_beyond_float64_is_a_value_error_naming_the_metric() -> None:
+    t = with_good("mean", "propagate")
+    for value, weight, what in ((10**400, None, "value"), (1, 10**400, "weight")):
+        with pytest.raises(ValueError, match=rf"metric 'm': {what} is out of float64's range"):
+            t.mean("m", value, weight=weight)
+        with pytest.raises(ValueError, match=rf"metric 'new': {what} is out of float64's range"):
+            t.mean("new", value, weight=weight)
+    assert "new" not in t
+    same(t.compute(), {**expected_good("mean"), "bystander": 5.0})
+
+
+# -- shapes and weights ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "value",
+    [torch.zeros(0), torch.ones(2), np.ones((2, 1)), [1.0, 2.0], torch.ones(3, 3)],
+    ids=["empty", "pair", "column", "list", "matrix"],
+)
+def test_last_needs_exactly_one_value(value: object) -> None:
+    t = with_good("last", "propagate")
+    with pytest.raises(ValueError, match=r"metric 'm' \(kind 'last'\) takes one value, got"):
+        t.last("m", value)
+    with pytest.raises(ValueError, match=r"metric 'new' \(kind 'last'\) takes one value"):
+        t.last("new", value)
+    assert "new" not in t
+    t.last("one_element", np.ones((1, 1)) * 0.5)  # any shape with one element is fine
+    same(t.compute(), {**expected_good("last"), "bystander": 5.0, "one_element": 0.5})
+
+
+@pytest.mark.parametrize("kind", ["mean", "sum", "max", "min", "std", "dist"])
+def test_weights_never_broadcast(kind: str) -> None:
+    """A weight of shape (1,) or (3, 1) for 3 values is an error, not a broadcast."""
+    t = with_good(kind, "propagate")
+    for weight in (torch.ones(1), torch.ones(3, 1), np.ones((1, 3))):
+        with pytest.raises(ValueError, match=r"metric 'm': weight shape .* does not match"):
+            t.log("m", torch.ones(3), weight, kind=kind)
+    same(t.compute(), {**expected_good(kind), "bystander": 5.0})
+
+
+@pytest.mark.parametrize("kind", ["mean", "sum", "max", "min", "std", "dist"])
+@pytest.mark.parametrize("policy", ["propagate", "skip", "error"])
+def test_negative_tensor_weights_are_rejected_under_every_policy(kind: str, policy: str) -> None:
+    t = with_good(kind, policy)
+    t.log("m", torch.tensor([100.0, 200.0]), torch.tensor([1.0, -0.5]), kind=kind)
+    with pytest.raises(RejectedInputError, match=rf"'m' \({kind}\): 1"):
+        t.compute()
+    same(t.compute(), {**expected_good(kind), "bystander": 5.0})
+
+
+# -- names ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [
+        (None, TypeError, "metric names must be strings, got NoneType"),
+        (b"loss", TypeError, "metric names must be strings, got bytes"),
+        (("a",), TypeError, "metric names must be strings, got tuple"),
+        ({"a": 1}, TypeError, "metric names must be strings, got dict"),
+        (1.5, TypeError, "metric names must be strings, got float"),
+        ("", ValueError, "metric names must not be empty"),
+    ],
+)
+def test_bad_names_on_every_path(name: object, error: type, message: str) -> None:
+    t = with_good("mean", "propagate")
+    for log in (
+        lambda: t.mean(name, 1.0),
+        lambda: t.last(name, torch.tensor(1.0)),
+        lambda: t.log(name, [1.0], kind="dist"),
+        lambda: t.prefixed("p/").sum(name, 1.0),
+    ):
+        with pytest.raises(error, match=message):
+            log()
+    with pytest.raises(ValueError, match="metric names must not be empty"):
+        t.prefixed("").mean("", 1.0)
+    assert len(t) == 2
+    same(t.compute(), {**expected_good("mean"), "bystander": 5.0})
+
+
+ODD_NAMES = [
+    "x" * 10_000,
+    "指标/损失",
+    "émoji/🚀🔥",
+    "rtl/مرحبا",
+    "combining/e\u0301",
+    "nul/\x00/byte",
+    "line\nbreak",
+    " ",
+    "../../etc/passwd",
+    'quote"and\\backslash',
+]
+
+
+def test_long_and_unicode_names_survive_compute_state_dict_and_jsonl(tmp_path) -> None:
+    t = Tracker()
+    for i, name in enumerate(ODD_NAMES):
+        t.mean(name, float(i))
+        t.prefixed(name).sum("/n", torch.tensor([i, 1.0]))
+    restored = Tracker()
+    restored.load_state_dict(json.loads(json.dumps(t.state_dict())))
+    out = t.compute()
+    expected = {name: float(i) for i, name in enumerate(ODD_NAMES)}
+    expected |= {name + "/n": i + 1.0 for i, name in enumerate(ODD_NAMES)}
+    assert out == expected
+    assert restored.compute() == expected
+    logger = JsonlLogger(tmp_path / "run" / "metrics.jsonl")
+    logger.log(1, out)
+    logger.close()
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert row == {"step": 1, **expected}
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["metrics.jsonl", "run"]
+
+
+def test_ten_thousand_metrics_log_and_compute_in_reasonable_time() -> None:
+    """10,000 names (python floats and small tensors, four kinds): exact, and fast
+    enough for a step (generous bounds: this machine is shared)."""
+    kinds = ("mean", "sum", "max", "min")
+    t = Tracker()
+    start = time.perf_counter()
+    for i in range(10_000):
+        kind = kinds[i % 4]
+        t.log(f"m/{i:05d}", float(i), kind=kind)
+        t.log(f"m/{i:05d}", torch.tensor([i + 0.5, i - 0.5]) if i % 10 == 0 else i + 1.0, kind=kind)
+    log_s = time.perf_counter() - start
+    start = time.perf_counter()
+    out = t.compute()
+    compute_s = time.perf_counter() - start
+    assert len(out) == 10_000
+    for i in range(10_000):
+        second = [i + 0.5, i - 0.5] if i % 10 == 0 else [i + 1.0]
+        values = [float(i), *second]
+        expected = {
+            "mean": sum(values) / len(values),
+            "sum": sum(values),
+            "max": max(values),
+            "min": min(values),
+        }[kinds[i % 4]]
+        assert out[f"m/{i:05d}"] == expected, i
+    assert log_s < 10.0, log_s
+    assert compute_s < 10.0, compute_s

@@ -1,0 +1,177 @@
+"""Security: metric names cannot steer file loggers out of their run directory, and the
+sync path decodes peers' data as JSON and float64 tensors, never by unpickling (only user
+kinds whose extras cannot be packed travel pickled, between the group's ranks)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlmetrics import Tracker
+from rlmetrics import distributed as rd
+from rlmetrics.loggers import JsonlLogger, MlflowLogger, TensorBoardLogger
+
+from multiprocess import ok_results, run_ranks
+
+EVIL_NAMES = [
+    "../../x",
+    "../" * 12 + "escaped",
+    "/etc/passwd",
+    "a/../../b",
+    "..",
+    ".",
+    "/",
+    "//server/share/y",
+    "C:\\Windows\\z",
+    "..\\..\\w",
+    "x/./../../../../v",
+    "nul\x00/../../u",
+    "~/home_file",
+    "$HOME/env_file",
+]
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """HOME and TMPDIR inside tmp_path; the run dir three levels down."""
+    for name in ("home", "tmp"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "nowhere").as_uri())
+    monkeypatch.setattr("tempfile.tempdir", None)
+    run_dir = tmp_path / "a" / "b" / "run"
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def outside(root: Path, run_dir: Path) -> list[Path]:
+    """Every file or folder under ``root`` that is not under ``run_dir`` (or its parents,
+    or the empty HOME/TMPDIR)."""
+    allowed = {root / "home", root / "tmp", root / "a", root / "a" / "b", run_dir}
+    return [p for p in root.rglob("*") if p not in allowed and not p.is_relative_to(run_dir)]
+
+
+@pytest.mark.parametrize("backend", ["jsonl", "tensorboard", "mlflow"])
+def test_metric_names_cannot_write_outside_the_run_dir(sandbox: Path, backend: str) -> None:
+    run_dir = sandbox
+    root = run_dir.parents[2]
+    passwd = Path("/etc/passwd")
+    before = passwd.stat().st_mtime_ns if passwd.exists() else None
+    metrics = {name: float(i) for i, name in enumerate(EVIL_NAMES)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MLflow's renaming warnings
+        if backend == "jsonl":
+            logger = JsonlLogger(run_dir / "metrics.jsonl")
+        elif backend == "tensorboard":
+            logger = TensorBoardLogger(run_dir / "tb")
+        else:
+            logger = MlflowLogger(run_dir=run_dir)
+        logger.log(1, metrics)
+        logger.log(2, metrics)
+        logger.close()
+    assert outside(root, run_dir) == []
+    assert not (root / "home").exists() or not any((root / "home").iterdir())
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert written, "the logger wrote nothing at all"
+    if before is not None:
+        assert passwd.stat().st_mtime_ns == before
+    for path in written:  # no file is a link that points elsewhere
+        assert path.resolve().is_relative_to(run_dir.resolve()), path
+
+
+def test_the_only_unpickling_in_the_sync_path_is_the_user_kind_object_gather() -> None:
+    """Static check of distributed.py: one pickle.loads, inside _finish, under the
+    ``if local_objects`` branch (user kinds whose extras cannot be packed)."""
+    tree = ast.parse(inspect.getsource(rd))
+    loads = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in ("loads", "load", "Unpickler")
+        and isinstance(node.value, ast.Name)
+        and node.value.id in ("pickle", "cloudpickle")
+    ]
+    assert len(loads) == 1
+    finish = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_finish"
+    )
+    branch = next(
+        n
+        for n in ast.walk(finish)
+        if isinstance(n, ast.If) and ast.unparse(n.test) == "local_objects"
+    )
+    assert any(node is loads[0] for node in ast.walk(branch))
+    assert "all_gather_object" not in inspect.getsource(rd)
+    assert "broadcast_object_list" not in inspect.getsource(rd)
+
+
+class Boom:
+    """Unpickling this creates a marker file: proof that code ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+class NoPickle:
+    """Stands in for the pickle module inside rlmetrics.distributed: any use fails."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"pickle.{name} used in the sync path")
+
+
+def hostile_schema(rank: int, world: int, marker: str, mode: str) -> str:
+    """Rank 1 sends a pickle (or a code-like JSON schema) instead of its schema; no rank
+    may execute anything. Built-in kinds never touch pickle at all."""
+    rd.pickle = NoPickle()
+    tracker = Tracker()
+    tracker.mean("loss", 1.0)
+    tracker.std("std", torch.tensor([1.0, 3.0]))
+    tracker.dist("dist", [1.0, 2.0])
+    if mode == "clean":
+        return repr(tracker.compute(timeout=30))
+    if rank == 1:
+        original = rd.gather_bytes
+        hostile = {
+            "pickle": pickle.dumps(Boom(marker)),
+            "json": b'[["__import__(\'os\').system(\'touch x\')", "os.system", "eval"]]',
+        }[mode]
+
+        def send_hostile(payload: bytes, *args, **kwargs):
+            return original(hostile, *args, **kwargs)
+
+        rd.gather_bytes = send_hostile
+    try:
+        tracker.compute(timeout=30)
+    except ValueError as error:  # JSONDecodeError, or an unknown kind
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["clean", "pickle", "json"])
+def test_a_hostile_schema_is_decoded_as_json_and_executes_nothing(
+    tmp_path: Path, mode: str
+) -> None:
+    marker = tmp_path / "pwned"
+    results = ok_results(run_ranks(hostile_schema, 2, str(marker), mode))
+    assert not marker.exists()
+    if mode == "clean":
+        assert results[0] == results[1] and "'loss': 1.0" in results[0]
+        return
+    for message in results:  # every rank fails the same way, nothing hangs
+        assert message != "no error"
+        if mode == "pickle":
+            assert message.startswith("JSONDecodeError") or "decode" in message.lower()
+        else:
+            assert "os.system" in message or "unpack" in message
+    assert not os.path.exists(tmp_path / "x")
