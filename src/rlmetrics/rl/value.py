@@ -14,15 +14,24 @@ from rlmetrics.rl.updates import bool_mask, token_mean
 def value_token_losses(
     values: Tensor, old_values: Tensor, returns: Tensor, cliprange_value: float | None
 ) -> tuple[Tensor, Tensor]:
-    """Per-token 0.5·max((v - R)², (clip(v, v_old ± c) - R)²) and the clip flags."""
+    """Per-token 0.5·max((v - R)², (clip(v, v_old ± c) - R)²) and the clip flags.
+
+    A token counts as clipped only when |v - v_old| > c and the clipped term wins: a
+    token whose value moved less than c has clip(v) = v exactly (never rebuilt as
+    v_old + (v - v_old), whose rounding would decide the flag).
+    """
     unclipped = (values - returns).square()
     if cliprange_value is None:
         return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
     if not cliprange_value >= 0:
         raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value!r}")
-    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    moved = values - old_values
+    outside = moved.abs() > cliprange_value
+    clipped_values = torch.where(
+        outside, old_values + moved.clamp(-cliprange_value, cliprange_value), values
+    )
     clipped = (clipped_values - returns).square()
-    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
+    return 0.5 * torch.maximum(unclipped, clipped), outside & (clipped > unclipped)
 
 
 def value_loss(
