@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -38,7 +39,13 @@ def local_counts(mask: Tensor) -> Tensor:
     return torch.stack((per_seq.sum(), (per_seq > 0).sum())).to(torch.float64)
 
 
-def global_counts(mask: Tensor, group: Any = None, *, grad_reduce: str = "mean") -> BatchCounts:
+def global_counts(
+    mask: Tensor,
+    group: Any = None,
+    *,
+    grad_reduce: str = "mean",
+    timeout: float | timedelta | None = None,
+) -> BatchCounts:
     """Count a mini-batch's tokens and sequences over all ranks (one small all_reduce).
 
     Call it once per mini-batch, before the micro-batch loop, with this rank's whole
@@ -50,10 +57,12 @@ def global_counts(mask: Tensor, group: Any = None, *, grad_reduce: str = "mean")
         group: the data-parallel process group (None: the default group).
         grad_reduce: "mean" when the gradient reduction averages over ranks (DDP,
             FSDP), "sum" when it sums.
+        timeout: seconds (or a timedelta) after which a missing rank raises
+            ``rlmetrics.distributed.SyncTimeoutError`` (default: the group's own).
     """
     if grad_reduce not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduce must be one of {GRAD_REDUCTIONS}, got {grad_reduce!r}")
-    counts = all_reduce_sum(local_counts(mask), group)
+    counts = all_reduce_sum(local_counts(mask), group, timeout)
     world = world_size(group)
     scale = float(world) if grad_reduce == "mean" else 1.0
     return BatchCounts(counts[0], counts[1], scale)
