@@ -30,6 +30,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from datetime import timedelta
+from operator import attrgetter, is_
 from typing import Any
 
 import numpy as np
@@ -37,8 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics.kinds import MetricState
-from rlmetrics.packing import Layout, extra_sizes, pack_extras, pack_scalars, unpack
+from rlmetrics.packing import (
+    Layout,
+    Reduced,
+    extra_sizes,
+    pack_extras,
+    pack_scalars,
+    unpack,
+)
 
 HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
 
@@ -190,12 +197,14 @@ def agree_schema(
 
 
 def _fits(accumulators: Mapping[str, Any], layout: Layout) -> bool:
-    index, slots = layout.index, layout.slots
-    for name, acc in accumulators.items():
-        position = index.get(name)
-        if position is None or slots[position].kind is not acc.kind:
-            return False
-    return True
+    """Whether every local name is in the layout with the same kind object."""
+    if not accumulators.keys() <= layout.index.keys():
+        return False
+    layout_kinds = map(layout.kinds.__getitem__, map(layout.index.__getitem__, accumulators))
+    return all(map(is_, map(_get_kind, accumulators.values()), layout_kinds))
+
+
+_get_kind = attrgetter("kind")
 
 
 def _layout_hash(layout: Layout) -> float:
@@ -212,10 +221,14 @@ def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list
     return [1.0 if name in accumulators else 0.0 for name in layout.names]
 
 
-def sync_states(
+def sync_reduce(
     tracker: Any, *, group: Any = None, timeout: float | timedelta | None = None
-) -> dict[str, MetricState]:
-    """The tracker's metric states merged over ``group`` (every rank gets the same)."""
+) -> Reduced:
+    """The tracker's step merged over ``group`` (every rank gets the same).
+
+    Names in the cached layout that no rank logged this step are left out of the
+    result, as a single process would leave them out.
+    """
     pg = resolve_group(group)
     wait = _timeout(timeout)
     device = comm_device(pg)
@@ -243,11 +256,8 @@ def sync_states(
         changed, high, neg_low = maxes_host[-HEADER:]
         if changed == 0 and high == -neg_low:
             tail = len(layout.slots) + HEADER
-            states = _finish(accumulators, layout, sums, maxes_host[:-tail], pg, device, wait)
             logged = maxes_host[-tail:-HEADER]
-            # a cached layout may hold names no rank logged this step: leave them out,
-            # as a single process would (they are not empty metrics, under empty="nan")
-            return {name: s for (name, s), seen in zip(states.items(), logged, strict=True) if seen}
+            return _finish(accumulators, layout, sums, maxes_host[:-tail], logged, pg, device, wait)
         layout = cache[key] = agree_schema(tracker, pg, device, wait)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
@@ -257,10 +267,11 @@ def _finish(
     layout: Layout,
     sums: Tensor,
     maxes: np.ndarray,
+    logged: np.ndarray,
     group: Any,
     device: torch.device,
     wait: timedelta | None,
-) -> dict[str, MetricState]:
+) -> Reduced:
     """Gather the extras (when any) and unpack the reduced buffers."""
     sizes = extra_sizes(layout, maxes)
     extras: list[np.ndarray] = []
@@ -272,4 +283,4 @@ def _finish(
         if local_objects:
             payloads = gather_bytes(pickle.dumps(local_objects), group, device, wait)
             objects = [pickle.loads(p) for p in payloads]  # only from this group's ranks
-    return unpack(layout, sums.cpu().numpy(), maxes, extras, objects, sizes)
+    return unpack(layout, sums.cpu().numpy(), maxes, extras, objects, sizes, logged)

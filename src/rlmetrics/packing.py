@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
-from itertools import chain, repeat
+from itertools import chain, compress
 from operator import attrgetter, is_not
 
 import numpy as np
@@ -28,6 +28,7 @@ from rlmetrics.kinds.base import (
     Kind,
     MetricState,
 )
+from rlmetrics.state import results
 
 
 class RejectedInputError(ValueError):
@@ -130,9 +131,48 @@ class Layout:
         return [slice(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
 
     @cached_property
+    def vector_groups(self) -> dict[Kind, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per kind with a ``results_vector`` (and no extra): its rows, and the (n, k)
+        SUM and MAX positions of their slots."""
+        rows: dict[Kind, list[int]] = {}
+        for i, slot in enumerate(self.slots):
+            if _vectorised(slot.kind):
+                rows.setdefault(slot.kind, []).append(i)
+        groups = {}
+        for kind, members in rows.items():
+            sums = [
+                np.arange(self.slots[i].sum_offset, self.slots[i].sum_offset + kind.num_sums)
+                for i in members
+            ]
+            maxes = [
+                np.arange(self.slots[i].max_offset, self.slots[i].max_offset + kind.num_maxes)
+                for i in members
+            ]
+            groups[kind] = (
+                np.array(members, dtype=np.int64),
+                np.array(sums, dtype=np.int64).reshape(len(members), kind.num_sums),
+                np.array(maxes, dtype=np.int64).reshape(len(members), kind.num_maxes),
+            )
+        return groups
+
+    @cached_property
+    def slow_rows(self) -> np.ndarray:
+        """Per slot, True when its kind has no vectorised results."""
+        return np.array([not _vectorised(slot.kind) for slot in self.slots], dtype=bool)
+
+    @cached_property
+    def nonfinite_array(self) -> np.ndarray:
+        """``nonfinite_positions`` as an index array."""
+        return np.array(self.nonfinite_positions, dtype=np.int64)
+
+    @cached_property
     def nonfinite_positions(self) -> list[int]:
         """Per slot, the SUM-buffer position of its non-finite count."""
         return [s.sum_offset + s.num_sums + NONFINITE_SLOT for s in self.slots]
+
+
+def _vectorised(kind: Kind) -> bool:
+    return not kind.has_extra and type(kind).results_vector is not Kind.results_vector
 
 
 def pack_scalars(
@@ -289,35 +329,118 @@ def unpack(
     extras: Sequence[np.ndarray],
     objects: Sequence[Mapping[str, object]],
     sizes: Sequence[int],
-) -> dict[str, MetricState]:
-    """Reduced buffers back into per-metric states.
+    logged: np.ndarray | None = None,
+) -> Reduced:
+    """Reduced buffers (and gathered extras) as a ``Reduced`` step.
 
     ``extras`` holds one gather buffer per rank (rank order) and ``objects`` one dict of
     object extras per rank; each rank's extras are merged in rank order.
 
     Raises:
-        RejectedInputError: a metric received rejected input (negative weights, or non-finite
-            values under ``nonfinite="error"``) in a tensor log call.
+        RejectedInputError: a metric received rejected input (negative weights, or
+            non-finite values under ``nonfinite="error"``) in a tensor log call.
     """
     rejected_counts = sums[layout.rejected_positions]
     if (rejected_counts > 0).any():
         _raise_rejected(layout, rejected_counts)
-    if layout.extra_slots:
-        extra_values = _split_extras(layout, extras, objects, sizes)
-        extra_of = map(extra_values.get, layout.names)
-    else:
-        extra_of = repeat(None)
-    s = sums.tolist()
-    m = np.where(sums[layout.num_sums :] > 0, math.nan, maxes).tolist()
-    states = map(
-        MetricState,
-        layout.kind_names,
-        map(tuple, map(s.__getitem__, layout.sum_slices)),
-        map(tuple, map(m.__getitem__, layout.max_slices)),
-        extra_of,
-        map(s.__getitem__, layout.nonfinite_positions),
-    )
-    return dict(zip(layout.names, states, strict=True))
+    extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_slots else {}
+    nan_maxes = np.where(sums[layout.num_sums :] > 0, math.nan, maxes[: layout.num_maxes])
+    keep = np.ones(len(layout.slots), dtype=bool) if logged is None else np.asarray(logged) > 0
+    return Reduced(layout, sums, nan_maxes, extra_values, keep)
+
+
+@dataclass(frozen=True, slots=True)
+class Reduced:
+    """One merged step in packed form; states and results are read from it lazily.
+
+    Attributes:
+        layout: where each metric's slots are.
+        sums: the SUM buffer (the NaN-count tail included).
+        maxes: the kinds' max slots with NaN restored (extra-size slots included).
+        extras: each extra kind's merged extra, by name.
+        keep: per slot, whether any rank logged the name this step.
+    """
+
+    layout: Layout
+    sums: np.ndarray
+    maxes: np.ndarray
+    extras: Mapping[str, object]
+    keep: np.ndarray
+
+    def states(self) -> dict[str, MetricState]:
+        """Per metric, its merged state (names no rank logged are left out)."""
+        layout = self.layout
+        s, m = self.sums.tolist(), self.maxes.tolist()
+        states = map(
+            MetricState,
+            layout.kind_names,
+            map(tuple, map(s.__getitem__, layout.sum_slices)),
+            map(tuple, map(m.__getitem__, layout.max_slices)),
+            map(self.extras.get, layout.names),
+            map(s.__getitem__, layout.nonfinite_positions),
+        )
+        pairs = zip(layout.names, states, strict=True)
+        if self.keep.all():
+            return dict(pairs)
+        return {name: state for (name, state), kept in zip(pairs, self.keep, strict=True) if kept}
+
+    def results(self, kind_of: Callable[[str], Kind], *, empty: str) -> dict[str, float]:
+        """Every metric's values, as ``state.results`` gives them, vectorised by kind.
+
+        Kinds with a ``results_vector`` are computed a whole kind at a time; metrics of
+        other kinds, or with non-finite counts to report, go through ``kind.result``.
+        """
+        layout = self.layout
+        values, present, slow = self._vector_results()
+        slow &= self.keep
+        if empty == "nan":
+            present = present | ~slow
+        if not slow.any():
+            shown = present & self.keep
+            return dict(zip(compress(layout.names, shown), values[shown].tolist(), strict=True))
+        slow_rows = set(np.flatnonzero(slow).tolist())
+        out: dict[str, float] = {}
+        emitted = 0
+        for i in np.flatnonzero(self.keep).tolist():
+            name = layout.names[i]
+            if i in slow_rows:
+                state = self._state(i)
+                part = results({name: state}, kind_of, empty=empty)
+                out.update(part)
+                emitted += len(part)
+            elif present[i]:
+                out[name] = float(values[i])
+                emitted += 1
+        if len(out) != emitted:
+            results(self.states(), kind_of, empty=empty)  # raises, naming the clash
+        return out
+
+    def _vector_results(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(values, present, needs the slow path) per slot."""
+        layout = self.layout
+        size = len(layout.slots)
+        values = np.full(size, math.nan)
+        present = np.zeros(size, dtype=bool)
+        slow = layout.slow_rows.copy()
+        slow |= self.sums[layout.nonfinite_array] > 0
+        for kind, (rows, sum_index, max_index) in layout.vector_groups.items():
+            out = kind.results_vector(self.sums[sum_index], self.maxes[max_index])
+            if out is None:
+                slow[rows] = True
+                continue
+            values[rows], present[rows] = out
+        values[~present] = math.nan
+        return values, present, slow
+
+    def _state(self, i: int) -> MetricState:
+        layout, slot = self.layout, self.layout.slots[i]
+        return MetricState(
+            slot.kind.name,
+            tuple(self.sums[layout.sum_slices[i]].tolist()),
+            tuple(self.maxes[layout.max_slices[i]].tolist()),
+            self.extras.get(slot.name),
+            float(self.sums[layout.nonfinite_positions[i]]),
+        )
 
 
 def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
@@ -357,10 +480,10 @@ def _split_extras(
     return merged
 
 
-def local_states(
+def local_reduce(
     accumulators: Mapping[str, Accumulator], layout: Layout, device: torch.device
-) -> dict[str, MetricState]:
-    """This process's states, with one device-to-host transfer per buffer."""
+) -> Reduced:
+    """This process's step, with one device-to-host transfer per buffer."""
     sums, maxes = pack_scalars(accumulators, layout, device)
     maxes_host = maxes.cpu().numpy()
     sizes = extra_sizes(layout, maxes_host)

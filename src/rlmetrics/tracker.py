@@ -16,8 +16,8 @@ from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
 from rlmetrics.kinds.base import NONFINITE_SLOT, NUM_FLAGS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.kinds.last import replace_dev
-from rlmetrics.packing import Layout, RejectedInputError, local_states
-from rlmetrics.state import TrackerState, results
+from rlmetrics.packing import Layout, Reduced, RejectedInputError, local_reduce
+from rlmetrics.state import TrackerState
 
 EMPTY_POLICIES = ("omit", "nan")
 NONFINITE_POLICIES = ("propagate", "skip", "error")
@@ -290,9 +290,13 @@ class Tracker(LogMethods):
                 or non-finite values under ``nonfinite="error"``). The rejected calls were
                 dropped and are reported once: the next call returns everything else.
         """
+        return TrackerState(self._local_reduce().states())
+
+    def _local_reduce(self) -> Reduced:
+        """This process's step in packed form (one host transfer)."""
         layout = Layout([(name, acc.kind) for name, acc in self._accumulators.items()])
         try:
-            return TrackerState(local_states(self._accumulators, layout, self.device()))
+            return local_reduce(self._accumulators, layout, self.device())
         except RejectedInputError:
             self._forget_rejected()
             raise
@@ -359,17 +363,17 @@ class Tracker(LogMethods):
             ValueError: a tensor log call was rejected (see ``state``); nothing is reset,
                 and calling ``compute()`` again returns every other call's metrics.
         """
-        from rlmetrics.distributed import should_sync, sync_states
+        from rlmetrics.distributed import should_sync, sync_reduce
 
         if sync and should_sync(group):
             try:
-                states = sync_states(self, group=group, timeout=timeout)
+                reduced = sync_reduce(self, group=group, timeout=timeout)
             except RejectedInputError:
                 self._forget_rejected()
                 raise
         else:
-            states = self.state().metrics
-        out = results(states, self.kind, empty=self.empty)
+            reduced = self._local_reduce()
+        out = reduced.results(self.kind, empty=self.empty)
         if reset:
             self.reset()
         return out

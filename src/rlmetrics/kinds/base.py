@@ -167,6 +167,14 @@ class Kind:
         ``name/p50``. None when the state is empty."""
         raise NotImplementedError
 
+    def results_vector(
+        self, sums: np.ndarray, maxes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Optional fast path for kinds with one result and no extra: the results of n
+        metrics at once from their (n, num_sums) and (n, num_maxes) slots, as (values,
+        present). None means "use ``result`` per metric" (the default)."""
+        return None
+
     def result_names(self) -> tuple[str, ...]:
         """The suffixes ``result`` may return ('' for the bare name), for NaN reports."""
         return ("",)

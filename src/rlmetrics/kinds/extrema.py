@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,6 +51,9 @@ class Max(Kind):
         if (value > current or value != value) and current == current:
             acc.maxes[0] = value
 
+    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return maxes[:, 0], sums[:, 0] != 0
+
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         if state.sums[0] == 0:
             return None
@@ -80,6 +84,9 @@ class Min(Kind):
         current = acc.maxes[0]
         if (-value > current or value != value) and current == current:
             acc.maxes[0] = -value
+
+    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return -maxes[:, 0], sums[:, 0] != 0
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         if state.sums[0] == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -46,6 +47,16 @@ class Last(Kind):
         acc.sums[1] = 1.0
         acc.maxes[0] = value
         acc.maxes[1] = -value
+
+    def results_vector(
+        self, sums: np.ndarray, maxes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        present = sums[:, 1] != 0
+        high, neg_low = maxes[:, 0], maxes[:, 1]
+        agree = (high == -neg_low) | np.isnan(high)
+        if not agree[present].all():
+            return None  # per metric, so each disagreement warns with its name
+        return high, present
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, sources = state.sums

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,6 +38,11 @@ class Mean(Kind):
         sums = acc.sums
         sums[0] += value * weight
         sums[1] += weight
+
+    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        present = sums[:, 1] != 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return sums[:, 0] / sums[:, 1], present
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, weight = state.sums

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,6 +37,9 @@ class Sum(Kind):
         sums = acc.sums
         sums[0] += value
         sums[1] += 1.0
+
+    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return sums[:, 0], sums[:, 1] != 0
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, count = state.sums
