@@ -49,7 +49,7 @@ def _add_field(group: Any, field: Field, annotation: Any) -> None:
         if "choices" in field.metadata:
             kwargs["choices"] = field.metadata["choices"]
             kwargs.pop("metavar")
-    group.add_argument(flag, **kwargs)
+    group.add_argument(flag, *field.metadata.get("aliases", ()), **kwargs)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +82,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``rlmetrics`` parser with its subcommands."""
+    from rlmetrics.trainer.config import LAUNCHERS, METRICS_PATHS
+
     parser = argparse.ArgumentParser(
         prog="rlmetrics", description="Exact, partition-invariant metrics for RL training."
     )
@@ -91,15 +93,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a tiny transformer by RL on D local gloo ranks (spawned).",
         epilog=DEMO_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    demo.add_argument("--launcher", choices=("spawn",), default="spawn",
-                      help="how ranks start: spawn (local processes) (default: spawn)")  # fmt: skip
+    demo.add_argument("--launcher", choices=LAUNCHERS, default="spawn",
+                      help="how ranks start: spawn (local processes) or ray (D actors, "
+                      "a driver owns the loop) (default: spawn)")  # fmt: skip
+    demo.add_argument("--metrics-path", choices=METRICS_PATHS, default="collective",
+                      help="ray: compute() in the actors, or their states merged on the "
+                      "driver (default: collective)")  # fmt: skip
+    demo.add_argument("--ray-address", default=None, metavar="ADDR",
+                      help="ray: a cluster to join, e.g. auto (default: RAY_ADDRESS, "
+                      "else a local Ray)")  # fmt: skip
     add_config_arguments(demo)
     train = sub.add_parser(
         "train", help="one rank of a torchrun job (python -m rlmetrics.trainer)",
         description="Join a torchrun job: RANK/WORLD_SIZE/LOCAL_RANK from the environment.",
     )  # fmt: skip
     add_config_arguments(train)
-    sub.add_parser("audit", help="metric spread across partitions (not yet implemented)")
+    from rlmetrics import audit
+
+    audit.add_audit_arguments(sub.add_parser(
+        "audit", help="metric spread across partitions of one training step",
+        description=audit.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    ))  # fmt: skip
     _add_plot(sub)
     return parser
 
@@ -115,10 +129,12 @@ def _add_plot(sub: Any) -> None:
 
 def summarize(history: list[dict[str, float]], seconds: float, jsonl: Path | None) -> str:
     """Mean reward over the first and last (up to) 5 steps, and the wall time."""
+    where = f"; metrics in {jsonl}" if jsonl is not None else ""
+    if not history:  # resumed from a checkpoint at the last step
+        return f"no steps left to run{where}"
     scores = [m.get("critic/score/mean", float("nan")) for m in history]
     k = min(5, len(scores))
     first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
-    where = f"; metrics in {jsonl}" if jsonl is not None else ""
     return (
         f"mean reward (critic/score/mean) {first:.3f} (first {k} steps) -> {last:.3f} "
         f"(last {k}), {len(history)} steps in {seconds:.1f} s{where}"
@@ -131,13 +147,21 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     cfg = _config(args, parser)
     start = time.perf_counter()
-    history = spawn(cfg)
+    history = _launch_ray(args, parser, cfg) if args.launcher == "ray" else spawn(cfg)
     run = cfg.run
     jsonl = None
     if "jsonl" in run.loggers:
         jsonl = Path(run.metrics_jsonl or Path(run.run_dir) / "metrics.jsonl")
     print(summarize(history, time.perf_counter() - start, jsonl))
     return 0
+
+
+def _launch_ray(args: argparse.Namespace, parser: argparse.ArgumentParser, cfg: Any) -> Any:
+    try:
+        from rlmetrics.trainer.ray_launch import launch
+    except ImportError as err:
+        parser.error(str(err))
+    return launch(cfg, metrics_path=args.metrics_path, address=args.ray_address)
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
@@ -160,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "plot":
         return _run_plot(args)
+    if args.command == "audit":
+        from rlmetrics.audit import run_audit
+
+        return run_audit(args)
     print(f"rlmetrics {args.command}: not yet implemented", file=sys.stderr)
     return 1
 

@@ -14,7 +14,8 @@ DTYPES = ("float32", "float64")
 ALGOS = ("grpo", "ppo")
 KL_TYPES = ("k1", "abs", "mse", "low_var_kl")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-LAUNCHERS = ("spawn",)
+LAUNCHERS = ("spawn", "ray")
+METRICS_PATHS = ("collective", "driver")  # where the Ray launcher merges metrics
 
 
 def opt(default: Any, help: str, **kwargs: Any) -> Any:
@@ -138,11 +139,21 @@ class RunConfig:
         None, "JSONL file, one line per step (None: RUN_DIR/metrics.jsonl)", metavar="PATH"
     )
     loggers: str = opt(
-        "console,jsonl", "comma-separated: console,jsonl,tensorboard,wandb,mlflow", metavar="LIST"
+        "console,jsonl",
+        "comma-separated: console,jsonl,tensorboard,wandb,mlflow",
+        metavar="LIST",
+        aliases=("--logger",),
     )
     log_every: int = opt(50, "print a metrics table every k steps (0: never)")
     progress: bool = opt(True, "show a progress bar")
     timeout: float = opt(120.0, "seconds before a missing rank raises in a metrics sync")
+    checkpoint_every: int = opt(
+        0, "save RUN_DIR/checkpoint.pt every k steps and at the last (0: never)", metavar="K"
+    )
+    resume: bool = opt(False, "continue from RUN_DIR/checkpoint.pt if there is one")
+    resume_from: str | None = opt(
+        None, "continue from this checkpoint (a file, or a run dir holding one)", metavar="PATH"
+    )
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", self.steps, ">= 1")
@@ -152,6 +163,7 @@ class RunConfig:
 
         parse_backends(self.loggers)
         check(self.timeout > 0, "timeout", self.timeout, "> 0")
+        check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, ">= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,7 @@
 """Launchers: spawn D local gloo ranks, or join a torchrun job from its environment.
 
-Both end in ``train(config, rank, world_size)``; a Ray actor can call it the same way
-after initialising its process group.
+Both end in ``train(config, rank, world_size)``. The Ray launcher (``ray_launch.py``)
+runs the ranks in actors and the loop on its driver.
 """
 
 from __future__ import annotations

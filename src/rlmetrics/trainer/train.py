@@ -18,6 +18,7 @@ import torch
 
 from rlmetrics import rl
 from rlmetrics.tracker import Tracker
+from rlmetrics.trainer import checkpoint
 from rlmetrics.trainer.config import TrainConfig
 from rlmetrics.trainer.model import TinyGPT, build_models
 from rlmetrics.trainer.report import Reporter
@@ -114,8 +115,11 @@ def log_batch(r: Rank, shard: Batch, tracker: Tracker) -> None:
     ))  # fmt: skip
 
 
-def train_step(r: Rank, step: int, tracker: Tracker) -> dict[str, float]:
-    """One step on this rank; returns the step's metrics, merged over all ranks."""
+def log_step(r: Rank, step: int, tracker: Tracker) -> None:
+    """One step's work on this rank, its metrics logged into ``tracker`` (no metrics sync).
+
+    A Ray actor calls this, then either ``tracker.compute(group)`` or ``tracker.state()``.
+    """
     algo, start = r.cfg.algo, time.perf_counter()
     with rl.timer(tracker, "gen"):
         batch = rollout(
@@ -137,6 +141,11 @@ def train_step(r: Rank, step: int, tracker: Tracker) -> dict[str, float]:
     tracker.max("timing_s/step", seconds)
     my_tokens = (shard["prompt_lengths"] + shard["response_lengths"]).sum().double()
     rl.log_updates(tracker, rl.perf_updates(my_tokens, seconds))
+
+
+def train_step(r: Rank, step: int, tracker: Tracker) -> dict[str, float]:
+    """One step on this rank; returns the step's metrics, merged over all ranks."""
+    log_step(r, step, tracker)
     start = time.perf_counter()
     metrics = tracker.compute(group=r.group, timeout=r.cfg.run.timeout)
     metrics["timing_s/metrics"] = time.perf_counter() - start  # this rank's sync, after it
@@ -162,16 +171,22 @@ def train(
         report: write logs and a progress bar (default: on rank 0 only).
 
     Returns:
-        every step's metrics (the same on every rank).
+        the metrics of every step this call ran (the same on every rank); a resumed
+        run starts after its checkpoint's step.
     """
     r = setup(config, rank, world_size, group, device)
     tracker = Tracker()
+    resumed = checkpoint.maybe_resume(r, tracker)  # every rank loads the same checkpoint
+    done = 0 if resumed is None else resumed["step"]
     history: list[dict[str, float]] = []
     show = rank == 0 if report is None else report
-    with Reporter(config) if show else nullcontext() as reporter:
-        for step in range(1, config.run.steps + 1):
+    resume = {"resume_step": done, "logger_state": resumed and resumed["loggers"]}
+    with Reporter(config, **resume) if show else nullcontext() as reporter:
+        for step in range(done + 1, config.run.steps + 1):
             metrics = train_step(r, step, tracker)
             history.append(metrics)
             if reporter is not None:
                 reporter.log(step, metrics)
+            checkpoint.maybe_save(r, step, tracker, reporter)  # rank 0, after the log
+            checkpoint.maybe_crash_for_test(r, step)
     return history
