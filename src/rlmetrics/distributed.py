@@ -30,7 +30,6 @@ import time
 import weakref
 from collections.abc import Mapping
 from datetime import timedelta
-from operator import attrgetter, is_
 from typing import Any
 
 import numpy as np
@@ -196,17 +195,6 @@ def agree_schema(
     return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()])
 
 
-def _fits(accumulators: Mapping[str, Any], layout: Layout) -> bool:
-    """Whether every local name is in the layout with the same kind object."""
-    if not accumulators.keys() <= layout.index.keys():
-        return False
-    layout_kinds = map(layout.kinds.__getitem__, map(layout.index.__getitem__, accumulators))
-    return all(map(is_, map(_get_kind, accumulators.values()), layout_kinds))
-
-
-_get_kind = attrgetter("kind")
-
-
 def _layout_hash(layout: Layout) -> float:
     """A float64-exact hash of the layout (52 bits), equal on ranks with equal layouts."""
     return layout.digest
@@ -244,7 +232,7 @@ def sync_reduce(
         layout = cache[key] = agree_schema(tracker, pg, device, wait)
     accumulators = tracker.accumulators
     for _ in range(2):
-        fits = _fits(accumulators, layout)
+        fits = layout.fits(accumulators)
         layout_hash = _layout_hash(layout)
         header = (*_logged(accumulators, layout, fits), 0.0 if fits else 1.0, layout_hash)
         sums, maxes = pack_scalars(

@@ -60,7 +60,7 @@ def as_tensor(name: str, value: object, what: str = "value") -> Tensor:
         )
     if tensor.is_complex():
         raise TypeError(f"metric {name!r}: {what} must be real, got complex dtype {tensor.dtype}")
-    return tensor.to(torch.float64)
+    return tensor if tensor.dtype is torch.float64 else tensor.to(torch.float64)
 
 
 def as_weights(name: str, weight: object, values: Tensor) -> Tensor | None:
@@ -77,7 +77,7 @@ def as_weights(name: str, weight: object, values: Tensor) -> Tensor | None:
             f"metric {name!r}: weight shape {tuple(weights.shape)} does not match "
             f"value shape {tuple(values.shape)}"
         )
-    return weights.to(values.device)
+    return weights if weights.device == values.device else weights.to(values.device)
 
 
 def check_weight_number(name: str, weight: float) -> None:

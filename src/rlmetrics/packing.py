@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
 from itertools import chain, compress
-from operator import attrgetter, is_not
+from operator import attrgetter, is_, is_not
 
 import numpy as np
 import torch
@@ -75,6 +75,13 @@ class Layout:
 
     def __contains__(self, name: str) -> bool:
         return name in self.index
+
+    def fits(self, accumulators: Mapping[str, Accumulator]) -> bool:
+        """Whether every name of ``accumulators`` is here, with the same kind object."""
+        if not accumulators.keys() <= self.index.keys():
+            return False
+        kinds = map(self.kinds.__getitem__, map(self.index.__getitem__, accumulators))
+        return all(map(is_, map(_get_kind, accumulators.values()), kinds))
 
     @cached_property
     def digest(self) -> float:
@@ -203,6 +210,7 @@ def pack_scalars(
     return _merge_device(layout, sums, maxes, dev_sums, dev_maxes, device, max_tail)
 
 
+_get_kind = attrgetter("kind")
 _get_sums = attrgetter("sums")
 _get_maxes = attrgetter("maxes")
 _get_dev_sums = attrgetter("dev_sums")
@@ -282,7 +290,9 @@ def _scatter(
     """A ``size`` buffer on ``device`` holding ``parts`` at ``index``, ``fill`` elsewhere."""
     out = torch.full((size,), fill, dtype=torch.float64, device=device)
     positions = torch.from_numpy(np.concatenate(index)).to(device)
-    out.index_put_((positions,), torch.cat([p.to(device) for p in parts]))
+    out.index_put_(
+        (positions,), torch.cat([p if p.device == device else p.to(device) for p in parts])
+    )
     return out
 
 

@@ -113,6 +113,7 @@ class Tracker(LogMethods):
         self._own_kinds: dict[str, Kind] = {"dist": Dist(quantiles)}
         self._accumulators: dict[str, Accumulator] = {}
         self.sync_cache: Any = None  # owned by rlmetrics.distributed
+        self._local_layout: Layout | None = None
 
     # -- logging ------------------------------------------------------------------
     def kind(self, kind_name: str) -> Kind:
@@ -200,18 +201,23 @@ class Tracker(LogMethods):
             )
         # bool masks are valid weights by construction: only other arrays need data checks
         check_weights = weight_number is None and getattr(weight, "dtype", None) not in BOOL_DTYPES
-        self._log_tensor(acc, values.reshape(-1), weights, check_weights=check_weights)
+        values = values if values.dim() == 1 else values.reshape(-1)
+        self._log_tensor(acc, values, weights, check_weights=check_weights)
 
     def _log_tensor(
         self, acc: Accumulator, values: Tensor, weights: Tensor | None, *, check_weights: bool
     ) -> None:
-        """Accumulate on the device; data checks become device flags (no host sync)."""
+        """Accumulate on the device; data checks become device flags (no host sync).
+
+        A rejected call (bad weights; non-finite values under "error") is zeroed by
+        ``where`` on its outputs, whatever they hold, and counted in the flags.
+        """
         kind = acc.kind
-        if weights is not None:
+        if weights is not None and weights.dim() != 1:
             weights = weights.reshape(-1)
         rejected = None
         if weights is not None and check_weights:
-            rejected = (weights < 0).any() | ~torch.isfinite(weights).all()
+            rejected = ~((weights >= 0) & (weights < math.inf)).all()  # NaN fails both
         num_nonfinite = None
         keep_old = None
         if self.nonfinite == "skip":
@@ -223,13 +229,9 @@ class Tracker(LogMethods):
         elif self.nonfinite == "error":
             bad = ~torch.isfinite(values).all()
             rejected = bad if rejected is None else rejected | bad
-        if rejected is not None and weights is not None:
-            weights = torch.where(rejected, 0.0, weights.clamp_min(0.0))
-            weights = torch.where(torch.isfinite(weights), weights, 0.0)
         sums, maxes = kind.update(values, weights)
-        if num_nonfinite is None and rejected is None:
-            flags = sums.new_zeros(NUM_FLAGS)
-        else:
+        flags = None
+        if num_nonfinite is not None or rejected is not None:
             zero = sums.new_zeros(())
             flags = torch.stack(
                 (
@@ -241,11 +243,10 @@ class Tracker(LogMethods):
             sums = torch.where(rejected, 0.0, sums)
             maxes = torch.where(rejected, -math.inf, maxes)
             keep_old = rejected if keep_old is None else keep_old | rejected
-        sums = torch.cat((sums, flags))
         if kind.replaces:
-            replace_dev(acc, sums, maxes, keep_old)
+            replace_dev(acc, sums, maxes, keep_old, flags)
         else:
-            acc.add_dev(sums, maxes)
+            acc.add_dev(sums, maxes, flags)
         if kind.has_extra:
             batch = kind.batch_extra(values, weights)
             if rejected is not None:
@@ -294,9 +295,17 @@ class Tracker(LogMethods):
 
     def _local_reduce(self) -> Reduced:
         """This process's step in packed form (one host transfer)."""
-        layout = Layout([(name, acc.kind) for name, acc in self._accumulators.items()])
+        accumulators = self._accumulators
+        layout = self._local_layout
+        if (
+            layout is None
+            or len(layout.slots) != len(accumulators)
+            or not layout.fits(accumulators)
+        ):
+            layout = Layout([(name, acc.kind) for name, acc in accumulators.items()])
+            self._local_layout = layout
         try:
-            return local_reduce(self._accumulators, layout, self.device())
+            return local_reduce(accumulators, layout, self.device())
         except RejectedInputError:
             self._forget_rejected()
             raise
@@ -331,8 +340,8 @@ class Tracker(LogMethods):
         return self
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the sync cache: it holds this process's groups (weakly)."""
-        return {**self.__dict__, "sync_cache": None}
+        """Pickle without the caches: the sync cache holds this process's groups (weakly)."""
+        return {**self.__dict__, "sync_cache": None, "_local_layout": None}
 
     def reset(self) -> None:
         """Forget every metric (a new step begins)."""

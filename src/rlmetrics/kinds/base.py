@@ -216,12 +216,20 @@ class Accumulator:
         for i, value in enumerate(maxes):
             self.maxes[i] = _nan_max(self.maxes[i], value)
 
-    def add_dev(self, sums: Tensor, maxes: Tensor | None) -> None:
-        """Add device contributions (``sums`` includes the framework flags)."""
-        if self.dev_sums is None:
-            self.dev_sums = sums
-        else:
-            self.dev_sums = self.dev_sums + sums.to(self.dev_sums.device)
+    def add_dev(self, sums: Tensor, maxes: Tensor | None, flags: Tensor | None = None) -> None:
+        """Add device contributions: the kind's ``sums`` and ``maxes``, and the framework
+        ``flags`` ([num_nonfinite, num_rejected]) when a call has any.
+
+        ``dev_sums`` is this accumulator's own tensor (always made here by ``cat``), so
+        the common case adds in place: one kernel per call.
+        """
+        total = self.dev_sums
+        if total is None:
+            self.dev_sums = torch.cat((sums, sums.new_zeros(NUM_FLAGS) if flags is None else flags))
+        elif flags is not None:
+            self.dev_sums = total + torch.cat((sums, flags)).to(total.device)
+        elif len(sums):
+            total[: len(sums)].add_(sums if sums.device == total.device else sums.to(total.device))
         if maxes is not None and maxes.numel():
             if self.dev_maxes is None:
                 self.dev_maxes = maxes

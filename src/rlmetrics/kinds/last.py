@@ -87,10 +87,18 @@ def replace(acc: Accumulator) -> None:
     acc.dev_maxes = None
 
 
-def replace_dev(acc: Accumulator, sums: Tensor, maxes: Tensor, keep_old: Tensor | None) -> None:
+def replace_dev(
+    acc: Accumulator,
+    sums: Tensor,
+    maxes: Tensor,
+    keep_old: Tensor | None,
+    flags: Tensor | None = None,
+) -> None:
     """Make a device value the rank's latest, unless ``keep_old`` (device bool) is set.
 
-    The host half is folded into the device half so that "latest" spans both.
+    ``sums`` are the kind's own (no framework flags); ``flags`` are added to the
+    accumulated ones. The host half is folded into the device half so that "latest"
+    spans both.
     """
     device = sums.device
     old_sums = _on_device(acc.sums, sums)
@@ -99,11 +107,12 @@ def replace_dev(acc: Accumulator, sums: Tensor, maxes: Tensor, keep_old: Tensor 
     old_maxes = _on_device(acc.maxes, maxes)
     if acc.dev_maxes is not None:
         old_maxes = torch.maximum(old_maxes, acc.dev_maxes.to(device))
-    new_values = sums[:-NUM_FLAGS]
+    new_values = sums
     if keep_old is not None:
         new_values = torch.where(keep_old, old_sums[:-NUM_FLAGS], new_values)
         maxes = torch.where(keep_old, old_maxes, maxes)
-    acc.dev_sums = torch.cat((new_values, old_sums[-NUM_FLAGS:] + sums[-NUM_FLAGS:]))
+    old_flags = old_sums[-NUM_FLAGS:]
+    acc.dev_sums = torch.cat((new_values, old_flags if flags is None else old_flags + flags))
     acc.dev_maxes = maxes
     acc.sums[:] = [0.0] * len(acc.sums)
     acc.maxes[:] = [-math.inf] * len(acc.maxes)
