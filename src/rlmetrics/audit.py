@@ -26,6 +26,7 @@ import torch
 
 from rlmetrics.tracker import Tracker
 from rlmetrics.trainer.config import AlgoConfig, ModelConfig, RunConfig, TrainConfig
+from rlmetrics.trainer.launch import exit_now
 
 DEFAULT_PARTITIONS = "1,2:mbs=3,2:tokens=24,4:mbs=1"
 MEASUREMENTS = ("timing_s/", "timing_per_token_ms/", "perf/")
@@ -207,6 +208,7 @@ def _rank_main(rank: int, world: int, port: int, cfg: TrainConfig, parts: list[P
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+    exit_now(0)  # skip the interpreter's teardown (see trainer.launch.exit_now)
 
 
 def run_partitions(cfg: TrainConfig, parts: list[Partition]) -> dict[str, tuple[dict, dict]]:

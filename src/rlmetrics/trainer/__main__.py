@@ -12,6 +12,8 @@ demo's (``rlmetrics demo --help``); ``--dp`` is ignored: torchrun sets the world
 import sys
 
 from rlmetrics.cli import main
+from rlmetrics.trainer.launch import exit_now
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    code = main(["train", *sys.argv[1:]])
+    exit_now(code if isinstance(code, int) else 0)  # skip teardown: see exit_now

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +51,20 @@ def _spawned(rank: int, cfg: TrainConfig, world_size: int, port: int, out: str) 
             dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(history))
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End a finished rank without the interpreter's teardown.
+
+    Gloo's worker threads can still hold work objects with tensors when Python
+    finalises; destroying them then aborts the process ("terminate called without an
+    active exception", SIGABRT) although every step, log and file is done. The
+    process group is destroyed and output flushed before this is called.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(cfg: TrainConfig) -> list[dict[str, float]]:
