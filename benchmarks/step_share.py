@@ -171,13 +171,17 @@ def _rank(rank: int, world: int, port: int, cfg: Any, out: str) -> None:
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps((overhead, steps)))
 
 
-def run(steps: int, dp: int, run_dir: str) -> list[tuple[tuple[float, float], list[dict]]]:
+def run(
+    steps: int, dp: int, run_dir: str, model: dict[str, int] | None = None
+) -> list[tuple[tuple[float, float], list[dict]]]:
     """Train the demo for ``steps`` steps on ``dp`` ranks; per rank (overhead, steps)."""
     from rlmetrics.trainer.config import TrainConfig
     from rlmetrics.trainer.launch import free_port
 
     cfg = TrainConfig()
     cfg = replace(cfg, run=replace(cfg.run, steps=steps, dp=dp, run_dir=run_dir, progress=False))
+    if model:
+        cfg = replace(cfg, model=replace(cfg.model, **model))
     with tempfile.TemporaryDirectory(prefix="step-share-") as tmp:
         mp.spawn(_rank, args=(dp, free_port(), cfg, tmp), nprocs=dp)
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(dp)]
@@ -276,9 +280,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--n-embd", type=int, default=None, help="model width (default: demo's)")
+    parser.add_argument("--n-layer", type=int, default=None, help="model depth (default: demo's)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="step-share-run-") as run_dir:
-        results = run(args.steps, args.dp, run_dir)
+        model = {k: v for k, v in (("n_embd", args.n_embd), ("n_layer", args.n_layer)) if v}
+        results = run(args.steps, args.dp, run_dir, model)
     per_rank = [{clock: summarize(overhead, steps[args.warmup :], clock) for clock in CLOCKS}
                 for overhead, steps in results]  # fmt: skip
     worst = {clock: max(m[clock]["share"] for m in per_rank) for clock in CLOCKS}
