@@ -3,8 +3,10 @@ classic metric bugs, and reports a table of what drifts."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,3 +145,136 @@ def test_pieces_carry_counts_and_token_budgets_respected() -> None:
 
     assert_partition_invariant(fn, make_batch(), token_budgets=(4,), mask_key="response_mask")
     assert seen and max(seen) <= 4
+
+
+# -- the real-rank mode: run_ranks spawns gloo ranks that all call the checker ------------
+
+
+def correct_fn(seen: list | None = None):
+    def fn(piece, tracker):
+        if seen is not None and piece.info.partition.startswith("real "):
+            seen.append((piece.info.partition, piece.info.rank, piece.info.rows.tolist()))
+        out = policy(piece)
+        rl.log_updates(tracker, out.updates)
+        tracker.sum("rows", float(len(piece["logp"])))
+        tracker.max("longest", piece["response_mask"].sum(-1), piece["response_mask"].any(-1))
+
+    return fn
+
+
+def mean_of_means_fn(piece, tracker):
+    m = piece["response_mask"]
+    clipped = policy(piece).updates[1].value
+    if m.any():
+        tracker.mean("actor/pg_clipfrac", clipped[m].mean())  # weight 1 per micro-batch
+
+
+def outcome(call) -> tuple[str, str]:
+    """("ok", "") or (the exception's type name, its message)."""
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "ok", ""
+
+
+def real_rank_checks(rank: int, world: int) -> dict:
+    """Every scenario on every rank of one spawned group (one spawn per world size)."""
+    batch = make_batch()
+    out: dict = {}
+    seen: list = []
+    out["metrics"] = assert_partition_invariant(correct_fn(seen), batch)
+    out["seen"] = seen
+    out["bug"] = outcome(lambda: assert_partition_invariant(mean_of_means_fn, batch))
+    # one micro-batch per simulated rank: only the real ranks' merge can see this bug
+    only_real = {"ranks": (1,), "micro_batch_sizes": (7,), "token_budgets": (), "shuffle": False}
+    out["bug_real_only"] = outcome(
+        lambda: assert_partition_invariant(mean_of_means_fn, batch, **only_real)
+    )
+    out["bug_off"] = outcome(
+        lambda: assert_partition_invariant(mean_of_means_fn, batch, real_ranks=False, **only_real)
+    )
+    small = {k: v[: world - 1] for k, v in batch.items()}  # the last rank's shard is empty
+    seen_small: list = []
+    out["small"] = outcome(lambda: assert_partition_invariant(correct_fn(seen_small), small))
+    out["seen_small"] = seen_small
+
+    def raises_on_rank_1(piece, tracker):
+        if piece.info.partition.startswith("real ") and piece.info.rank == 1:
+            raise ZeroDivisionError("rank 1 fails")
+        tracker.sum("rows", float(len(piece["logp"])))
+
+    out["raises"] = outcome(lambda: assert_partition_invariant(raises_on_rank_1, batch))
+    other = {k: v.flip(0) if rank == 0 else v for k, v in batch.items()}
+    out["other_batch"] = outcome(lambda: assert_partition_invariant(correct_fn(), other))
+    out["after"] = assert_partition_invariant(correct_fn(), batch, ranks=(2,)) == out["metrics"]
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world={w}")
+def real_ranks(request) -> tuple[int, list[dict]]:
+    from multiprocess import ok_results, run_ranks
+
+    return request.param, ok_results(run_ranks(real_rank_checks, request.param, timeout=90))
+
+
+def test_real_ranks_correct_code_passes_on_every_rank(real_ranks) -> None:
+    world, per_rank = real_ranks
+    assert all(r["metrics"] == per_rank[0]["metrics"] for r in per_rank)
+    assert per_rank[0]["metrics"]["rows"] == 7.0 and "actor/pg_loss" in per_rank[0]["metrics"]
+    shares = [s.tolist() for s in np.array_split(np.arange(7), world)]
+    for rank, result in enumerate(per_rank):
+        seen = result["seen"]
+        assert {r for _, r, _ in seen} == {rank}
+        labels = {label for label, _, _ in seen}
+        assert f"real ranks={world} micro_batch_size=7" in labels
+        assert any("token_budget" in label for label in labels)
+        assert any("shuffled" in label for label in labels)
+        whole_share = [rows for label, _, rows in seen if label.endswith("micro_batch_size=7")]
+        assert whole_share == [shares[rank]]
+        assert result["after"]  # every rank left the group's collectives in step
+
+
+def test_real_ranks_a_bug_raises_on_every_rank_naming_the_metric(real_ranks) -> None:
+    world, per_rank = real_ranks
+    for result in per_rank:
+        kind, message = result["bug"]
+        assert kind == "AssertionError" and "actor/pg_clipfrac" in message
+        # the simulated runs pass; the merge over real ranks catches the mean of means
+        kind, message = result["bug_real_only"]
+        assert kind == "AssertionError", message
+        assert re.search(rf"actor/pg_clipfrac +\d+ +real ranks={world} ", message)
+        assert result["bug_off"] == ("ok", "")  # real_ranks=False: simulated ranks only
+
+
+def test_real_ranks_empty_shard(real_ranks) -> None:
+    world, per_rank = real_ranks
+    shares = [s.tolist() for s in np.array_split(np.arange(world - 1), world)]
+    assert shares[-1] == []
+    for rank, result in enumerate(per_rank):
+        assert result["small"] == ("ok", "")
+        rows = sorted({tuple(r) for label, _, r in result["seen_small"]})
+        if rank == world - 1:
+            assert all(r == () for r in rows)  # only empty pieces, or none at all
+        else:
+            assert rows[-1] == tuple(shares[rank])
+
+
+def test_real_ranks_a_failure_on_one_rank_raises_on_all(real_ranks) -> None:
+    _, per_rank = real_ranks
+    for rank, result in enumerate(per_rank):
+        kind, message = result["raises"]
+        if rank == 1:
+            assert (kind, message) == ("ZeroDivisionError", "rank 1 fails")
+        else:
+            assert kind == "RuntimeError" and "rank(s) [1]" in message and "rank 1 fails" in message
+        kind, message = result["other_batch"]
+        assert kind == "ValueError" and "different batches" in message
+
+
+def test_real_ranks_need_a_process_group() -> None:
+    with pytest.raises(ValueError, match=r"needs torch\.distributed"):
+        assert_partition_invariant(correct_fn(), make_batch(), real_ranks=True)
+    with pytest.raises(TypeError, match="real_ranks"):
+        assert_partition_invariant(correct_fn(), make_batch(), real_ranks="yes")
+    assert assert_partition_invariant(correct_fn(), make_batch(), real_ranks=False)

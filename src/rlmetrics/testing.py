@@ -4,30 +4,40 @@
 of ``batch`` (micro-batch sizes, token budgets, simulated data-parallel ranks, empty
 pieces, a shuffled order, repeated epochs) and checks that every metric equals the
 whole-batch run. Simulated ranks log into their own Trackers, merged through
-``state()`` as ranks or Ray workers are; no process group is needed.
+``state()`` as ranks or Ray workers are; no process group is needed. When one is
+initialised (or ``group=`` is passed), every rank of the group also runs its own shard
+of the batch and merges with ``Tracker.compute(group=...)``: the real collective.
 
 Pieces are ``Piece`` dicts: the batch's tensors for the piece's rows, plus ``.info``
 (``PieceInfo``: rank, micro-batch index, epoch, ...) and ``.counts``: the whole
 mini-batch's ``BatchCounts`` (global tokens and sequences, ``grad_scale`` = number of
-simulated ranks) to pass to ``rlmetrics.rl`` losses as ``counts=piece.counts``.
+simulated or real ranks) to pass to ``rlmetrics.rl`` losses as ``counts=piece.counts``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from rlmetrics.distributed import all_reduce, comm_device, gather_bytes, resolve_group
 from rlmetrics.rl.counts import BatchCounts, local_counts
 from rlmetrics.tracker import Tracker
 
 MASK_KEYS = ("response_mask", "mask")
-OPTIONS = ("mask_key", "token_budgets", "epochs", "empty_pieces", "shuffle", "seed", "tracker")
+OPTIONS = (
+    "mask_key", "token_budgets", "epochs", "empty_pieces", "shuffle", "seed", "tracker",
+    "group", "real_ranks",
+)  # fmt: skip
+REAL = "real "  # the label prefix of runs across real ranks
 Split = list[list[np.ndarray]]  # per rank, per micro-batch: row indices
 
 
@@ -36,8 +46,10 @@ class PieceInfo:
     """Where a piece sits in its run.
 
     Attributes:
-        partition: the run's label, e.g. "ranks=2 micro_batch_size=3".
-        rank, num_ranks: the simulated data-parallel rank.
+        partition: the run's label, e.g. "ranks=2 micro_batch_size=3"; runs across
+            real ranks start with "real ", e.g. "real ranks=2 micro_batch_size=3".
+        rank, num_ranks: the simulated data-parallel rank, or the real rank in the
+            group (and the group's size) for "real " runs.
         epoch: the pass over the data (0-based).
         index, num_pieces: the micro-batch's position on its rank in this epoch.
         rows: the piece's row indices in ``batch``.
@@ -84,6 +96,21 @@ def assert_partition_invariant(
 ) -> dict[str, float]:
     """Check that ``fn``'s metrics do not depend on how ``batch`` is split.
 
+    Without a process group, everything runs in this process: simulated ranks log into
+    their own Trackers, merged through ``state()``.
+
+    With torch.distributed initialised (or ``group=`` passed), the check also runs
+    across the group's real ranks. Every rank of the group must call it, with the same
+    ``fn`` and the same whole ``batch``. Each rank runs the simulated checks, then takes
+    its contiguous shard of the batch (``np.array_split``: uneven shards, empty ones
+    when the batch has fewer rows than the group has ranks), runs ``fn`` over it in the
+    same micro-batch sizes, token budgets, empty pieces and shuffled order as a
+    simulated run with that many ranks (labels "real ranks=N ..."; ``piece.info.rank``
+    is the real rank), merges with ``Tracker.compute(group=...)`` and compares with its
+    own whole-batch run. Ranks then exchange their reports, so a drift on any rank
+    raises on every rank and no rank is left waiting in a collective; an exception
+    raised by ``fn`` on one rank is re-raised there and reported on the others.
+
     Args:
         fn: ``fn(piece, tracker)`` logs the metrics of one piece. It may keep state per
             ``(piece.info.partition, piece.info.rank)``; it must not share state across
@@ -97,36 +124,172 @@ def assert_partition_invariant(
             default the longest sequence and twice it), ``epochs`` (default (1,); pass
             (1, 2) when every metric is a per-step mean), ``empty_pieces`` (True),
             ``shuffle`` (True: one run on permuted rows), ``seed`` (0), ``tracker``
-            (keyword arguments of each ``Tracker``).
+            (keyword arguments of each ``Tracker``), ``group`` (the process group of
+            the real ranks: a ProcessGroup or a (DeviceMesh, dim name) pair; default
+            the world when torch.distributed is initialised), ``real_ranks`` (None:
+            check across real ranks when a group is initialised or passed; False:
+            never, even then; True: always, raising when there is no group).
 
     Returns:
         The whole-batch metrics (one piece, one rank, one epoch).
 
     Raises:
-        AssertionError: with a table of the drifting metrics.
-
-    TODO: with a process group initialised, also run across the real ranks and compare
-    ``compute(group=...)`` with the local whole-batch run.
+        AssertionError: with a table of the drifting metrics (on every rank of the
+            group in the real-rank mode).
+        ValueError: ``real_ranks=True`` without a process group, or (on every rank)
+            ranks passed different batches or options.
+        RuntimeError: on the other ranks, when ``fn`` raised on some rank.
     """
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"assert_partition_invariant: unknown options {unknown}; known {OPTIONS}")
     size = _batch_size(batch)
+    group = _real_group(options)
     mask_key = options.get("mask_key", next((k for k in MASK_KEYS if k in batch), None))
     mask = None if mask_key is None else batch[mask_key]
     tracker_options = dict(options.get("tracker", {}))
-    whole = [[np.arange(size)]]
-    expected = _run(fn, batch, whole, "whole batch", mask, 1, tracker_options)
+    expected: dict[str, float] | None = None
     drifts: dict[str, list[tuple]] = {}
-    for label, split in _splits(size, mask, ranks, micro_batch_sizes, options):
-        for epochs in options.get("epochs", (1,)):
-            run_label = label if epochs == 1 else f"{label} epochs={epochs}"
-            got = _run(fn, batch, split, run_label, mask, epochs, tracker_options)
-            for name, row in _compare(expected, got, rtol, atol):
-                drifts.setdefault(name, []).append((run_label, *row))
+    error: BaseException | None = None
+    try:
+        whole = [[np.arange(size)]]
+        expected = _run(fn, batch, whole, "whole batch", mask, 1, tracker_options)
+        for label, split in _splits(size, mask, ranks, micro_batch_sizes, options):
+            for epochs in options.get("epochs", (1,)):
+                run_label = label if epochs == 1 else f"{label} epochs={epochs}"
+                got = _run(fn, batch, split, run_label, mask, epochs, tracker_options)
+                for name, row in _compare(expected, got, rtol, atol):
+                    drifts.setdefault(name, []).append((run_label, *row))
+    except Exception as err:
+        if group is None:
+            raise
+        error = err  # raised after the real-rank runs, which every rank must join
+    if group is not None:
+        error = _check_real_ranks(
+            fn, batch, group, mask, expected, drifts, error, micro_batch_sizes, rtol, atol,
+            options,
+        )  # fmt: skip
+    if error is not None:
+        raise error
     if drifts:
         raise AssertionError(_table(drifts))
+    assert expected is not None
     return expected
+
+
+def _real_group(options: Mapping[str, Any]) -> Any:
+    """The process group of the real-rank mode, or None to run simulated ranks only."""
+    real = options.get("real_ranks")
+    if real is not None and not isinstance(real, bool):
+        raise TypeError(f"real_ranks must be None, True or False, got {real!r}")
+    if real is False:
+        return None
+    group = options.get("group")
+    initialised = dist.is_available() and dist.is_initialized()
+    if not initialised:
+        if real or group is not None:
+            raise ValueError(
+                "assert_partition_invariant: the real-rank mode (real_ranks=True or group=...) "
+                "needs torch.distributed to be initialised"
+            )
+        return None
+    pg = resolve_group(group)
+    if dist.get_rank(pg) < 0:
+        raise ValueError("assert_partition_invariant: this process is not in group")
+    return pg
+
+
+def _check_real_ranks(
+    fn: Callable, batch: Mapping[str, Tensor], group: Any, mask: Tensor | None,
+    expected: Mapping[str, float] | None, drifts: dict[str, list[tuple]],
+    error: BaseException | None, sizes: Sequence[int] | None, rtol: float, atol: float,
+    options: Mapping[str, Any],
+) -> BaseException | None:  # fmt: skip
+    """Run every rank's shard, merge over ``group``, compare with the whole batch.
+
+    Adds the drifts to ``drifts``; returns the exception to raise (``error``, the first
+    one ``fn`` or ``compute`` raised here, or another rank's failure), else None. Every
+    rank issues the same collectives whatever fails, so none is left waiting.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = comm_device(group)
+    size = _batch_size(batch)
+    runs = [
+        (REAL + (label if epochs == 1 else f"{label} epochs={epochs}"), split[rank], epochs)
+        for label, split in _splits(size, mask, (world,), sizes, options)
+        for epochs in options.get("epochs", (1,))
+    ]
+    _check_same_call(batch, runs, group, device)
+    counts = None
+    if mask is not None:
+        total = local_counts(mask)
+        counts = BatchCounts(total[0], total[1], float(world))
+    tracker_options = dict(options.get("tracker", {}))
+    for label, pieces, epochs in runs:
+        tracker = Tracker(**tracker_options)
+        if error is None:  # after a failure, join the collectives with an empty tracker
+            try:
+                for epoch in range(epochs):
+                    for index, rows in enumerate(pieces):
+                        info = PieceInfo(
+                            label, rank, world, epoch, index, len(pieces), rows, counts
+                        )
+                        fn(_piece(batch, info), tracker)
+            except Exception as err:
+                error = err
+                tracker.reset()
+        try:
+            got = tracker.compute(group=group)
+        except Exception as err:  # the sync's errors (kind conflicts) are every rank's
+            error = error or err
+            continue
+        if error is None and expected is not None:
+            for name, row in _compare(expected, got, rtol, atol):
+                drifts.setdefault(name, []).append((label, *row))
+    if error is not None:  # "E": raised, "D": drifted, "P": passed (never empty bytes)
+        trace = "".join(traceback.format_exception(error, limit=-3)).strip()
+        report = f"E{type(error).__name__}: {error}\n{trace}"
+    else:
+        report = "D" + _table(drifts) if drifts else "P"
+    reports = [r.decode() for r in gather_bytes(report.encode(), group, device, None)]
+    failed = [r for r, text in enumerate(reports) if text != "P"]
+    if error is not None or not failed:
+        return error
+    if drifts and all(text == report for text in reports):  # the same table everywhere
+        return AssertionError(report[1:])
+    crashed = [r for r in failed if reports[r].startswith("E")]
+    shown = crashed or failed  # a crash makes the other ranks' merges drift: not shown
+    texts = "\n".join(f"--- rank {r}:\n{reports[r][1:]}" for r in shown)
+    if crashed:
+        return RuntimeError(
+            f"assert_partition_invariant: fn or compute raised on rank(s) {crashed}:\n{texts}"
+        )
+    return AssertionError(f"metrics depend on the partition on rank(s) {failed}:\n{texts}")
+
+
+def _check_same_call(
+    batch: Mapping[str, Tensor], runs: list, group: Any, device: torch.device
+) -> None:
+    """Raise ValueError on every rank unless all ranks passed the same batch and runs."""
+    digest = hashlib.blake2b(digest_size=8)
+    for key in sorted(batch):
+        value = batch[key].detach().cpu().contiguous()
+        digest.update(f"{key}|{value.dtype}|{tuple(value.shape)}|".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(repr([(label, epochs) for label, _, epochs in runs]).encode())
+    value = float(int.from_bytes(digest.digest(), "little") >> 12)  # 52 bits: exact
+    both = torch.tensor([value, -value], dtype=torch.float64, device=device)
+    all_reduce(both, dist.ReduceOp.MAX, group, None, "batch check")
+    if both[0].item() != -both[1].item():
+        raise ValueError(
+            "assert_partition_invariant: ranks passed different batches or options; every "
+            "rank of the group must pass the same whole batch"
+        )
+
+
+def _piece(batch: Mapping[str, Tensor], info: PieceInfo) -> Piece:
+    select = torch.as_tensor(info.rows, dtype=torch.long)
+    return Piece({k: v[select.to(v.device)] for k, v in batch.items()}, info)
 
 
 def _batch_size(batch: Mapping[str, Tensor]) -> int:
