@@ -33,17 +33,16 @@ import datetime
 import os
 import platform
 import random
-import re
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from rlmetrics import Tracker
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+from results_md import write_section
+
 START, END = "<!-- log_bench:start -->", "<!-- log_bench:end -->"
 CONTENDERS = ("rlmetrics", "torchmetrics", "verl-style")
 INPUTS = ("python float", "0-d tensor", "1k tensor + bool mask")
@@ -177,17 +176,6 @@ def section(rows: list[str], args: argparse.Namespace, verdict: str) -> str:
     )
 
 
-def write_results(text: str) -> None:
-    """Replace the marked section of RESULTS.md (or append it); keep everything else."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text, old)
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    RESULTS.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark, print the table, write RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -210,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     print(verdict)
     print(f"total {time.perf_counter() - start:.0f} s")
     if not args.no_write:
-        write_results(section(rows, args, verdict))
+        write_section(section(rows, args, verdict), START, END)
 
 
 if __name__ == "__main__":

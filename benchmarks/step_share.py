@@ -41,7 +41,6 @@ import functools
 import importlib
 import pickle
 import platform
-import re
 import statistics
 import tempfile
 import time
@@ -54,7 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+from results_md import write_section
+
 START, END = "<!-- step_share:start -->", "<!-- step_share:end -->"
 TARGET = 0.01
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: all threads
@@ -262,17 +262,6 @@ def section(rows: list[str], args: argparse.Namespace, worst: dict, loggers: flo
     ])  # fmt: skip
 
 
-def write_results(text: str) -> None:
-    """Replace the marked section of RESULTS.md (or append it); keep everything else."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text, old)
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    RESULTS.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark, print the table, write RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -293,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     text = section(table(per_rank), args, worst, loggers)
     print(text)
     if not args.no_write:
-        write_results(text)
+        write_section(text, START, END)
 
 
 if __name__ == "__main__":

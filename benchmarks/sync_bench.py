@@ -36,7 +36,6 @@ import datetime
 import gc
 import math
 import platform
-import re
 import socket
 import time
 import traceback
@@ -50,9 +49,10 @@ import torch.multiprocessing as mp
 
 from rlmetrics import Tracker
 
+from results_md import write_section
+
 KINDS = ("mean", "sum", "max", "min", "last")
 MICRO_BATCHES = 4
-RESULTS = Path(__file__).with_name("RESULTS.md")
 START, END = "<!-- sync_bench:start -->", "<!-- sync_bench:end -->"
 CONTENDERS = ("rlmetrics", "bare", "verl", "torchmetrics")
 CPU = "cpu:"  # key prefix of process-CPU times
@@ -424,17 +424,6 @@ def section(results: dict, args: argparse.Namespace, reading: str) -> str:
     )
 
 
-def write_results(text: str) -> None:
-    """Replace the marked section of RESULTS.md (or append it); keep everything else."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text, old)
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    RESULTS.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run every world size, print the table, write RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -456,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"total {time.perf_counter() - start:.0f} s")
     reading = args.reading.read_text().strip() if args.reading else ""
     if not args.no_write:
-        write_results(section(results, args, reading))
+        write_section(section(results, args, reading), START, END)
 
 
 if __name__ == "__main__":
