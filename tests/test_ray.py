@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -25,6 +23,7 @@ import torch
 
 from rlmetrics import Tracker, TrackerState
 
+from local_ray import local_ray
 from multiprocess import free_port
 
 try:
@@ -180,35 +179,13 @@ def _nan_equal(a: dict, b: dict) -> bool:
 # -- the Ray session -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def actors() -> Iterator[list]:
-    """One local Ray for the module: 2 CPUs, small object store, no dashboard."""
-    from rlmetrics.ray import init_ray
-
-    if ray.is_initialized():
-        pytest.skip("another Ray session is running in this process")
-    tmp = tempfile.mkdtemp(prefix="rlm-ray-")  # short: Ray's socket paths have a limit
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HOME", tmp)
-        patch.setenv("TMPDIR", tmp)
-        patch.setenv("RAY_AUTH_MODE", "disabled")
-        patch.delenv("RAY_ADDRESS", raising=False)
-        path = os.environ.get("PYTHONPATH", "")
-        patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(TESTS_DIR), path) if p))
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        try:
-            init_ray(
-                num_cpus=2,
-                object_store_memory=80 * 1024 * 1024,
-                _temp_dir=os.path.join(tmp, "ray"),
-                logging_level="WARNING",
-            )
-            worker = ray.remote(num_cpus=1)(Worker)
-            port = free_port()
-            handles = [worker.remote(rank, WORLD, port) for rank in range(WORLD)]
-            ray.get([h.ready.remote() for h in handles], timeout=180)
-            yield handles
-        finally:
-            ray.shutdown()
-            shutil.rmtree(tmp, ignore_errors=True)
+    """The module's local Ray, with WORLD actors forming a gloo group."""
+    with local_ray(num_cpus=2):
+        worker = ray.remote(num_cpus=1)(Worker)
+        port = free_port()
+        handles = [worker.remote(rank, WORLD, port) for rank in range(WORLD)]
+        ray.get([h.ready.remote() for h in handles], timeout=180)
+        yield handles
 
 
 @needs_ray  # runs before the module's Ray starts

@@ -4,11 +4,9 @@ dispatch/collect helpers, and a Ray round trip equal to a gloo group's compute()
 from __future__ import annotations
 
 import importlib
-import os
 import pickle
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +30,8 @@ from rlmetrics.tensordict import (  # noqa: E402
     metrics_field,
     update,
 )
+
+from local_ray import local_ray  # noqa: E402
 
 HIST = Histogram(name="td_test_hist", edges=(-2.0, -1.0, 0.0, 1.0, 2.0))
 
@@ -265,20 +265,12 @@ def test_clone_and_pickle_keep_the_state(outputs: list[TensorDict]) -> None:
 
 # -- Ray: workers return TensorDicts; the driver's collect equals a gloo group ----------
 @pytest.fixture(scope="module")
-def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    ray = pytest.importorskip("ray", reason="ray is an optional extra")
-    home = tmp_path_factory.mktemp("ray")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HOME", str(home))
-        mp.setenv("TMPDIR", str(home))
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        tests_dir = str(Path(__file__).parent)
-        mp.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
+def ray_session() -> Iterator[object]:
+    """One local Ray for the module (see tests/local_ray.py)."""
+    with local_ray(num_cpus=2):
+        import ray
+
+        yield ray
 
 
 def test_ray_collect_equals_gloo_compute(ray_session: object) -> None:

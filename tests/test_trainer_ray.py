@@ -11,16 +11,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rlmetrics.cli import main
+
+from local_ray import local_ray
 
 try:
     import ray
@@ -59,30 +59,9 @@ def assert_close(name: str, got: dict, want: dict, rtol: float, step: int) -> No
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    """One local Ray for the module: 2 CPUs, small object store, no dashboard."""
-    from rlmetrics.ray import init_ray
-
-    if ray.is_initialized():
-        pytest.skip("another Ray session is running in this process")
-    tmp = tempfile.mkdtemp(prefix="rlm-ray-")  # short: Ray's socket paths have a limit
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HOME", tmp)
-        patch.setenv("TMPDIR", tmp)
-        patch.setenv("RAY_AUTH_MODE", "disabled")
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        patch.delenv("RAY_ADDRESS", raising=False)
-        try:
-            init_ray(
-                num_cpus=2,
-                include_dashboard=False,
-                object_store_memory=80 * 1024 * 1024,
-                _temp_dir=os.path.join(tmp, "ray"),
-                logging_level="WARNING",
-            )
-            yield
-        finally:
-            ray.shutdown()
-            shutil.rmtree(tmp, ignore_errors=True)
+    """One local Ray for the module (see tests/local_ray.py)."""
+    with local_ray(num_cpus=2):
+        yield
 
 
 @pytest.fixture(scope="module")
