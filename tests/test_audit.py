@@ -2,7 +2,8 @@
 
 One launch of four gloo ranks runs step 1 under the default partitions (dp1 whole,
 dp2 micro-batches of 3, dp2 token budget, dp4 uneven shards); a second, smaller one goes
-through the command line with ``--naive --plot``.
+through the command line with ``--naive --plot``. ``--fn`` audits a user module written to
+tmp_path over the checker's runs (no processes).
 """
 
 from __future__ import annotations
@@ -103,3 +104,96 @@ def test_spread_and_partition_parsing() -> None:
     for bad in ("1", "x,2", "1,2:mbs=0", "1,2:size=3"):
         with pytest.raises(ValueError, match="--partitions"):
             parse_partitions(bad)
+
+
+# -- --fn: a user's function through the checker ---------------------------------------
+USER_MODULE = '''
+def token_mean(piece, tracker):
+    """Correct: a token-weighted mean, merged exactly over any split."""
+    loss, mask = piece["loss"], piece["response_mask"]
+    tracker.mean("loss/token_mean", loss, mask)
+
+
+def mean_of_means(piece, tracker):
+    """The bug: each micro-batch's own token mean, then the mean of those."""
+    token_mean(piece, tracker)
+    loss, mask = piece["loss"], piece["response_mask"]
+    if mask.sum() > 0:
+        tracker.mean("loss/mean_of_means", (loss * mask).sum() / mask.sum())
+'''
+
+
+@pytest.fixture
+def user_fn(tmp_path, monkeypatch):
+    """A user module and a saved batch in tmp_path, which is the current directory."""
+    import sys
+
+    import torch
+
+    name = f"audit_user_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(USER_MODULE)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([1, 5, 2, 7, 3, 3, 6, 1, 4])
+    mask = (torch.arange(8)[None, :] < lengths[:, None]).to(torch.float64)
+    loss = torch.rand(len(lengths), 8, generator=gen, dtype=torch.float64)
+    torch.save({"loss": loss, "response_mask": mask}, tmp_path / "batch.pt")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the audit puts the cwd first
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_fn_audit_of_a_correct_mean_is_invariant(user_fn, capsys) -> None:
+    assert main(["audit", "--fn", f"{user_fn}:token_mean", "--batch", "batch.pt"]) == 0
+    text = capsys.readouterr().out
+    assert "9 rows" in text and "loss/token_mean" in text
+    assert "1 metrics invariant to 1e-09; 0 drift" in text
+    assert "ranks=4 micro_batch_size=1" in text and "token_budget=" in text
+    assert "naive" not in text  # no naive column in --fn mode
+
+
+def test_fn_audit_names_a_drifting_mean_of_means_and_plots(user_fn, tmp_path, capsys) -> None:
+    args = ["audit", "--fn", f"{user_fn}:mean_of_means", "--batch", "batch.pt",
+            "--ranks", "1,2", "--micro-batch-sizes", "2,4", "--plot", "fn.png"]  # fmt: skip
+    assert main(args) == 1
+    text = capsys.readouterr().out
+    assert "1 metrics invariant to 1e-09; 1 drift" in text
+    drifting = [line for line in text.splitlines() if "DRIFT" in line]
+    assert len(drifting) == 1 and "loss/mean_of_means" in drifting[0]
+    assert "ranks=2 micro_batch_size=4" in text and "ranks=4" not in text
+    assert "micro_batch_size=3" not in text
+    data = (tmp_path / "fn.png").read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_fn_audit_rejects_bad_arguments(user_fn) -> None:
+    for args, message in (
+        (["--fn", f"{user_fn}:token_mean"], "--fn and --batch go together"),
+        (["--fn", f"{user_fn}", "--batch", "batch.pt"], "MODULE:FUNCTION"),
+        (["--fn", f"{user_fn}:nope", "--batch", "batch.pt"], "has no 'nope'"),
+        (["--fn", "no_such_module_xyz:f", "--batch", "batch.pt"], "cannot import"),
+        (["--fn", f"{user_fn}:token_mean", "--batch", "missing.pt"], "cannot load"),
+        (["--fn", f"{user_fn}:token_mean", "--batch", "batch.pt", "--ranks", "0"], "positive"),
+        (["--fn", f"{user_fn}:token_mean", "--batch", "batch.pt", "--naive"], "trainer audit"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            main(["audit", *args])
+
+
+def test_partition_runs_are_the_checkers_runs() -> None:
+    import torch
+
+    from rlmetrics.testing import assert_partition_invariant, partition_runs
+
+    def fn(piece, tracker):
+        tracker.mean("x", piece["x"])
+
+    batch = {"x": torch.arange(5, dtype=torch.float64)}
+    runs = partition_runs(fn, batch, ranks=(1, 2, 2), micro_batch_sizes=(2,), epochs=(1, 2))
+    # whole batch + 2 ranks x (size 2, +empty pieces) x 2 epochs + shuffled x 2 epochs
+    assert list(runs)[:3] == ["whole batch", "ranks=1 micro_batch_size=2",
+                              "ranks=1 micro_batch_size=2 epochs=2"]  # fmt: skip
+    assert len(runs) == 11 and all(m == {"x": 2.0} for m in runs.values())
+    assert assert_partition_invariant(fn, batch) == runs["whole batch"]
+    with pytest.raises(TypeError, match="real_ranks"):
+        partition_runs(fn, batch, real_ranks=True)

@@ -7,15 +7,20 @@ the first one's. ``--naive`` adds what a verl-style reduction of the same step w
 have logged: per-micro-batch values, averaged (losses: pre-scaled, then summed), then
 averaged over ranks. ``--plot`` draws the spreads.
 
+``--fn MODULE:FUNCTION --batch FILE.pt`` audits your own ``fn(piece, tracker)`` instead:
+it runs over the partitions of ``rlmetrics.testing``'s checker (simulated ranks,
+micro-batch sizes, token budgets, empty pieces, a shuffled order), each against the
+whole batch, and prints the same table.
+
     rlmetrics audit
     rlmetrics audit --naive --plot audit.png
     rlmetrics audit --algo ppo --partitions "1,2:mbs=2,3:tokens=30" --tol 1e-12
+    rlmetrics audit --fn my_losses:log_metrics --batch batch.pt --ranks 1,2,4 --plot fn.png
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import pickle
 import tempfile
 from dataclasses import dataclass, replace
@@ -24,6 +29,10 @@ from typing import Any
 
 import torch
 
+from rlmetrics.audit_report import AuditReport, plot, render, spread_report
+from rlmetrics.audit_report import Spread as Spread  # re-exported: the report's API
+from rlmetrics.audit_report import spread as spread
+from rlmetrics.audit_report import verdict as verdict
 from rlmetrics.tracker import Tracker
 from rlmetrics.trainer.config import AlgoConfig, ModelConfig, RunConfig, TrainConfig
 from rlmetrics.trainer.launch import exit_now
@@ -31,7 +40,6 @@ from rlmetrics.trainer.launch import exit_now
 DEFAULT_PARTITIONS = "1,2:mbs=3,2:tokens=24,4:mbs=1"
 MEASUREMENTS = ("timing_s/", "timing_per_token_ms/", "perf/")
 LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "critic/vf_loss")
-FLOOR = 1e-18  # where the plot puts a spread of exactly 0
 
 
 # -- partitions -----------------------------------------------------------------------
@@ -233,150 +241,12 @@ def run_partitions(cfg: TrainConfig, parts: list[Partition]) -> dict[str, tuple[
 
 
 # -- spreads --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Spread:
-    """How far a metric's partitions lie from the first one."""
-
-    value: float  # the first partition's
-    abs_diff: float  # max over partitions of |value - first|
-    rel_diff: float  # abs_diff / |first| (0 when equal, inf when first is 0)
-    worst: str  # the partition furthest away
-    ok: bool  # abs_diff <= tol · max(1, |first|)
-
-
-@dataclass(frozen=True)
-class AuditReport:
-    """Per metric, the exact spread (and the naive one when asked), plus what was left out."""
-
-    partitions: list[str]
-    tol: float
-    exact: dict[str, Spread]
-    naive: dict[str, Spread] | None
-    excluded: list[str]
-
-    def order(self) -> list[str]:
-        """Metric names by drift: exact drifts first, then naive spread, then exact spread."""
-        naive = self.naive or {}
-
-        def key(name: str) -> tuple:
-            e, n = self.exact[name], naive.get(name)
-            return (e.ok, -(n.rel_diff if n else 0.0), -e.rel_diff, name)
-
-        return sorted(self.exact, key=key)
-
-    @property
-    def drifting(self) -> list[str]:
-        """Metrics whose exact values differ by more than ``tol``."""
-        return [name for name in self.order() if not self.exact[name].ok]
-
-
-def spread(values: dict[str, float | None], tol: float) -> Spread:
-    """The spread of one metric over partitions ({label: value, None when missing})."""
-    labels = list(values)
-    first = values[labels[0]]
-    worst, abs_diff = labels[0], 0.0
-    for label in labels[1:]:
-        v = values[label]
-        if first is None or v is None or math.isnan(first) != math.isnan(v):
-            diff = math.inf
-        else:
-            diff = 0.0 if math.isnan(v) else abs(v - first)
-        if diff > abs_diff:
-            worst, abs_diff = label, diff
-    ref = math.nan if first is None else first
-    rel = 0.0 if abs_diff == 0 else abs_diff / abs(ref) if ref else math.inf
-    ok = abs_diff <= tol * max(1.0, abs(ref)) if first is not None else False
-    return Spread(ref, abs_diff, rel, worst, ok)
-
-
 def build_report(runs: dict[str, tuple[dict, dict]], tol: float, *, naive: bool = False,
                  include_measurements: bool = False) -> AuditReport:  # fmt: skip
     """The spreads of ``run_partitions``'s result."""
-    names = sorted({k for exact, _ in runs.values() for k in exact})
-    excluded = [] if include_measurements else [n for n in names if n.startswith(MEASUREMENTS)]
-    kept = [n for n in names if n not in excluded]
-    exact = {n: spread({p: e.get(n) for p, (e, _) in runs.items()}, tol) for n in kept}
-    naive_spreads = None
-    if naive:
-        naive_spreads = {n: spread({p: v.get(n) for p, (_, v) in runs.items()}, tol)
-                         for n in kept}  # fmt: skip
-    return AuditReport(list(runs), tol, exact, naive_spreads, excluded)
-
-
-# -- output ---------------------------------------------------------------------------
-def verdict(report: AuditReport) -> str:
-    """``N metrics invariant to TOL; M drift`` (+ the naive count, the exclusions)."""
-    drift = len(report.drifting)
-    line = (
-        f"{len(report.exact) - drift} metrics invariant to {report.tol:g}; {drift} drift "
-        f"(across {len(report.partitions)} partitions: {', '.join(report.partitions)})"
-    )
-    if report.naive is not None:
-        naive_drift = sum(not s.ok for s in report.naive.values())
-        line += f"; naive (verl-style) aggregation: {naive_drift} drift"
-    if report.excluded:
-        names = ", ".join(report.excluded)
-        line += f"\nexcluded (measurements, not functions of the batch): {names}"
-    return line
-
-
-def _num(x: float) -> str:
-    return f"{x:.3g}" if x else "0"
-
-
-def render(report: AuditReport, console: Any = None) -> None:
-    """Print the table (rich), sorted by drift, and the verdict line."""
-    from rich.console import Console
-    from rich.table import Table
-
-    if console is None:  # piped output: wide enough for every column
-        console = Console(width=None if Console().is_terminal else 150)
-    table = Table(title=f"metric spread across partitions (vs {report.partitions[0]})")
-    for col in ("metric", "value", "max |Δ|", "rel Δ", ""):
-        table.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
-    if report.naive is not None:
-        for col in ("naive value", "naive |Δ|", "naive rel Δ", "worst (naive)"):
-            table.add_column(col, justify="right")
-    for name in report.order():
-        e = report.exact[name]
-        row = [name, f"{e.value:.6g}", _num(e.abs_diff), _num(e.rel_diff),
-               "ok" if e.ok else f"[red]DRIFT ({e.worst})[/]"]  # fmt: skip
-        if report.naive is not None:
-            n = report.naive[name]
-            style = "" if n.ok else "[yellow]"
-            row += [f"{n.value:.6g}", f"{style}{_num(n.abs_diff)}", f"{style}{_num(n.rel_diff)}",
-                    "" if n.ok else n.worst]  # fmt: skip
-        table.add_row(*row)
-    console.print(table)
-    console.print(verdict(report), soft_wrap=True, highlight=False)
-
-
-def plot(report: AuditReport, path: str | Path) -> Path:
-    """A horizontal bar per metric: log10 of its relative spread (exact and naive)."""
-    from matplotlib.figure import Figure
-
-    names = report.order()[::-1]  # the most drifting at the top
-    series = [("exact", report.exact, "tab:blue")]
-    if report.naive is not None:
-        series.append(("naive (verl-style)", report.naive, "tab:orange"))
-    height = 0.8 / len(series)
-    fig = Figure(figsize=(9, 1.6 + 0.26 * len(names) * len(series) ** 0.5), layout="constrained")
-    ax = fig.subplots()
-    floor = math.log10(FLOOR)
-    for i, (label, spreads, color) in enumerate(series):
-        logs = [min(math.log10(max(spreads[n].rel_diff, FLOOR)), 3.0) for n in names]
-        ys = [y + (i - (len(series) - 1) / 2) * height for y in range(len(names))]
-        ax.barh(ys, [v - floor for v in logs], left=floor, height=height, color=color, label=label)
-    ax.axvline(math.log10(report.tol), color="tab:red", linestyle="--",
-               label=f"tolerance {report.tol:g}")  # fmt: skip
-    ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.set_xlim(floor, 3.0)
-    ax.set_xlabel(f"log10 relative spread across partitions (0 drawn at {floor:.0f}; inf at 3)")
-    ax.set_title(f"rlmetrics audit: {', '.join(report.partitions)}", fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(axis="x", alpha=0.3)
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    return spread_report({p: exact for p, (exact, _) in runs.items()}, tol,
+                         naive={p: v for p, (_, v) in runs.items()} if naive else None,
+                         exclude=() if include_measurements else MEASUREMENTS)  # fmt: skip
 
 
 # -- command line ---------------------------------------------------------------------
@@ -402,10 +272,26 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also compare timing_s/*, timing_per_token_ms/*, perf/* (excluded by default)",
     )
+    user = parser.add_argument_group(
+        "your own function (--fn)",
+        "audit fn(piece, tracker) over the partitions of rlmetrics.testing's checker\n"
+        "instead of the trainer (--seed: the shuffled run's; the other trainer flags\n"
+        "and --naive do not apply)",
+    )
+    user.add_argument("--fn", metavar="MODULE:FUNCTION",
+                      help="the function, importable from the current directory")  # fmt: skip
+    user.add_argument("--batch", metavar="FILE.pt",
+                      help="a torch.save'd dict of tensors sharing their first dim")  # fmt: skip
+    user.add_argument("--ranks", metavar="LIST",
+                      help="simulated data-parallel sizes (default: 1,2,4)")  # fmt: skip
+    user.add_argument("--micro-batch-sizes", metavar="LIST",
+                      help="rows per micro-batch (default: 1,2,3 and the whole share)")  # fmt: skip
 
 
 def run_audit(args: argparse.Namespace) -> int:
     """``rlmetrics audit``: 0 when every metric is invariant, 1 when one drifts."""
+    if args.fn or args.batch or args.ranks or args.micro_batch_sizes:
+        return run_fn_audit(args)
     try:
         parts = parse_partitions(args.partitions)
         cfg = audit_config(
@@ -443,3 +329,86 @@ def describe(cfg: TrainConfig, parts: list[Partition]) -> str:
                "one micro-batch per mini-batch")  # fmt: skip
         lines.append(f"  {p.label}: {p.dp} rank(s), rows per rank {rows}, {how}")
     return "\n".join(lines)
+
+
+# -- a user's function through the checker (--fn) -------------------------------------
+def run_fn_audit(args: argparse.Namespace) -> int:
+    """``rlmetrics audit --fn MODULE:FUNCTION --batch FILE.pt``: the checker's runs."""
+    from rlmetrics.testing import partition_runs
+
+    try:
+        if not (args.fn and args.batch):
+            raise ValueError("--fn and --batch go together")
+        if args.naive or args.include_measurements or args.partitions != DEFAULT_PARTITIONS:
+            raise ValueError("--naive, --partitions, --include-measurements: trainer audit only")
+        ranks = _int_list("--ranks", args.ranks or "1,2,4")
+        sizes = _int_list("--micro-batch-sizes", args.micro_batch_sizes or "") or None
+        fn, batch = load_fn(args.fn), load_batch(args.batch)
+    except ValueError as err:
+        raise SystemExit(f"rlmetrics audit: error: {err}") from err
+    runs = partition_runs(fn, batch, ranks=ranks, micro_batch_sizes=sizes, seed=args.seed)
+    rows = next(iter(batch.values())).shape[0]
+    keys = ", ".join(f"{k} {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+                     for k, v in batch.items())  # fmt: skip
+    print(f"auditing {args.fn} on {args.batch}: {rows} rows ({keys}); {len(runs)} runs of "
+          f"rlmetrics.testing's checker (ranks {ranks}, micro-batch sizes "
+          f"{list(sizes) if sizes else 'default'}), each vs the whole batch")  # fmt: skip
+    if any(v.is_floating_point() and v.dtype != torch.float64 for v in batch.values()):
+        print(f"note: not float64: expect rounding differences (--tol {args.tol:g})")
+    report = spread_report(runs, args.tol)
+    render(report)
+    if args.plot:
+        print(f"plot: {plot(report, args.plot)}")
+    return 1 if report.drifting else 0
+
+
+def load_fn(spec: str) -> Any:
+    """``module:function`` (``module:Class.method`` too), the current directory first."""
+    import importlib
+    import os
+    import sys
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--fn: expected MODULE:FUNCTION, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--fn: cannot import {module_name!r} ({err})") from err
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--fn: {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"--fn: {spec!r} is not callable")
+    return obj
+
+
+def load_batch(path: str) -> dict[str, torch.Tensor]:
+    """``torch.load(path, weights_only=True)``: a dict of tensors sharing their first dim."""
+    try:
+        batch = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # missing file, not a torch file, unsafe pickle
+        raise ValueError(f"--batch: cannot load {path!r} ({err})") from err
+    if (
+        not isinstance(batch, dict)
+        or not batch
+        or not all(isinstance(v, torch.Tensor) and v.dim() for v in batch.values())
+    ):
+        raise ValueError(f"--batch: {path!r} must hold a non-empty dict of tensors (dim >= 1)")
+    firsts = {k: v.shape[0] for k, v in batch.items()}
+    if len(set(firsts.values())) != 1:
+        raise ValueError(f"--batch: tensors must share their first dimension, got {firsts}")
+    return batch
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from err
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag}: expected positive integers, got {text!r}")
+    return values

@@ -7,6 +7,8 @@ whole-batch run. Simulated ranks log into their own Trackers, merged through
 ``state()`` as ranks or Ray workers are; no process group is needed. When one is
 initialised (or ``group=`` is passed), every rank of the group also runs its own shard
 of the batch and merges with ``Tracker.compute(group=...)``: the real collective.
+``partition_runs(fn, batch)`` returns every simulated run's metrics without comparing
+them (what ``rlmetrics audit --fn`` reports).
 
 Pieces are ``Piece`` dicts: the batch's tensors for the piece's rows, plus ``.info``
 (``PieceInfo``: rank, micro-batch index, epoch, ...) and ``.counts``: the whole
@@ -143,23 +145,19 @@ def assert_partition_invariant(
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"assert_partition_invariant: unknown options {unknown}; known {OPTIONS}")
-    size = _batch_size(batch)
+    _batch_size(batch)
     group = _real_group(options)
-    mask_key = options.get("mask_key", next((k for k in MASK_KEYS if k in batch), None))
-    mask = None if mask_key is None else batch[mask_key]
-    tracker_options = dict(options.get("tracker", {}))
+    mask = _mask(batch, options)
     expected: dict[str, float] | None = None
     drifts: dict[str, list[tuple]] = {}
     error: BaseException | None = None
     try:
-        whole = [[np.arange(size)]]
-        expected = _run(fn, batch, whole, "whole batch", mask, 1, tracker_options)
-        for label, split in _splits(size, mask, ranks, micro_batch_sizes, options):
-            for epochs in options.get("epochs", (1,)):
-                run_label = label if epochs == 1 else f"{label} epochs={epochs}"
-                got = _run(fn, batch, split, run_label, mask, epochs, tracker_options)
-                for name, row in _compare(expected, got, rtol, atol):
-                    drifts.setdefault(name, []).append((run_label, *row))
+        for run_label, got in _iter_runs(fn, batch, ranks, micro_batch_sizes, mask, options):
+            if expected is None:
+                expected = got  # the first run: the whole batch
+                continue
+            for name, row in _compare(expected, got, rtol, atol):
+                drifts.setdefault(name, []).append((run_label, *row))
     except Exception as err:
         if group is None:
             raise
@@ -175,6 +173,55 @@ def assert_partition_invariant(
         raise AssertionError(_table(drifts))
     assert expected is not None
     return expected
+
+
+def partition_runs(
+    fn: Callable[[Piece, Tracker], Any],
+    batch: Mapping[str, Tensor],
+    *,
+    ranks: Sequence[int] = (1, 2, 4),
+    micro_batch_sizes: Sequence[int] | None = None,
+    **options: Any,
+) -> dict[str, dict[str, float]]:
+    """Every run of ``assert_partition_invariant``'s simulated check: {label: metrics}.
+
+    The first entry is the reference, "whole batch" (one piece, one rank, one epoch);
+    then one entry per split, in the checker's order, labelled as ``piece.info.partition``
+    (e.g. "ranks=2 micro_batch_size=3", "ranks=4 token_budget=12 epochs=2"). Takes the
+    checker's arguments and options except ``group`` and ``real_ranks`` (no process
+    group is used) and compares nothing: ``rlmetrics audit --fn`` reports the spreads.
+    """
+    known = set(OPTIONS) - {"group", "real_ranks"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"partition_runs: unknown options {unknown}; known {sorted(known)}")
+    _batch_size(batch)
+    runs: dict[str, dict[str, float]] = {}
+    for label, got in _iter_runs(fn, batch, ranks, micro_batch_sizes, _mask(batch, options),
+                                 options):  # fmt: skip
+        runs.setdefault(label, got)  # repeated ranks or budgets: the same split again
+    return runs
+
+
+def _mask(batch: Mapping[str, Tensor], options: Mapping[str, Any]) -> Tensor | None:
+    """The mask of token budgets and counts (``mask_key``, else the first of MASK_KEYS)."""
+    mask_key = options.get("mask_key", next((k for k in MASK_KEYS if k in batch), None))
+    return None if mask_key is None else batch[mask_key]
+
+
+def _iter_runs(
+    fn: Callable, batch: Mapping[str, Tensor], ranks: Sequence[int],
+    sizes: Sequence[int] | None, mask: Tensor | None, options: Mapping[str, Any],
+) -> Iterator[tuple[str, dict[str, float]]]:  # fmt: skip
+    """(label, metrics) of the whole batch, then of every simulated split and epochs."""
+    size = _batch_size(batch)
+    tracker_options = dict(options.get("tracker", {}))
+    whole = [[np.arange(size)]]
+    yield "whole batch", _run(fn, batch, whole, "whole batch", mask, 1, tracker_options)
+    for label, split in _splits(size, mask, ranks, sizes, options):
+        for epochs in options.get("epochs", (1,)):
+            run_label = label if epochs == 1 else f"{label} epochs={epochs}"
+            yield run_label, _run(fn, batch, split, run_label, mask, epochs, tracker_options)
 
 
 def _real_group(options: Mapping[str, Any]) -> Any:
