@@ -37,14 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics.packing import (
-    Layout,
-    Reduced,
-    extra_sizes,
-    pack_extras,
-    pack_scalars,
-    unpack,
-)
+from rlmetrics.layout import Layout
+from rlmetrics.packing import extra_sizes, pack_extras, pack_scalars, unpack
+from rlmetrics.reduced import Reduced
 
 HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
 

@@ -16,7 +16,9 @@ from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
 from rlmetrics.kinds.base import NONFINITE_SLOT, NUM_FLAGS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.kinds.last import replace_dev
-from rlmetrics.packing import Layout, Reduced, RejectedInputError, local_reduce
+from rlmetrics.layout import Layout
+from rlmetrics.packing import RejectedInputError, local_reduce
+from rlmetrics.reduced import Reduced
 from rlmetrics.state import TrackerState
 
 EMPTY_POLICIES = ("omit", "nan")
