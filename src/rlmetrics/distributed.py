@@ -72,6 +72,22 @@ def resolve_group(group: Any) -> Any:
     return group
 
 
+def is_initialized() -> bool:
+    """Whether torch.distributed is available and initialised in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_in(group: Any) -> int:
+    """This process's rank in ``group`` (-1 when it is not a member)."""
+    return dist.get_rank(group)
+
+
+def all_reduce_max(tensor: Tensor, group: Any, timeout: float | timedelta | None = None) -> Tensor:
+    """Max ``tensor`` in place over ``group`` (raises SyncTimeoutError rather than hang)."""
+    all_reduce(tensor, dist.ReduceOp.MAX, group, _timeout(timeout), "all_reduce(MAX)")
+    return tensor
+
+
 def world_size(group: Any = None) -> int:
     """The size of ``group`` (default: the world); 1 when torch.distributed is not
     initialised, so single-process code takes the same path."""

@@ -27,10 +27,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics.distributed import all_reduce, comm_device, gather_bytes, resolve_group
+from rlmetrics.distributed import (
+    all_reduce_max,
+    comm_device,
+    gather_bytes,
+    is_initialized,
+    rank_in,
+    resolve_group,
+    world_size,
+)
 from rlmetrics.rl.counts import BatchCounts, local_counts
 from rlmetrics.tracker import Tracker
 
@@ -232,8 +239,7 @@ def _real_group(options: Mapping[str, Any]) -> Any:
     if real is False:
         return None
     group = options.get("group")
-    initialised = dist.is_available() and dist.is_initialized()
-    if not initialised:
+    if not is_initialized():
         if real or group is not None:
             raise ValueError(
                 "assert_partition_invariant: the real-rank mode (real_ranks=True or group=...) "
@@ -241,7 +247,7 @@ def _real_group(options: Mapping[str, Any]) -> Any:
             )
         return None
     pg = resolve_group(group)
-    if dist.get_rank(pg) < 0:
+    if rank_in(pg) < 0:
         raise ValueError("assert_partition_invariant: this process is not in group")
     return pg
 
@@ -258,7 +264,7 @@ def _check_real_ranks(
     one ``fn`` or ``compute`` raised here, or another rank's failure), else None. Every
     rank issues the same collectives whatever fails, so none is left waiting.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = rank_in(group), world_size(group)
     device = comm_device(group)
     size = _batch_size(batch)
     runs = [
@@ -326,7 +332,7 @@ def _check_same_call(
     digest.update(repr([(label, epochs) for label, _, epochs in runs]).encode())
     value = float(int.from_bytes(digest.digest(), "little") >> 12)  # 52 bits: exact
     both = torch.tensor([value, -value], dtype=torch.float64, device=device)
-    all_reduce(both, dist.ReduceOp.MAX, group, None, "batch check")
+    all_reduce_max(both, group)
     if both[0].item() != -both[1].item():
         raise ValueError(
             "assert_partition_invariant: ranks passed different batches or options; every "
