@@ -466,3 +466,37 @@ def test_custom_kind_logs_merges_and_reports() -> None:
         unregister_kind("test_range")
     with pytest.raises(ValueError, match="unknown kind 'test_range'"):
         Tracker().log("x", 1.0, kind="test_range")
+
+
+# -- compute()'s vectorised results equal the per-metric results of the same state -----
+VALUES = (0.0, -1.5, 2.25, 1e8, math.nan, math.inf, -math.inf)
+
+
+@pytest.mark.parametrize("empty", ["omit", "nan"])
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorised_results_equal_per_metric_results(empty: str, seed: int) -> None:
+    """``compute()`` reads results from the packed buffers a kind at a time; the same
+    state through ``TrackerState.compute`` goes metric by metric: they must agree."""
+    rng = np.random.default_rng(seed)
+    tracker = Tracker(empty=empty, nonfinite="skip" if seed % 3 == 0 else "propagate")
+    for i in range(40):
+        kind = ("mean", "sum", "max", "min", "last", "std", "dist")[i % 7]
+        name = f"m{i % 23}_{kind}"
+        size = int(rng.integers(0, 4))
+        values = rng.choice(VALUES, size) if rng.random() < 0.3 else rng.normal(0, 3, size)
+        if kind == "last":
+            tracker.last(name, float(values[0]) if size else 0.5)
+        elif rng.random() < 0.5:
+            mask = torch.from_numpy(rng.random(size) < 0.6)
+            arg = {"weight": mask} if kind in ("mean", "std") else {"mask": mask}
+            tracker.log(name, torch.from_numpy(values), arg.popitem()[1], kind=kind)
+        else:
+            for value in values:
+                tracker.log(name, float(value), kind=kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # 'last' disagreement, none here
+        fast = tracker.compute(reset=False)
+        slow = tracker.state().compute(empty=empty)
+    assert list(fast) == list(slow)
+    for key, value in slow.items():
+        assert fast[key] == value or (math.isnan(fast[key]) and math.isnan(value)), key
