@@ -274,3 +274,22 @@ def no_host_copies(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.
         return factory(*args, **kwargs)
 
     return guarded
+
+
+def log_every_kind(tracker: Tracker, batch: dict[str, np.ndarray], idx: np.ndarray) -> None:
+    """Log one micro-batch (rows ``idx`` of ``batch``: value, weight, mask) into every
+    built-in kind; ``sometimes`` only for pieces starting at a multiple of 3, so some
+    ranks or pieces lack it."""
+    value = torch.from_numpy(batch["value"][idx])
+    weight = torch.from_numpy(batch["weight"][idx])
+    mask = torch.from_numpy(batch["mask"][idx])
+    tracker.mean("m/mean", value, weight=weight)
+    tracker.mean("m/masked", value, weight=mask)
+    tracker.sum("m/sum", value, mask=mask)
+    tracker.max("m/max", value, mask=mask)
+    tracker.min("m/min", value)
+    tracker.std("m/std", value, weight=weight)
+    tracker.dist("m/dist", value, mask=mask)
+    tracker.last("m/last", 0.25)
+    if len(idx) and idx[0] % 3 == 0:
+        tracker.mean("sometimes", value)  # a name only some ranks log

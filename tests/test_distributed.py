@@ -14,6 +14,7 @@ import torch.distributed as dist
 from rlmetrics import Tracker
 from rlmetrics.distributed import SyncTimeoutError
 
+from helpers import log_every_kind
 from multiprocess import ok_results, run_ranks
 
 KINDS = ("mean", "sum", "max", "min", "std", "last", "dist")
@@ -27,23 +28,6 @@ def make_batch(seed: int, size: int) -> dict[str, np.ndarray]:
         "weight": rng.integers(0, 4, size).astype(np.float64),
         "mask": rng.random(size) < 0.7,
     }
-
-
-def log_piece(tracker: Tracker, batch: dict[str, np.ndarray], idx: np.ndarray) -> None:
-    """Log one micro-batch of every kind; some names only when the piece is non-empty."""
-    value = torch.from_numpy(batch["value"][idx])
-    weight = torch.from_numpy(batch["weight"][idx])
-    mask = torch.from_numpy(batch["mask"][idx])
-    tracker.mean("m/mean", value, weight=weight)
-    tracker.mean("m/masked", value, weight=mask)
-    tracker.sum("m/sum", value, mask=mask)
-    tracker.max("m/max", value, mask=mask)
-    tracker.min("m/min", value)
-    tracker.std("m/std", value, weight=weight)
-    tracker.dist("m/dist", value, mask=mask)
-    tracker.last("m/last", 0.25)
-    if len(idx) and idx[0] % 3 == 0:
-        tracker.mean("sometimes", value)  # a name only some ranks log
 
 
 def split(rng: np.random.Generator, indices: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -67,13 +51,13 @@ def partition_run(rank: int, world: int, seed: int) -> tuple[dict, dict, dict]:
 
     tracker = Tracker()
     for piece in pieces(rank):
-        log_piece(tracker, batch, piece)
+        log_every_kind(tracker, batch, piece)
     whole = Tracker()
-    log_piece(whole, batch, np.arange(37))
+    log_every_kind(whole, batch, np.arange(37))
     one_process = Tracker()
     for r in range(world):
         for piece in pieces(r):
-            log_piece(one_process, batch, piece)
+            log_every_kind(one_process, batch, piece)
     return tracker.compute(), whole.compute(sync=False), one_process.compute(sync=False)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from rlmetrics import Tracker, TrackerState
 
+from helpers import log_every_kind
 from local_ray import local_ray
 from multiprocess import free_port
 
@@ -50,18 +51,9 @@ def log_random(tracker: Tracker, rank: int, seed: int) -> None:
     mask = rng.random(size) < 0.7
     share = np.array_split(rng.permutation(size), WORLD)[rank]
     cuts = np.sort(np.random.default_rng(seed + 1 + rank).integers(0, len(share) + 1, 3))
+    batch = {"value": value, "weight": weight, "mask": mask}
     for piece in np.split(share, cuts):
-        v, w, m = (torch.from_numpy(a[piece]) for a in (value, weight, mask))
-        tracker.mean("m/mean", v, weight=w)
-        tracker.mean("m/masked", v, weight=m)
-        tracker.sum("m/sum", v, mask=m)
-        tracker.max("m/max", v, mask=m)
-        tracker.min("m/min", v)
-        tracker.std("m/std", v, weight=w)
-        tracker.dist("m/dist", v, mask=m)
-        tracker.last("m/lr", 0.25)
-        if len(piece) and piece[0] % 3 == 0:
-            tracker.mean("m/sometimes", v)
+        log_every_kind(tracker, batch, piece)
         for i in piece[:2].tolist():
             tracker.mean("m/floats", float(value[i]), weight=float(weight[i]))
     if rank == 0:
