@@ -13,7 +13,11 @@ kept as it is.
 Inputs (CPU): a python float, a 0-d float32 tensor, and a 1k-element float32 tensor with
 a bool mask. Contenders, each given the input the way its users pass it:
 
-* rlmetrics: ``Tracker.mean(name, value, weight=mask)``;
+* rlmetrics: ``Tracker.mean(name, value, weight=mask)`` (CPU tensors accumulate with numpy
+  on the host);
+* rlmetrics tensor path: the same call with ``host_arrays = False``, the torch ops that
+  a CUDA tensor's call queues (on a GPU they run asynchronously; their host cost is
+  the dispatch measured here);
 * torchmetrics: ``MeanMetric.update(value, weight=mask)``;
 * verl-style: ``metrics[name].append(value.item() if tensor)``, and for the masked input
   the masked mean first (``(x * mask).sum() / mask.sum()``), as verl's loss helpers do.
@@ -44,7 +48,7 @@ from rlmetrics import Tracker
 from results_md import write_section
 
 START, END = "<!-- log_bench:start -->", "<!-- log_bench:end -->"
-CONTENDERS = ("rlmetrics", "torchmetrics", "verl-style")
+CONTENDERS = ("rlmetrics", "rlmetrics tensor path", "torchmetrics", "verl-style")
 INPUTS = ("python float", "0-d tensor", "1k tensor + bool mask")
 TARGET_NS = 2000  # rlmetrics, python float
 
@@ -63,13 +67,15 @@ def make_calls() -> dict[tuple[str, str], tuple[Call, Call]]:
     inputs["1k tensor + bool mask"] = (values, mask)
     calls: dict[tuple[str, str], tuple[Call, Call]] = {}
     for label, (value, weight) in inputs.items():
-        tracker = Tracker()
-        calls["rlmetrics", label] = (
-            (lambda t=tracker, v=value: t.mean("loss", v))
-            if weight is None
-            else (lambda t=tracker, v=value, w=weight: t.mean("loss", v, weight=w)),
-            tracker.reset,
-        )
+        for contender in CONTENDERS[:2]:
+            tracker = Tracker()
+            tracker.host_arrays = contender == "rlmetrics"
+            calls[contender, label] = (
+                (lambda t=tracker, v=value: t.mean("loss", v))
+                if weight is None
+                else (lambda t=tracker, v=value, w=weight: t.mean("loss", v, weight=w)),
+                tracker.reset,
+            )
         metric = MeanMetric()
         calls["torchmetrics", label] = (
             (lambda m=metric, v=value: m.update(v))
@@ -129,9 +135,12 @@ def run(rounds: int, calls: int, seed: int) -> dict[tuple[str, str], list[float]
 def markdown(samples: dict[tuple[str, str], list[float]]) -> list[str]:
     """The results table: medians in µs, and each contender's ratio to rlmetrics."""
     rows = [
-        "| input | rlmetrics µs | torchmetrics µs | verl-style µs | torchmetrics / rl "
-        "| verl-style / rl |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| input | "
+        + " | ".join(f"{c} µs" for c in CONTENDERS)
+        + " | "
+        + " | ".join(f"{c} / rl" for c in CONTENDERS[1:])
+        + " |",
+        "|---|" + "---:|" * (2 * len(CONTENDERS) - 1),
     ]
     for label in INPUTS:
         med = {c: statistics.median(samples[c, label]) for c in CONTENDERS}

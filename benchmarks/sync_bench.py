@@ -15,8 +15,13 @@ a few micro-batches) into every contender, untimed; then, contender by contender
 order that rotates each iteration, all ranks pass a barrier and time the sync alone:
 
 * rlmetrics: ``Tracker.compute()`` of N scalar metrics of mixed kinds;
-* bare: one all_reduce(SUM) and one all_reduce(MAX) of float64 CPU tensors of the
-  sizes rlmetrics packs (recorded from one steady-state ``compute()``), plus the host read;
+* bare: the collectives a steady-state ``compute()`` issues for its SUM and MAX buffers
+  (recorded from one call), with float64 CPU tensors of the sizes rlmetrics packs: one
+  all_gather of both, rows added in rank order and maxed on the host (groups up to
+  ``rlmetrics.distributed.GATHER_LIMIT`` gathered floats, so every size here), plus the
+  host read;
+* bare pair: one all_reduce(SUM) and one all_reduce(MAX) of the same two buffers (what
+  rlmetrics issues above the limit, and issued at every size before), plus the host read;
 * verl-style: ``all_gather_object`` of a ``dict[str, list[float]]``, then a mean per key;
 * torchmetrics: ``MetricCollection`` of N ``MeanMetric``s, ``compute()`` (reset untimed),
   run on every k-th iteration only when N is large.
@@ -48,13 +53,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlmetrics import Tracker
+from rlmetrics import distributed as rd
 
 from results_md import write_section
 
 KINDS = ("mean", "sum", "max", "min", "last")
 MICRO_BATCHES = 4
 START, END = "<!-- sync_bench:start -->", "<!-- sync_bench:end -->"
-CONTENDERS = ("rlmetrics", "bare", "verl", "torchmetrics")
+CONTENDERS = ("rlmetrics", "bare", "bare pair", "verl", "torchmetrics")
 CPU = "cpu:"  # key prefix of process-CPU times
 
 Values = list[list[float]]  # [metric][micro-batch]
@@ -98,32 +104,41 @@ class RlMetrics(Contender):
     def run(self) -> dict[str, float]:
         return self.tracker.compute()
 
-    def reduce_sizes(self) -> list[tuple[int, Any]]:
-        """Run compute() once, recording the (numel, op) of every all_reduce it issues."""
-        seen: list[tuple[int, Any]] = []
-        original = dist.all_reduce
+    def issued(self, values: Values, limit: int | None = None) -> list[tuple[str, int, Any]]:
+        """Log ``values`` and run compute() once, recording (collective, numel, op) of
+        every all_reduce and all_gather it issues; ``limit`` replaces
+        rd.GATHER_LIMIT for this call (0: the all_reduce pair at any size)."""
+        seen: list[tuple[str, int, Any]] = []
+        reduce, gather, default = dist.all_reduce, dist.all_gather, rd.GATHER_LIMIT
 
-        def spy(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, **kwargs: Any) -> Any:
-            seen.append((tensor.numel(), op))
-            return original(tensor, op=op, **kwargs)
+        def spy_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, **kwargs: Any) -> Any:
+            seen.append(("all_reduce", tensor.numel(), op))
+            return reduce(tensor, op=op, **kwargs)
 
-        dist.all_reduce = spy
+        def spy_gather(out: list[torch.Tensor], tensor: torch.Tensor, **kwargs: Any) -> Any:
+            seen.append(("all_gather", tensor.numel(), None))
+            return gather(out, tensor, **kwargs)
+
+        dist.all_reduce, dist.all_gather = spy_reduce, spy_gather
+        rd.GATHER_LIMIT = default if limit is None else limit
         try:
+            self.prepare(values)
             self.run()
         finally:
-            dist.all_reduce = original
+            dist.all_reduce, dist.all_gather, rd.GATHER_LIMIT = reduce, gather, default
         return seen
 
 
 class Bare(Contender):
-    name = "bare"
+    """The SUM and MAX buffers alone: one all_gather and a host reduction (``gather``),
+    or all_reduce(SUM) + all_reduce(MAX)."""
 
-    def __init__(self, reduces: list[tuple[int, Any]]) -> None:
-        ops = [op for _, op in reduces]
-        if ops != [dist.ReduceOp.SUM, dist.ReduceOp.MAX]:
-            raise RuntimeError(f"rlmetrics issued {reduces}, expected one SUM and one MAX")
-        self.sums = torch.zeros(reduces[0][0], dtype=torch.float64)
-        self.maxes = torch.zeros(reduces[1][0], dtype=torch.float64)
+    def __init__(self, name: str, num_sums: int, num_maxes: int, gather: bool) -> None:
+        self.name = name
+        self.num_sums = num_sums
+        self.gather = gather
+        self.sums = torch.zeros(num_sums, dtype=torch.float64)
+        self.maxes = torch.zeros(num_maxes, dtype=torch.float64)
 
     def prepare(self, values: Values) -> None:
         flat = np.resize(np.asarray(values).ravel(), len(self.sums) + len(self.maxes))
@@ -131,9 +146,34 @@ class Bare(Contender):
         self.maxes.copy_(torch.from_numpy(flat[len(self.sums) :]))
 
     def run(self) -> tuple[list[float], list[float]]:
-        dist.all_reduce(self.sums, op=dist.ReduceOp.SUM)
-        dist.all_reduce(self.maxes, op=dist.ReduceOp.MAX)
-        return self.sums.numpy().tolist(), self.maxes.numpy().tolist()
+        if not self.gather:
+            dist.all_reduce(self.sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(self.maxes, op=dist.ReduceOp.MAX)
+            return self.sums.numpy().tolist(), self.maxes.numpy().tolist()
+        both = torch.cat((self.sums, self.maxes))
+        rows = [torch.empty_like(both) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, both)
+        gathered = torch.stack(rows).numpy()
+        total = gathered[0, : self.num_sums].copy()
+        for row in gathered[1:]:  # rank order, as rlmetrics adds
+            total += row[: self.num_sums]
+        return total.tolist(), gathered[:, self.num_sums :].max(axis=0).tolist()
+
+
+def bare_contenders(rl: RlMetrics, values: Values) -> tuple[Bare, Bare]:
+    """(bare: what rlmetrics' steady-state compute() issues, bare pair: the all_reduces)."""
+    pair = rl.issued(values, limit=0)
+    if [(name, op) for name, _, op in pair] != [
+        ("all_reduce", dist.ReduceOp.SUM),
+        ("all_reduce", dist.ReduceOp.MAX),
+    ]:
+        raise RuntimeError(f"rlmetrics issued {pair}, expected one SUM and one MAX all_reduce")
+    num_sums, num_maxes = pair[0][1], pair[1][1]
+    steady = rl.issued(values)
+    gathers = steady == [("all_gather", num_sums + num_maxes, None)]
+    if not gathers and steady != pair:
+        raise RuntimeError(f"rlmetrics issued {steady}, expected one all_gather or {pair}")
+    return Bare("bare", num_sums, num_maxes, gathers), Bare("bare pair", num_sums, num_maxes, False)
 
 
 class VerlStyle(Contender):
@@ -227,9 +267,8 @@ def bench_size(rank: int, world: int, n: int, args: argparse.Namespace) -> dict[
     rl = RlMetrics(names)
     rl.prepare(step_values(args.seed, rank, -1, n))
     rl.run()  # agree the schema once, as a training run's first step does
-    rl.prepare(step_values(args.seed, rank, -1, n))
-    bare = Bare(rl.reduce_sizes())  # a steady-state step's two buffers, as packed
-    contenders: list[Contender] = [rl, bare, VerlStyle(names), TorchMetrics(names)]
+    bare, pair = bare_contenders(rl, step_values(args.seed, rank, -1, n))  # steady state
+    contenders: list[Contender] = [rl, bare, pair, VerlStyle(names), TorchMetrics(names)]
     every = tm_every(world, n, args.iters)
     times: dict[str, list[int]] = {k + c.name: [] for c in contenders for k in ("", CPU)}
     for it in range(args.warmup + args.iters):
@@ -249,6 +288,7 @@ def bench_size(rank: int, world: int, n: int, args: argparse.Namespace) -> dict[
             c.finish()
     out = {k: v[args.warmup :] for k, v in times.items()}
     out["floats"] = [bare.sums.numel(), bare.maxes.numel()]
+    out["bare gathers"] = [int(bare.gather)]
     return out
 
 
@@ -329,17 +369,19 @@ def medians(
 
 
 def table(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "") -> list[str]:
-    """Markdown rows: medians / p90 per contender and the three ratios."""
+    """Markdown rows: medians / p90 per contender and the four ratios."""
     rows = [
-        "| ranks | N | SUM+MAX floats | rlmetrics | bare | verl-style | torchmetrics "
-        "| rl / bare | tm / rl | verl / rl |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | N | SUM+MAX floats | rlmetrics | bare | bare pair | verl-style "
+        "| torchmetrics | rl / bare | pair / bare | tm / rl | verl / rl |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (world, n), s in medians(results, prefix).items():
         floats = "+".join(map(str, results[world][n]["floats"]))
+        if not results[world][n]["bare gathers"][0]:
+            floats += " (pair)"  # above rd.GATHER_LIMIT: bare is the pair too
         cells = [f"{s[c][0]:,.0f} / {s[c][1]:,.0f} ({s[c][2]})" for c in CONTENDERS]
-        rl = s["rlmetrics"][0]
-        ratios = [rl / s["bare"][0], s["torchmetrics"][0] / rl, s["verl"][0] / rl]
+        rl, bare = s["rlmetrics"][0], s["bare"][0]
+        ratios = [rl / bare, s["bare pair"][0] / bare, s["torchmetrics"][0] / rl, s["verl"][0] / rl]
         rows.append(
             f"| {world} | {n} | {floats} | "
             + " | ".join(cells)
@@ -403,7 +445,11 @@ def section(results: dict, args: argparse.Namespace, reading: str) -> str:
             f"iteration; {args.warmup} warm-up iterations discarded, {args.iters} measured, "
             "contenders interleaved round-robin per iteration, each after a barrier; "
             "torchmetrics runs on every k-th iteration only at larger N. SUM+MAX floats: "
-            "the sizes of the two buffers rlmetrics all_reduces (the bare contender's too).",
+            "the sizes of the two buffers rlmetrics packs (the bare contenders' too). bare: "
+            "what rlmetrics issues for them, one all_gather of both and the host reduction "
+            "(marked (pair) where the group is above rlmetrics.distributed.GATHER_LIMIT and "
+            "rlmetrics all_reduces); bare pair: all_reduce(SUM) + all_reduce(MAX) of the "
+            "same buffers, the collectives rlmetrics issued at every size before.",
             "",
             "Wall time of the sync (what the targets are about):",
             "",

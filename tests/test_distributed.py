@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import time
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlmetrics import Tracker
+from rlmetrics import Tracker, TrackerState
+from rlmetrics import distributed as rd
 from rlmetrics.distributed import SyncTimeoutError
 
 from helpers import log_every_kind
@@ -204,14 +206,20 @@ COLLECTIVES = (
     "barrier",
     "all_gather_into_tensor",
     "broadcast_object_list",
+    "all_gather_single",
 )
 
 
-def count_collectives(rank: int, world: int, num_metrics: int) -> list[int]:
-    """Collectives per compute() for steps 1-3 (steady state from step 2)."""
+def count_collectives(rank: int, world: int, num_metrics: int, limit: int | None) -> list[int]:
+    """Collectives per compute() for steps 1-3 (steady state from step 2); ``limit``
+    replaces rd.GATHER_LIMIT (0: the all_reduce pair, whatever the size)."""
+    if limit is not None:
+        rd.GATHER_LIMIT = limit
     counts = {"n": 0}
     for name in COLLECTIVES:
-        original = getattr(dist, name)
+        original = getattr(dist, name, None)
+        if original is None:  # all_gather_single: new in torch 2.13
+            continue
 
         def wrapped(*args, _original=original, **kwargs):
             counts["n"] += 1
@@ -233,11 +241,16 @@ def count_collectives(rank: int, world: int, num_metrics: int) -> list[int]:
 
 
 @pytest.mark.parametrize("num_metrics", [20, 200])
-def test_steady_state_costs_two_collectives(num_metrics: int) -> None:
-    per_rank = ok_results(run_ranks(count_collectives, 2, num_metrics))
+@pytest.mark.parametrize(
+    ("limit", "per_step"), [(None, 1), (0, 2)], ids=["one_gather", "all_reduce_pair"]
+)
+def test_steady_state_collectives(num_metrics: int, limit: int | None, per_step: int) -> None:
+    """One all_gather per step below rd.GATHER_LIMIT, all_reduce(SUM) + all_reduce(MAX)
+    above it; however many metrics."""
+    per_rank = ok_results(run_ranks(count_collectives, 2, num_metrics, limit))
     for first, second, third in per_rank:
-        assert second == third == 2
-        assert first <= 6  # agreement (2 gathers) + the reduce pair
+        assert second == third == per_step
+        assert first == 2 + per_step  # agreement (2 byte gathers), then the reduce
 
 
 def nan_in_max(rank: int, world: int) -> dict:
@@ -253,3 +266,71 @@ def test_nan_propagates_through_max_on_every_rank() -> None:
     for result in ok_results(run_ranks(nan_in_max, 2)):
         assert math.isnan(result["nan_on_rank1"]) and math.isnan(result["nan_on_rank0"])
         assert result["finite"] == 0.0
+
+
+def both_paths_tracker(rank: int, world: int, seed: int, dyadic: bool) -> Tracker:
+    """Every kind (random shares and micro-batches), NaN and inf on some ranks. With
+    ``dyadic`` the values are multiples of 1/1024 below 2**10 in magnitude, so every sum
+    is exact in float64, in any order."""
+    batch = make_batch(seed, 37)
+    if dyadic:
+        batch["value"] = np.random.default_rng(seed + 100).integers(-(2**20), 2**20, 37) / 1024
+    rng = np.random.default_rng(seed + 1)  # the same split on every rank
+    shares = split(rng, rng.permutation(37), world)
+    tracker = Tracker()
+    for piece in split(np.random.default_rng(seed + 2 + rank), shares[rank], 4):
+        log_every_kind(tracker, batch, piece)
+    tracker.max("nan/max", torch.tensor([1.0, math.nan]) if rank == 1 else 5.0)
+    tracker.min("nan/min", math.nan if rank == 0 else 1.0)
+    tracker.mean("inf/mean", torch.tensor([1.0, math.inf if rank == world - 1 else 2.0]))
+    return tracker
+
+
+def both_paths(rank: int, world: int) -> list[tuple[dict, dict, TrackerState]]:
+    """Per data set: (gather-path result, all_reduce-path result, this rank's state)."""
+    gather_limit = rd.GATHER_LIMIT
+    out = []
+    for seed in range(3):
+        for dyadic in (False, True):
+            results = []
+            for limit in (gather_limit, 0):
+                rd.GATHER_LIMIT = limit
+                results.append(both_paths_tracker(rank, world, seed, dyadic).compute(timeout=30))
+            out.append((*results, both_paths_tracker(rank, world, seed, dyadic).state()))
+    return out
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    """Same keys in the same order, every value the same float64 (NaN equals NaN)."""
+    return list(a) == list(b) and all(
+        (math.isnan(a[k]) and math.isnan(b[k]))
+        or struct.pack("<d", a[k]) == struct.pack("<d", b[k])
+        for k in a
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_and_all_reduce_paths_agree(world: int) -> None:
+    """Both paths give the same result on every rank, for every kind. Two ranks and exact
+    (dyadic) values: bit for bit. Three ranks and random values: the all_reduce adds in
+    its own order, so equal to rounding. The gather path adds in rank order, so it is
+    bit for bit the driver merge of the ranks' states in rank order (rlmetrics.ray)."""
+    per_rank = ok_results(run_ranks(both_paths, world))
+    for case, runs in enumerate(zip(*per_rank, strict=True)):
+        gathered, reduced, _ = runs[0]
+        dyadic = case % 2 == 1
+        assert "m/dist/p99" in gathered and "sometimes" in gathered
+        assert math.isnan(gathered["nan/max"]) and math.isnan(gathered["nan/min"])
+        assert gathered["inf/mean"] == math.inf
+        for other_gathered, other_reduced, _ in runs[1:]:  # every rank: the same bits
+            assert same_bits(other_gathered, gathered) and same_bits(other_reduced, reduced)
+        if world == 2 or dyadic:
+            assert same_bits(gathered, reduced), case
+        else:
+            assert list(gathered) == list(reduced)
+            for key, value in reduced.items():
+                assert math.isclose(gathered[key], value, rel_tol=1e-12) or (
+                    math.isnan(gathered[key]) and math.isnan(value)
+                ), key
+        driver = TrackerState.merge_all([state for _, _, state in runs]).compute()
+        assert same_bits(gathered, driver), case

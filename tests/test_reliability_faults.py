@@ -44,10 +44,14 @@ def exit_on_call(collective: str, n: int) -> None:
 
 
 # -- a rank dies in the middle of a step -----------------------------------------------------
-def killed_mid_step(rank: int, world: int, collective: str, n: int) -> tuple:
-    """Step 1 agrees the schema; rank 1 then dies between two collectives of step 2
-    (all_reduce: after SUM, before MAX) or of the schema agreement (all_gather: after
-    the length gather, before the payload gather, as a new name forces re-agreement)."""
+def killed_mid_step(rank: int, world: int, collective: str, n: int, limit: int | None) -> tuple:
+    """Step 1 agrees the schema; rank 1 then dies before its ``n``-th call of
+    ``dist.<collective>`` in step 2. A new name forces re-agreement, so step 2 issues the
+    state gather (which raises the "schema changed" flag), the two schema gathers
+    (length, then bytes) and the state gather again; with ``limit=0`` (rd.GATHER_LIMIT)
+    the states travel by all_reduce(SUM), then all_reduce(MAX)."""
+    if limit is not None:
+        rd.GATHER_LIMIT = limit
     tracker = Tracker()
     tracker.mean("x", float(rank))
     tracker.sum("n", 1.0)
@@ -68,21 +72,31 @@ def killed_mid_step(rank: int, world: int, collective: str, n: int) -> tuple:
 
 
 @pytest.mark.parametrize(
-    ("collective", "n", "what"),
+    ("collective", "n", "limit", "what"),
     [
-        ("all_reduce", 2, "all_reduce(MAX)"),  # counted from step 2: SUM, then MAX
-        ("all_gather", 2, "schema gather"),  # counted from step 2: length, then bytes
+        # counted from step 2, all_gather: states, schema length, schema bytes, states
+        ("all_gather", 2, None, "schema length gather"),
+        ("all_gather", 3, None, "schema gather"),
+        ("all_gather", 4, None, "all_gather of metric states"),
+        ("all_reduce", 2, 0, "all_reduce(MAX) of metric states"),  # SUM, then MAX
     ],
-    ids=["between_sum_and_max", "between_schema_gathers"],
+    ids=[
+        "between_state_and_schema_gathers",
+        "between_schema_gathers",
+        "between_schema_and_state_gathers",
+        "between_sum_and_max",
+    ],
 )
-def test_rank_killed_between_two_collectives(collective: str, n: int, what: str) -> None:
-    outcome = run_ranks(killed_mid_step, 2, collective, n, allow_missing=(1,), timeout=90)
+def test_rank_killed_between_two_collectives(
+    collective: str, n: int, limit: int | None, what: str
+) -> None:
+    outcome = run_ranks(killed_mid_step, 2, collective, n, limit, allow_missing=(1,), timeout=90)
     assert 1 not in outcome
     status, result = outcome[0]
     assert status == "ok", result
     elapsed, message, local = result
     assert elapsed < TIMEOUT + SLACK
-    assert what in message and "a rank may have died" in message
+    assert f"{what} did not complete" in message and "a rank may have died" in message
     assert "Connection" in message  # gloo's reason: closed or reset by the dead peer
     assert local == {"x": 10.0, "n": 3.0, "new_name": 7.0}
 
@@ -114,7 +128,7 @@ def test_hanging_rank_gives_timeout_error_within_the_timeout(tmp_path: Path) -> 
     assert status == "ok", result
     elapsed, message, local = result
     assert 1.5 <= elapsed < 2.0 + SLACK
-    assert "all_reduce(SUM) of metric states did not complete within 2 s" in message
+    assert "all_gather of metric states did not complete within 2 s" in message
     assert "timed out" in message and "hung" in message
     assert local == {"x": 2.0}
 
@@ -311,7 +325,7 @@ def recreated_group(rank: int, world: int, port: int) -> dict:
     tracker.max(f"rank{rank}", 1.0)
     tracker.compute(timeout=30)
     if rank == 2:
-        exit_on_call("all_reduce", 1)
+        exit_on_call("all_gather", 1)  # the state gather ("n" is new: no agreement yet)
     tracker.mean("x", 10.0 * (rank + 1))
     tracker.sum("n", 1.0)
     try:

@@ -20,6 +20,7 @@ from rlmetrics.packing import RejectedInputError
 from helpers import reference
 
 NAN, INF = math.nan, math.inf
+pytestmark = pytest.mark.usefixtures("log_path")  # host and tensor paths
 KINDS = ("mean", "sum", "max", "min", "std", "last", "dist")
 GOOD = [1.0, 3.0]
 

@@ -18,6 +18,9 @@ from helpers import SyncTrap, no_host_copies, reference, trap
 NAN, INF = math.nan, math.inf
 
 
+pytestmark = pytest.mark.usefixtures("log_path")  # host and tensor paths
+
+
 def filled(nonfinite: str = "propagate") -> Tracker:
     """A tracker holding one metric of each kind, from python numbers and tensors."""
     t = Tracker(nonfinite=nonfinite)
@@ -289,18 +292,19 @@ def test_last_keeps_the_latest_on_a_rank() -> None:
         t.last("lr", torch.ones(2))
 
 
-def test_last_across_sources_must_agree_or_warns_once() -> None:
+def test_last_across_sources_must_agree_or_warns_once(log_path: str) -> None:
+    name = f"lr_disagree_{log_path}"  # warned once per process: a name per run
     a, b = Tracker(), Tracker()
-    a.last("lr_disagree", 1.0)
-    b.last("lr_disagree", torch.tensor(3.0))
+    a.last(name, 1.0)
+    b.last(name, torch.tensor(3.0))
     state = a.state().merge(b.state())
-    with pytest.warns(RuntimeWarning, match="'lr_disagree' .*min 1.0, max 3.0, 2 sources"):
-        assert state.compute() == {"lr_disagree": 2.0}
+    with pytest.warns(RuntimeWarning, match=f"'{name}' .*min 1.0, max 3.0, 2 sources"):
+        assert state.compute() == {name: 2.0}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert state.compute() == {"lr_disagree": 2.0}  # warned once only
-        a.last("lr_disagree", 3.0)
-        assert a.merge(b).compute() == {"lr_disagree": 3.0}
+        assert state.compute() == {name: 2.0}  # warned once only
+        a.last(name, 3.0)
+        assert a.merge(b).compute() == {name: 3.0}
 
 
 def test_dist_quantiles_are_configurable() -> None:
@@ -326,6 +330,43 @@ def test_dist_copies_what_it_keeps() -> None:
         t.dist("a", array)
     out = t.compute()
     assert (out["t/min"], out["t/max"], out["a/min"], out["a/max"]) == (1.0, 2.0, 3.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: torch.tensor(x, requires_grad=True),
+        lambda x: torch.tensor(x, dtype=torch.bfloat16),
+        lambda x: torch._neg_view(-torch.tensor(x, dtype=torch.float64)),
+        lambda x: torch.tensor([x, [9.0, 9.0]]).t()[:, 0],  # a strided view
+        lambda x: np.require(np.asarray(x), requirements="C").copy().view(),
+        lambda x: _read_only(np.asarray(x)),
+    ],
+    ids=["requires-grad", "bfloat16", "neg-bit", "strided", "view", "read-only"],
+)
+def test_unusual_host_inputs_log_like_plain_ones(make) -> None:
+    x = [1.5, 2.5]
+    expected, got = Tracker(), Tracker()
+    for t, value in ((expected, x), (got, make(x))):
+        for kind in ("mean", "sum", "max", "min", "std", "dist"):
+            t.log(kind, value, kind=kind)
+    assert got.compute() == expected.compute()
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def test_cpu_and_array_data_accumulate_on_the_host_device_tensors_do_not(log_path: str) -> None:
+    t = Tracker()
+    t.host_arrays = True
+    t.mean("cpu", torch.ones(3))
+    t.mean("array", np.ones(3))
+    assert t.accumulators["cpu"].dev_sums is None and t.accumulators["array"].dev_sums is None
+    t.host_arrays = False
+    t.mean("tensor_path", torch.ones(3))
+    assert t.accumulators["tensor_path"].dev_sums is not None
 
 
 def test_name_clash_between_result_keys_is_reported() -> None:

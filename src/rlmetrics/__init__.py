@@ -1,7 +1,7 @@
 """rlmetrics: exact, cheap, partition-invariant training metrics.
 
 Every logged number means the same thing however the batch was split across ranks,
-mini-batches and micro-batches, at the cost of two small collectives per step.
+mini-batches and micro-batches, at the cost of one small collective per step.
 """
 
 from rlmetrics.kinds import Kind, MetricState, get_kind, register_kind, unregister_kind

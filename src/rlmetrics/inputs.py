@@ -15,6 +15,11 @@ import torch
 from torch import Tensor
 
 NUMBER_TYPES = (float, int, bool, np.floating, np.integer, np.bool_)
+NUMPY_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bool, torch.uint8, torch.int8}
+    | {torch.int16, torch.int32, torch.int64}
+)
+"""Tensor dtypes whose CPU data numpy can view directly."""
 
 
 def check_name(name: object) -> str:
@@ -43,24 +48,75 @@ def as_number(name: str, value: object, what: str = "value") -> float | None:
 def as_tensor(name: str, value: object, what: str = "value") -> Tensor:
     """``value`` (array, tensor, sequence) as a detached float64 tensor, same device."""
     if isinstance(value, Tensor):
+        _check_real(name, value, what)
         tensor = value.detach()
-    elif isinstance(value, np.ndarray | list | tuple):
-        array = np.asarray(value)
-        if array.dtype.kind not in "biuf":
-            raise TypeError(
-                f"metric {name!r}: {what} must be numeric, got an array of dtype {array.dtype}"
-                if array.dtype.kind != "c"
-                else f"metric {name!r}: {what} must be real, got complex dtype {array.dtype}"
-            )
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64))
-    else:
+        return tensor if tensor.dtype is torch.float64 else tensor.to(torch.float64)
+    return torch.from_numpy(numeric_array(name, value, what))
+
+
+def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
+    """``value`` (numpy array, list, tuple) as a contiguous float64 numpy array."""
+    if not isinstance(value, np.ndarray | list | tuple):
         raise TypeError(
             f"metric {name!r}: {what} must be a number, numpy array or tensor, "
             f"got {type(value).__name__}"
         )
+    array = np.asarray(value)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(
+            f"metric {name!r}: {what} must be numeric, got an array of dtype {array.dtype}"
+            if array.dtype.kind != "c"
+            else f"metric {name!r}: {what} must be real, got complex dtype {array.dtype}"
+        )
+    array = np.ascontiguousarray(array, dtype=np.float64)
+    return array if array.flags.writeable else array.copy()
+
+
+def in_host_memory(value: object) -> bool:
+    """Whether ``value`` is not a tensor or is a plain CPU tensor (subclasses, like device
+    tensors, keep the tensor path)."""
+    return not isinstance(value, Tensor) or (type(value) is Tensor and value.device.type == "cpu")
+
+
+def host_array(name: str, value: object, what: str = "value") -> np.ndarray:
+    """``value`` (numpy array, list, tuple or CPU tensor: see ``in_host_memory``) as a
+    float64 numpy array; a float64 CPU tensor is viewed, not copied."""
+    if not isinstance(value, Tensor):
+        return numeric_array(name, value, what)
+    _check_real(name, value, what)
+    tensor = value.detach() if value.requires_grad else value
+    if tensor.dtype not in NUMPY_DTYPES:  # bfloat16 and friends have no numpy twin
+        tensor = tensor.to(torch.float64)
+    elif tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    return tensor.numpy().astype(np.float64, copy=False)
+
+
+def host_weights(name: str, weight: object, values: np.ndarray) -> np.ndarray | None:
+    """``weight`` (number, bool mask, array, CPU tensor) matching ``values`` as a float64
+    array, or None when there is no weight."""
+    if weight is None:
+        return None
+    number = None if isinstance(weight, Tensor) else as_number(name, weight, "weight")
+    if number is not None:
+        check_weight_number(name, number)
+        return np.full_like(values, number)
+    weights = host_array(name, weight, "weight")
+    _check_shapes(name, weights.shape, values.shape)
+    return weights
+
+
+def _check_real(name: str, tensor: Tensor, what: str) -> None:
     if tensor.is_complex():
         raise TypeError(f"metric {name!r}: {what} must be real, got complex dtype {tensor.dtype}")
-    return tensor if tensor.dtype is torch.float64 else tensor.to(torch.float64)
+
+
+def _check_shapes(name: str, weight_shape: tuple[int, ...], value_shape: tuple[int, ...]) -> None:
+    if weight_shape != value_shape:
+        raise ValueError(
+            f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
+            f"value shape {tuple(value_shape)}"
+        )
 
 
 def as_weights(name: str, weight: object, values: Tensor) -> Tensor | None:
@@ -72,11 +128,7 @@ def as_weights(name: str, weight: object, values: Tensor) -> Tensor | None:
         check_weight_number(name, number)
         return torch.full_like(values, number)
     weights = as_tensor(name, weight, "weight")
-    if weights.shape != values.shape:
-        raise ValueError(
-            f"metric {name!r}: weight shape {tuple(weights.shape)} does not match "
-            f"value shape {tuple(values.shape)}"
-        )
+    _check_shapes(name, weights.shape, values.shape)
     return weights if weights.device == values.device else weights.to(values.device)
 
 

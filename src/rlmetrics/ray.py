@@ -10,8 +10,10 @@ does the work. Metrics can reach the driver two ways, with the same numbers:
   used between micro-batches, ranks and containers) and computes the dict.
 
 Given the states in rank order, the driver merge gives exactly what ``compute()`` over
-the workers' group gives: the same keys, and every value bit for bit (two workers) or,
-for sums over more workers, up to the collective's own summation order.
+the workers' group gives: the same keys, and every value bit for bit (the collective
+adds the gathered states in rank order too). Only in groups too large for the one
+gather (``rlmetrics.distributed.GATHER_LIMIT``) does the collective all-reduce, and then
+sums over more than two workers may differ in the last bit (its own summation order).
 
 Replicas (tensor/pipeline-parallel copies of a data-parallel rank) return the same
 state as their source; mark them with ``replicas`` (one bool per worker, True: a copy)

@@ -11,7 +11,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.inputs import as_number, as_tensor, as_weights, check_name, check_weight_number
+from rlmetrics.inputs import (
+    as_number,
+    as_tensor,
+    as_weights,
+    check_name,
+    check_weight_number,
+    host_array,
+    host_weights,
+    in_host_memory,
+)
 from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
 from rlmetrics.kinds.base import NONFINITE_SLOT, NUM_FLAGS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
@@ -75,10 +84,11 @@ class LogMethods:
 class Tracker(LogMethods):
     """Named metrics of one step, each accumulated by its kind, merged exactly.
 
-    Log calls never synchronise with the device: tensors accumulate on their device and
-    python numbers on the host. ``compute()`` ends the step: it packs every state,
-    syncs over a process group when one is initialised (two collectives for all scalar
-    kinds), transfers once and returns ``dict[str, float]``.
+    Log calls never synchronise with the device: device tensors accumulate on their
+    device, python numbers and host data (CPU tensors, arrays) on the host.
+    ``compute()`` ends the step: it packs every state, syncs over a process group when
+    one is initialised (one collective for all scalar kinds in a steady-state step),
+    transfers once and returns ``dict[str, float]``.
 
     Args:
         empty: "omit" leaves empty metrics out of ``compute()``; "nan" reports NaN.
@@ -87,6 +97,13 @@ class Tracker(LogMethods):
             (raise; for tensors at ``compute()``, the offending call dropped, since an
             eager check would need a host sync).
         quantiles: the quantiles ``dist`` metrics report.
+
+    Attributes:
+        host_arrays: True (the default) accumulates CPU tensors, numpy arrays and lists
+            with numpy on the host, which costs a few microseconds where torch's
+            dispatch costs tens, and needs no asynchrony (the data is on the host
+            already); device tensors always take the tensor path. False sends host data
+            down the tensor path too (tests use it to run that path on the CPU).
 
     Example:
         >>> t = Tracker()
@@ -116,6 +133,8 @@ class Tracker(LogMethods):
         self._accumulators: dict[str, Accumulator] = {}
         self.sync_cache: Any = None  # owned by rlmetrics.distributed
         self._local_layout: Layout | None = None
+
+    host_arrays: bool = True
 
     # -- logging ------------------------------------------------------------------
     def kind(self, kind_name: str) -> Kind:
@@ -183,10 +202,21 @@ class Tracker(LogMethods):
         acc.kind.add_float(acc, value, weight)
 
     def _log_any(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
-        number = as_number(name, value)
-        weight_number = None if weight is None else as_number(name, weight, "weight")
+        # a tensor is never a number (0-d ones included: reading one would sync)
+        number = None if isinstance(value, Tensor) else as_number(name, value)
+        weight_number = None
+        if weight is not None and not isinstance(weight, Tensor):
+            weight_number = as_number(name, weight, "weight")
         if number is not None and (weight is None or weight_number is not None):
             self._log_number(acc, name, number, 1.0 if weight is None else weight_number)
+            return
+        # bool masks are valid weights by construction: only other arrays need data checks
+        check_weights = weight_number is None and getattr(weight, "dtype", None) not in BOOL_DTYPES
+        if self.host_arrays and in_host_memory(value) and in_host_memory(weight):
+            values = np.array(number) if number is not None else host_array(name, value)
+            weights = host_weights(name, weight, values)
+            self._check_replaces(acc, name, values.size, values.shape)
+            self._log_array(acc, values.ravel(), weights, check_weights=check_weights)
             return
         if number is not None:
             device = weight.device if isinstance(weight, Tensor) else None
@@ -195,16 +225,46 @@ class Tracker(LogMethods):
         else:
             values = as_tensor(name, value)
         weights = as_weights(name, weight, values)
-        kind = acc.kind
-        if kind.replaces and values.numel() != 1:
-            raise ValueError(
-                f"metric {name!r} (kind {kind.name!r}) takes one value, "
-                f"got shape {tuple(values.shape)}"
-            )
-        # bool masks are valid weights by construction: only other arrays need data checks
-        check_weights = weight_number is None and getattr(weight, "dtype", None) not in BOOL_DTYPES
+        self._check_replaces(acc, name, values.numel(), tuple(values.shape))
         values = values if values.dim() == 1 else values.reshape(-1)
         self._log_tensor(acc, values, weights, check_weights=check_weights)
+
+    @staticmethod
+    def _check_replaces(acc: Accumulator, name: str, size: int, shape: tuple[int, ...]) -> None:
+        if acc.kind.replaces and size != 1:
+            raise ValueError(
+                f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {shape}"
+            )
+
+    def _log_array(
+        self, acc: Accumulator, values: np.ndarray, weights: Any, *, check_weights: bool
+    ) -> None:
+        """Accumulate host data with numpy, with the tensor path's rules: a rejected call
+        is dropped and counted (reported at step end, as for tensors)."""
+        if weights is not None:
+            weights = weights.ravel()
+            if (
+                check_weights
+                and weights.size
+                and not (
+                    weights.min() >= 0 and weights.max() < math.inf  # NaN fails both
+                )
+            ):
+                acc.sums[REJECTED_SLOT] += 1.0
+                return
+        if self.nonfinite != "propagate":
+            finite = np.isfinite(values)
+            if not finite.all():
+                if self.nonfinite == "error":
+                    acc.sums[REJECTED_SLOT] += 1.0
+                    return
+                acc.sums[NONFINITE_SLOT] += float(values.size - np.count_nonzero(finite))
+                if acc.kind.replaces:
+                    return
+                values = np.where(finite, values, 0.0)
+                weights = np.where(finite, 1.0 if weights is None else weights, 0.0)
+        with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
+            acc.kind.add_array(acc, values, weights)
 
     def _log_tensor(
         self, acc: Accumulator, values: Tensor, weights: Tensor | None, *, check_weights: bool
@@ -231,6 +291,8 @@ class Tracker(LogMethods):
         elif self.nonfinite == "error":
             bad = ~torch.isfinite(values).all()
             rejected = bad if rejected is None else rejected | bad
+        if num_nonfinite is not None and rejected is not None:
+            num_nonfinite = torch.where(rejected, 0.0, num_nonfinite)  # a dropped call counts once
         sums, maxes = kind.update(values, weights)
         flags = None
         if num_nonfinite is not None or rejected is not None:

@@ -8,8 +8,9 @@ Every state has the same shape:
 * ``extra``: an optional payload with its own merge (std's Chan triple, dist's values).
 
 Because ``sums`` and ``maxes`` merge elementwise, the states of many metrics pack into
-one buffer each and a whole step's scalar metrics sync with one ``all_reduce(SUM)`` and
-one ``all_reduce(MAX)``. Only ``extra`` needs a gather.
+one buffer each, and a whole step's scalar metrics sync with one collective (a gather
+of both buffers, or an ``all_reduce(SUM)`` and an ``all_reduce(MAX)`` in large groups).
+Only ``extra`` needs a gather of its own.
 """
 
 from __future__ import annotations
@@ -106,14 +107,27 @@ class Kind:
 
     def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
         """Accumulate one python number (override for a fast path)."""
-        values = torch.tensor([value], dtype=torch.float64)
-        weights = None if weight == 1.0 else torch.tensor([weight], dtype=torch.float64)
-        sums, maxes = self.update(values, weights)
+        self.add_array(acc, np.array([value]), None if weight == 1.0 else np.array([weight]))
+
+    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+        """Accumulate host data: 1-D float64 numpy arrays, as ``update`` takes tensors
+        (CPU tensors, numpy arrays and lists come here; only device tensors go through
+        ``update`` on their device). Checked like ``update``'s inputs.
+
+        The default runs ``update`` on CPU tensors viewing the arrays; built-in kinds
+        override it with numpy, which costs less than torch's dispatch for the small
+        arrays metrics see.
+        """
+        value_tensor = torch.from_numpy(values)
+        weight_tensor = None if weights is None else torch.from_numpy(weights)
+        sums, maxes = self.update(value_tensor, weight_tensor)
+        if self.replaces:
+            acc.clear_value()
         acc.add_host(sums.tolist(), maxes.tolist())
         if self.has_extra:
-            acc.extra = self.merge_extra(
-                acc.extra, self.host_extra(self.batch_extra(values, weights))
-            )
+            batch = self.batch_extra(value_tensor, weight_tensor)
+            dev_extra = self.merge_dev_extra(None, batch)
+            acc.extra = self.merge_extra(acc.extra, self.host_extra(dev_extra))
 
     # -- extra payload (only when has_extra) ----------------------------------------
     def empty_extra(self) -> Any:
@@ -235,6 +249,17 @@ class Accumulator:
                 self.dev_maxes = maxes
             else:
                 self.dev_maxes = torch.maximum(self.dev_maxes, maxes.to(self.dev_maxes.device))
+
+    def clear_value(self) -> None:
+        """Drop the accumulated value, keeping the framework flags (a replacing kind's
+        new value follows)."""
+        flags = self.sums[-NUM_FLAGS:]
+        self.sums[:] = [0.0] * (len(self.sums) - NUM_FLAGS) + flags
+        self.maxes[:] = [-math.inf] * len(self.maxes)
+        if self.dev_sums is not None:
+            dev_flags = self.dev_sums[-NUM_FLAGS:]
+            self.dev_sums = torch.cat((torch.zeros_like(self.dev_sums[:-NUM_FLAGS]), dev_flags))
+        self.dev_maxes = None
 
     def load(self, state: MetricState) -> None:
         """Merge a host snapshot into this accumulator."""

@@ -56,6 +56,12 @@ class Dist(Kind):
         acc.sums[0] += 1.0
         acc.extra.append(value)
 
+    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+        # a copy: ``values`` may view the caller's tensor or array, reused after the call
+        kept = values.copy() if weights is None else values[weights > 0]
+        acc.sums[0] += kept.size
+        acc.extra.append(kept)
+
     def empty_extra(self) -> list:
         return []
 

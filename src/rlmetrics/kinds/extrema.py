@@ -26,6 +26,18 @@ def _masked_max(values: Tensor, weights: Tensor | None) -> Tensor:
     return values.amax().reshape(1)
 
 
+def _add_extreme(acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+    """Count the selected elements and fold their max into the host state."""
+    if weights is not None:
+        kept = weights > 0
+        acc.sums[0] += float(np.count_nonzero(kept))
+        values = np.where(kept, values, -math.inf)
+    else:
+        acc.sums[0] += values.size
+    if values.size:
+        acc.add_host((), (float(values.max()),))  # max propagates NaN, like the merge
+
+
 class Max(Kind):
     """Largest element logged (a weight or mask > 0 selects the elements).
 
@@ -50,6 +62,9 @@ class Max(Kind):
         current = acc.maxes[0]
         if (value > current or value != value) and current == current:
             acc.maxes[0] = value
+
+    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+        _add_extreme(acc, values, weights)
 
     def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return maxes[:, 0], sums[:, 0] != 0
@@ -84,6 +99,9 @@ class Min(Kind):
         current = acc.maxes[0]
         if (-value > current or value != value) and current == current:
             acc.maxes[0] = -value
+
+    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+        _add_extreme(acc, -values, weights)
 
     def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return -maxes[:, 0], sums[:, 0] != 0

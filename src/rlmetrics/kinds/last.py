@@ -42,11 +42,14 @@ class Last(Kind):
         return torch.stack((value, one)), torch.stack((value, -value))
 
     def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
-        replace(acc)
+        acc.clear_value()
         acc.sums[0] = value
         acc.sums[1] = 1.0
         acc.maxes[0] = value
         acc.maxes[1] = -value
+
+    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+        self.add_float(acc, float(values[-1]), 1.0)
 
     def results_vector(
         self, sums: np.ndarray, maxes: np.ndarray
@@ -74,17 +77,6 @@ class Last(Kind):
                 stacklevel=2,
             )
         return {"": total / sources}
-
-
-def replace(acc: Accumulator) -> None:
-    """Drop an accumulator's previous value, keeping its framework flags."""
-    flags = acc.sums[-NUM_FLAGS:]
-    acc.sums[:] = [0.0] * (len(acc.sums) - NUM_FLAGS) + flags
-    acc.maxes[:] = [-math.inf] * len(acc.maxes)
-    if acc.dev_sums is not None:
-        dev_flags = acc.dev_sums[-NUM_FLAGS:]
-        acc.dev_sums = torch.cat((torch.zeros_like(acc.dev_sums[:-NUM_FLAGS]), dev_flags))
-    acc.dev_maxes = None
 
 
 def replace_dev(

@@ -39,6 +39,15 @@ class Mean(Kind):
         sums[0] += value * weight
         sums[1] += weight
 
+    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+        sums = acc.sums
+        if weights is None:
+            sums[0] += float(values.sum())
+            sums[1] += values.size
+        else:
+            sums[0] += float(np.dot(values, weights))
+            sums[1] += float(weights.sum())
+
     def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         present = sums[:, 1] != 0
         with np.errstate(divide="ignore", invalid="ignore"):

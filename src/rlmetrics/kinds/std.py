@@ -69,6 +69,19 @@ def moment_triple(values: Tensor, weights: Tensor | None) -> Tensor:
     return torch.stack((w, mean, (weights * deviation * deviation).sum()))
 
 
+def moment_triple_array(values: np.ndarray, weights: np.ndarray | None) -> tuple:
+    """``moment_triple`` on host arrays, as python floats."""
+    if weights is None:
+        w = float(values.size)
+        mean = float(values.sum()) / (w or 1.0)
+        deviation = values - mean
+        return (w, mean, float(np.dot(deviation, deviation)))
+    w = float(weights.sum())
+    mean = float(np.dot(values, weights)) / (w if w > 0 else 1.0)
+    deviation = np.where(weights > 0, values - mean, 0.0)
+    return (w, mean, float(np.dot(weights, deviation * deviation)))
+
+
 class MomentTriples(Kind):
     """Base of kinds whose state is ``num_triples`` (W, mean, M2) triples, Chan-merged.
 
@@ -83,6 +96,12 @@ class MomentTriples(Kind):
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
         empty = values.new_empty(0)
         return empty, empty
+
+    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+        if self.num_triples > 1:  # torch.chunk decides the parts: the tensor path
+            super().add_array(acc, values, weights)
+        else:
+            acc.extra = chan_merge(tuple(acc.extra), moment_triple_array(values, weights))
 
     def empty_extra(self) -> tuple[float, ...]:
         return EMPTY * self.num_triples

@@ -38,6 +38,16 @@ class Sum(Kind):
         sums[0] += value
         sums[1] += 1.0
 
+    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
+        sums = acc.sums
+        if weights is None:
+            sums[0] += float(values.sum())
+            sums[1] += values.size
+        else:
+            kept = weights > 0
+            sums[0] += float(np.where(kept, values, 0.0).sum())
+            sums[1] += float(np.count_nonzero(kept))
+
     def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return sums[:, 0], sums[:, 1] != 0
 
