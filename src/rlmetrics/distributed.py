@@ -34,6 +34,7 @@ import pickle
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -43,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlmetrics.layout import Layout
-from rlmetrics.packing import extra_sizes, pack_extras, pack_scalars, unpack
+from rlmetrics.packing import extra_sizes, pack_extras, pack_scalars, sum_part, unpack
 from rlmetrics.reduced import Reduced
 
 HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
@@ -236,6 +237,24 @@ def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list
     return [1.0 if name in accumulators else 0.0 for name in layout.names]
 
 
+@dataclass(eq=False)
+class _GroupSync:
+    """What a tracker keeps per process group between steps: the agreed layout, the
+    device collectives run on, and the host buffer a CPU gather writes into."""
+
+    layout: Layout
+    device: torch.device
+    gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
+    rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
+
+    def gather_rows(self, world: int, length: int) -> tuple[np.ndarray, list[Tensor]]:
+        """The reusable (world, length) host buffer and its rows as CPU tensors."""
+        if self.gathered is None or self.gathered.shape != (world, length):
+            self.gathered = np.empty((world, length))
+            self.rows = [torch.from_numpy(row) for row in self.gathered]
+        return self.gathered, self.rows
+
+
 def sync_reduce(
     tracker: Any, *, group: Any = None, timeout: float | timedelta | None = None
 ) -> Reduced:
@@ -246,54 +265,63 @@ def sync_reduce(
     """
     pg = resolve_group(group)
     wait = _timeout(timeout)
-    device = comm_device(pg)
     cache = tracker.sync_cache
     if not isinstance(cache, weakref.WeakKeyDictionary):
         cache = tracker.sync_cache = weakref.WeakKeyDictionary()
     # keyed by the group object (weakly), never by id(): a group created after another
     # was destroyed may reuse its id on some ranks only, which would send those ranks
     # straight to the reduce with a stale layout while the others agree again
-    key = pg
-    layout = cache.get(key)
-    if layout is None:
-        layout = cache[key] = agree_schema(tracker, pg, device, wait)
+    sync = cache.get(pg)
+    if sync is None:
+        device = comm_device(pg)
+        sync = cache[pg] = _GroupSync(agree_schema(tracker, pg, device, wait), device)
     accumulators = tracker.accumulators
     for _ in range(2):
+        layout = sync.layout
         fits = layout.fits(accumulators)
         layout_hash = _layout_hash(layout)
         header = (*_logged(accumulators, layout, fits), 0.0 if fits else 1.0, layout_hash)
-        sums, maxes = pack_scalars(
-            accumulators if fits else {}, layout, device, max_tail=(*header, -layout_hash)
+        packed = pack_scalars(
+            accumulators if fits else {}, layout, sync.device, max_tail=(*header, -layout_hash)
         )
-        sums_host, maxes_host = _reduce(sums, maxes, pg, wait)
-        changed, high, neg_low = maxes_host[-HEADER:]
+        sums, maxes = _reduce(packed, sum_part(layout), sync, pg, wait)
+        changed, high, neg_low = maxes[-HEADER:]
         if changed == 0 and high == -neg_low:
             tail = len(layout.slots) + HEADER
-            logged = maxes_host[-tail:-HEADER]
             return _finish(
-                accumulators, layout, sums_host, maxes_host[:-tail], logged, pg, device, wait
+                accumulators, layout, sums, maxes[:-tail], maxes[-tail:-HEADER], pg, sync, wait
             )
-        layout = cache[key] = agree_schema(tracker, pg, device, wait)
+        sync.layout = agree_schema(tracker, pg, sync.device, wait)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
 def _reduce(
-    sums: Tensor, maxes: Tensor, group: Any, wait: timedelta | None
+    packed: Tensor, num_sums: int, sync: _GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The SUM and MAX buffers reduced over ``group``, on the host (one device-to-host
-    copy): one gather up to ``GATHER_LIMIT`` gathered floats, else two all_reduces."""
-    num_sums = sums.numel()
-    if dist.get_world_size(group) * (num_sums + maxes.numel()) <= GATHER_LIMIT:
-        rows = all_gather(torch.cat((sums, maxes)), group, wait, "all_gather of metric states")
-        gathered = torch.stack(rows).cpu().numpy()
+    """The packed buffer's SUM part (its first ``num_sums``) and MAX part reduced over
+    ``group``, on the host (one device-to-host copy): one gather up to
+    ``GATHER_LIMIT`` gathered floats, else two all_reduces."""
+    world = dist.get_world_size(group)
+    length = packed.numel()
+    if world * length <= GATHER_LIMIT:
+        what = "all_gather of metric states"
+        if packed.device.type == "cpu":  # straight into a reused host buffer
+            gathered, rows = sync.gather_rows(world, length)
+            _wait(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
+        else:
+            gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
         total = gathered[0, :num_sums].copy()
         for row in gathered[1:]:  # rank order: the same bits on every rank
             total += row[:num_sums]
         return total, gathered[:, num_sums:].max(axis=0)  # no NaN here (packed as +inf)
-    all_reduce(sums, dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
-    all_reduce(maxes, dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states")
-    both = torch.cat((sums, maxes)).cpu().numpy()
-    return both[:num_sums], both[num_sums:]
+    all_reduce(
+        packed[:num_sums], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states"
+    )
+    all_reduce(
+        packed[num_sums:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states"
+    )
+    host = packed.cpu().numpy()
+    return host[:num_sums], host[num_sums:]
 
 
 def _finish(
@@ -303,7 +331,7 @@ def _finish(
     maxes: np.ndarray,
     logged: np.ndarray,
     group: Any,
-    device: torch.device,
+    sync: _GroupSync,
     wait: timedelta | None,
 ) -> Reduced:
     """Gather the extras (when any) and unpack the reduced buffers."""
@@ -311,6 +339,7 @@ def _finish(
     extras: list[np.ndarray] = []
     objects: list[Mapping[str, object]] = []
     if layout.extra_slots:
+        device = sync.device
         vector, local_objects = pack_extras(accumulators, layout, sizes, device)
         if vector.numel():
             rows = all_gather(vector, group, wait, "extras gather")

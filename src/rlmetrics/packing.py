@@ -33,12 +33,14 @@ def pack_scalars(
     device: torch.device,
     *,
     max_tail: Sequence[float] = (),
-) -> tuple[Tensor, Tensor]:
-    """The SUM and MAX buffers of this process, float64 on ``device``.
+) -> Tensor:
+    """This process's SUM and MAX buffers, one after the other in one float64 tensor on
+    ``device``: [SUM | NaN counts | MAX | max_tail].
 
-    Metrics of the layout that this process never logged pack as empty states. The SUM
-    buffer ends with ``layout.num_maxes`` NaN counts, one per max slot; the MAX buffer
-    ends with ``max_tail`` (taken as is).
+    The SUM part (``layout.num_sums + layout.num_maxes`` long: see ``sum_part``) is
+    merged by addition and ends with one NaN count per max slot; the MAX part is merged
+    by max and ends with ``max_tail`` (taken as is). Metrics of the layout that this
+    process never logged pack as empty states.
     """
     accs = _in_order(accumulators, layout)
     sums = np.fromiter(chain.from_iterable(map(_get_sums, accs)), np.float64, count=layout.num_sums)
@@ -59,12 +61,17 @@ def pack_scalars(
             maxes[index] = np.maximum(
                 maxes[index], torch.cat([dev_maxes[i] for i in max_rows]).numpy()
             )
-    # NaN bookkeeping in numpy (see _merge_device), one transfer per buffer
+    # NaN bookkeeping in numpy (see _merge_device), one transfer
     is_nan = np.isnan(maxes)
     maxes[is_nan] = math.inf
-    sum_buffer = np.concatenate((sums, is_nan.astype(np.float64)))
-    max_buffer = np.concatenate((maxes, np.asarray(max_tail, dtype=np.float64)))
-    return torch.from_numpy(sum_buffer).to(device), torch.from_numpy(max_buffer).to(device)
+    tail = np.asarray(max_tail, dtype=np.float64)
+    buffer = torch.from_numpy(np.concatenate((sums, is_nan.astype(np.float64), maxes, tail)))
+    return buffer if device.type == "cpu" else buffer.to(device)
+
+
+def sum_part(layout: Layout) -> int:
+    """The length of a packed buffer's additive part (SUM slots and NaN counts)."""
+    return layout.num_sums + layout.num_maxes
 
 
 def _all_on_cpu(
@@ -126,7 +133,7 @@ def _merge_device(
     dev_maxes: list[Tensor | None],
     device: torch.device,
     max_tail: Sequence[float],
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """Add the device halves to the host halves on ``device`` (no host sync)."""
     sum_buffer = torch.from_numpy(sums).to(device)
     max_buffer = torch.from_numpy(maxes).to(device)
@@ -145,10 +152,10 @@ def _merge_device(
     # as +inf in MAX and as a count per max slot at the SUM buffer's tail.
     is_nan = torch.isnan(max_buffer)
     max_buffer = torch.where(is_nan, math.inf, max_buffer)
-    if max_tail:
-        tail = torch.tensor(max_tail, dtype=torch.float64, device=device)
-        max_buffer = torch.cat((max_buffer, tail))
-    return torch.cat((sum_buffer, is_nan.double())), max_buffer
+    parts = [sum_buffer, is_nan.double(), max_buffer]
+    if max_tail:  # a host-to-device copy, like the host halves above
+        parts.append(torch.from_numpy(np.asarray(max_tail, dtype=np.float64)).to(device))
+    return torch.cat(parts)
 
 
 def _scatter(
@@ -267,8 +274,8 @@ def local_reduce(
     accumulators: Mapping[str, Accumulator], layout: Layout, device: torch.device
 ) -> Reduced:
     """This process's step, with one device-to-host transfer per buffer."""
-    sums, maxes = pack_scalars(accumulators, layout, device)
-    maxes_host = maxes.cpu().numpy()
-    sizes = extra_sizes(layout, maxes_host)
+    host = pack_scalars(accumulators, layout, device).cpu().numpy()
+    sums, maxes = host[: sum_part(layout)], host[sum_part(layout) :]
+    sizes = extra_sizes(layout, maxes)
     extras, objects = pack_extras(accumulators, layout, sizes, device)
-    return unpack(layout, sums.cpu().numpy(), maxes_host, [extras.cpu().numpy()], [objects], sizes)
+    return unpack(layout, sums, maxes, [extras.cpu().numpy()], [objects], sizes)

@@ -2,7 +2,7 @@
 
 State: one additive count (Σ weight) per bin, plus an underflow and an overflow bin, and
 two max slots (largest value, negated smallest value). Everything merges by SUM or MAX,
-so the kind is packed into the same two ``all_reduce`` calls as the scalar kinds.
+so the kind is packed into the same collective as the scalar kinds.
 
 Bins are half-open, ``[edges[i], edges[i + 1])``, as ``np.searchsorted(edges, x,
 side="right")`` assigns them: the underflow bin holds ``x < edges[0]``, the overflow
