@@ -118,7 +118,7 @@ def test_resume_refuses_another_config_and_a_missing_checkpoint(tmp_path) -> Non
     r_cfg = replace(cfg, run=replace(cfg.run, steps=2))
     train(r_cfg)
     other = replace(r_cfg, algo=replace(r_cfg.algo, lr=1e-4), run=replace(r_cfg.run, resume=True))
-    with pytest.raises(ValueError, match=r"config differs \(algo.lr: 0.003 -> 0.0001\)"):
+    with pytest.raises(ValueError, match=r"config differs \(algo.lr: 0.0015 -> 0.0001\)"):
         train(other)
     with pytest.raises(FileNotFoundError, match="resume_from: no checkpoint at"):
         train(replace(cfg, run=replace(cfg.run, resume_from=str(tmp_path / "nowhere"))))

@@ -58,7 +58,7 @@ class ModelConfig:
 
     n_layer: int = opt(2, "transformer blocks")
     n_head: int = opt(4, "attention heads")
-    n_embd: int = opt(64, "embedding width (a multiple of n_head)")
+    n_embd: int = opt(128, "embedding width (a multiple of n_head)")
     dtype: str = opt("float32", "parameter and compute dtype", choices=DTYPES)
 
     def __post_init__(self) -> None:
@@ -83,7 +83,7 @@ class AlgoConfig:
     max_tokens_per_micro_batch: int | None = opt(
         None, "token budget per micro-batch (prompt + response tokens)", metavar="T"
     )
-    lr: float = opt(3e-3, "peak learning rate (actor)")
+    lr: float = opt(1.5e-3, "peak learning rate (actor)")
     critic_lr: float = opt(1e-2, "peak learning rate (critic, ppo)")
     warmup_steps: int = opt(5, "linear warmup steps")
     min_lr_ratio: float = opt(0.1, "cosine decay floor, as a fraction of lr")
