@@ -256,39 +256,40 @@ def ab_added(steps: list[dict[str, float]], clock: str, seed: int = 0) -> dict[s
             "n_off": off.size}  # fmt: skip
 
 
+def rank_rows(
+    per_rank: list[dict[str, dict]], header: str, cells: Callable[[dict], str]
+) -> list[str]:
+    """A markdown table with one row per rank and clock: ``| rank | clock | cells |``."""
+    align = "|---:|---|" + "---:|" * (header.count("|") + 1)
+    rows = [f"| rank | clock | {header} |", align]
+    for rank, clocks in enumerate(per_rank):
+        rows += [f"| {rank} | {clock} | {cells(m)} |" for clock, m in clocks.items()]
+    return rows
+
+
 def ab_table(per_rank: list[dict[str, dict]]) -> list[str]:
     """Markdown rows of the A/B comparison, one per rank and clock."""
-    rows = [
-        "| rank | clock | steps on / off | step ms, metrics on | step ms, metrics off "
-        "| added ms | added share | 90% interval |",
-        "|---:|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for rank, clocks in enumerate(per_rank):
-        for clock, m in clocks.items():
-            rows.append(
-                f"| {rank} | {clock} | {m['n_on']} / {m['n_off']} | {m['on'] * 1e3:.1f} | "
-                f"{m['off'] * 1e3:.1f} | {m['added'] * 1e3:.2f} | {m['share']:.2%} | "
-                f"{m['low']:.2%} to {m['high']:.2%} |"
-            )
-    return rows
+    header = (
+        "steps on / off | step ms, metrics on | step ms, metrics off | added ms | added share "
+        "| 90% interval"
+    )
+    return rank_rows(per_rank, header, lambda m: (
+        f"{m['n_on']} / {m['n_off']} | {m['on'] * 1e3:.1f} | {m['off'] * 1e3:.1f} | "
+        f"{m['added'] * 1e3:.2f} | {m['share']:.2%} | {m['low']:.2%} to {m['high']:.2%}"
+    ))  # fmt: skip
 
 
 def table(per_rank: list[dict[str, dict]]) -> list[str]:
-    """Markdown rows, one per rank and clock."""
-    rows = [
-        "| rank | clock | step ms | log calls | log ms | compute() ms | metrics share (median) "
-        "| share of summed time | barrier wait ms | timer µs/call (inside / total) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for rank, clocks in enumerate(per_rank):
-        for clock, m in clocks.items():
-            rows.append(
-                f"| {rank} | {clock} | {m['step'] * 1e3:.1f} | {m['calls']:.0f} | "
-                f"{m['log'] * 1e3:.2f} | {m['compute'] * 1e3:.2f} | {m['share']:.2%} | "
-                f"{m['total_share']:.2%} | {m['wait'] * 1e3:.2f} | "
-                f"{m['inside_us']:.2f} / {m['whole_us']:.2f} |"
-            )
-    return rows
+    """Markdown rows of the time inside the calls, one per rank and clock."""
+    header = (
+        "step ms | log calls | log ms | compute() ms | metrics share (median) | share of "
+        "summed time | barrier wait ms | timer µs/call (inside / total)"
+    )
+    return rank_rows(per_rank, header, lambda m: (
+        f"{m['step'] * 1e3:.1f} | {m['calls']:.0f} | {m['log'] * 1e3:.2f} | "
+        f"{m['compute'] * 1e3:.2f} | {m['share']:.2%} | {m['total_share']:.2%} | "
+        f"{m['wait'] * 1e3:.2f} | {m['inside_us']:.2f} / {m['whole_us']:.2f}"
+    ))  # fmt: skip
 
 
 def machine() -> str:

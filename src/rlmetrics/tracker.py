@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
-from torch import Tensor
 
-from rlmetrics.inputs import (
-    as_number,
-    as_tensor,
-    as_weights,
-    check_name,
-    check_weight_number,
-    host_array,
-    host_weights,
-    in_host_memory,
-)
+from rlmetrics.accumulate import add_data, add_number
+from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
-from rlmetrics.kinds.base import NONFINITE_SLOT, NUM_FLAGS, REJECTED_SLOT
+from rlmetrics.kinds.base import NUM_FLAGS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
-from rlmetrics.kinds.last import replace_dev
 from rlmetrics.layout import Layout
 from rlmetrics.packing import RejectedInputError, local_reduce
 from rlmetrics.reduced import Reduced
@@ -32,7 +20,6 @@ from rlmetrics.state import TrackerState
 
 EMPTY_POLICIES = ("omit", "nan")
 NONFINITE_POLICIES = ("propagate", "skip", "error")
-BOOL_DTYPES = (torch.bool, np.dtype(bool))
 
 
 class LogMethods:
@@ -172,9 +159,9 @@ class Tracker(LogMethods):
                 as_number(name, value)
                 as_number(name, weight, "weight")
                 raise
-            self._log_number(acc, name, number, weight)
+            add_number(acc, name, number, weight, self.nonfinite)
         else:
-            self._log_any(acc, name, value, weight)
+            add_data(acc, name, value, weight, self.nonfinite, host_arrays=self.host_arrays)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -187,135 +174,6 @@ class Tracker(LogMethods):
         acc = Accumulator.empty(kind)
         self._accumulators[name] = acc
         return acc
-
-    def _log_number(self, acc: Accumulator, name: str, value: float, weight: float) -> None:
-        if weight != 1.0:
-            check_weight_number(name, weight)
-        # non-finite elements count whether masked out or not, as in the tensor path
-        if self.nonfinite != "propagate" and not math.isfinite(value):
-            if self.nonfinite == "error":
-                raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
-            acc.sums[NONFINITE_SLOT] += 1.0
-            return
-        if weight == 0.0 and not acc.kind.takes_weight:
-            return
-        acc.kind.add_float(acc, value, weight)
-
-    def _log_any(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
-        # a tensor is never a number (0-d ones included: reading one would sync)
-        number = None if isinstance(value, Tensor) else as_number(name, value)
-        weight_number = None
-        if weight is not None and not isinstance(weight, Tensor):
-            weight_number = as_number(name, weight, "weight")
-        if number is not None and (weight is None or weight_number is not None):
-            self._log_number(acc, name, number, 1.0 if weight is None else weight_number)
-            return
-        # bool masks are valid weights by construction: only other arrays need data checks
-        check_weights = weight_number is None and getattr(weight, "dtype", None) not in BOOL_DTYPES
-        if self.host_arrays and in_host_memory(value) and in_host_memory(weight):
-            values = np.array(number) if number is not None else host_array(name, value)
-            weights = host_weights(name, weight, values)
-            self._check_replaces(acc, name, values.size, values.shape)
-            self._log_array(acc, values.ravel(), weights, check_weights=check_weights)
-            return
-        if number is not None:
-            device = weight.device if isinstance(weight, Tensor) else None
-            # torch.full, not torch.tensor: on CUDA the latter is a blocking copy
-            values = torch.full((), number, dtype=torch.float64, device=device)
-        else:
-            values = as_tensor(name, value)
-        weights = as_weights(name, weight, values)
-        self._check_replaces(acc, name, values.numel(), tuple(values.shape))
-        values = values if values.dim() == 1 else values.reshape(-1)
-        self._log_tensor(acc, values, weights, check_weights=check_weights)
-
-    @staticmethod
-    def _check_replaces(acc: Accumulator, name: str, size: int, shape: tuple[int, ...]) -> None:
-        if acc.kind.replaces and size != 1:
-            raise ValueError(
-                f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {shape}"
-            )
-
-    def _log_array(
-        self, acc: Accumulator, values: np.ndarray, weights: Any, *, check_weights: bool
-    ) -> None:
-        """Accumulate host data with numpy, with the tensor path's rules: a rejected call
-        is dropped and counted (reported at step end, as for tensors)."""
-        if weights is not None:
-            weights = weights.ravel()
-            if (
-                check_weights
-                and weights.size
-                and not (
-                    weights.min() >= 0 and weights.max() < math.inf  # NaN fails both
-                )
-            ):
-                acc.sums[REJECTED_SLOT] += 1.0
-                return
-        if self.nonfinite != "propagate":
-            finite = np.isfinite(values)
-            if not finite.all():
-                if self.nonfinite == "error":
-                    acc.sums[REJECTED_SLOT] += 1.0
-                    return
-                acc.sums[NONFINITE_SLOT] += float(values.size - np.count_nonzero(finite))
-                if acc.kind.replaces:
-                    return
-                values = np.where(finite, values, 0.0)
-                weights = np.where(finite, 1.0 if weights is None else weights, 0.0)
-        with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-            acc.kind.add_array(acc, values, weights)
-
-    def _log_tensor(
-        self, acc: Accumulator, values: Tensor, weights: Tensor | None, *, check_weights: bool
-    ) -> None:
-        """Accumulate on the device; data checks become device flags (no host sync).
-
-        A rejected call (bad weights; non-finite values under "error") is zeroed by
-        ``where`` on its outputs, whatever they hold, and counted in the flags.
-        """
-        kind = acc.kind
-        if weights is not None and weights.dim() != 1:
-            weights = weights.reshape(-1)
-        rejected = None
-        if weights is not None and check_weights:
-            rejected = ~((weights >= 0) & (weights < math.inf)).all()  # NaN fails both
-        num_nonfinite = None
-        keep_old = None
-        if self.nonfinite == "skip":
-            finite = torch.isfinite(values)
-            num_nonfinite = (~finite).sum().double()
-            values = torch.where(finite, values, 0.0)
-            weights = finite.double() if weights is None else torch.where(finite, weights, 0.0)
-            keep_old = ~finite.all() if kind.replaces else None
-        elif self.nonfinite == "error":
-            bad = ~torch.isfinite(values).all()
-            rejected = bad if rejected is None else rejected | bad
-        if num_nonfinite is not None and rejected is not None:
-            num_nonfinite = torch.where(rejected, 0.0, num_nonfinite)  # a dropped call counts once
-        sums, maxes = kind.update(values, weights)
-        flags = None
-        if num_nonfinite is not None or rejected is not None:
-            zero = sums.new_zeros(())
-            flags = torch.stack(
-                (
-                    zero if num_nonfinite is None else num_nonfinite,
-                    zero if rejected is None else rejected.double(),
-                )
-            )
-        if rejected is not None:
-            sums = torch.where(rejected, 0.0, sums)
-            maxes = torch.where(rejected, -math.inf, maxes)
-            keep_old = rejected if keep_old is None else keep_old | rejected
-        if kind.replaces:
-            replace_dev(acc, sums, maxes, keep_old, flags)
-        else:
-            acc.add_dev(sums, maxes, flags)
-        if kind.has_extra:
-            batch = kind.batch_extra(values, weights)
-            if rejected is not None:
-                batch = kind.reject_extra(batch, rejected)
-            acc.dev_extra = kind.merge_dev_extra(acc.dev_extra, batch)
 
     def prefixed(self, prefix: str) -> PrefixedTracker:
         return PrefixedTracker(self, prefix)

@@ -1,0 +1,178 @@
+"""One log call's data into a metric's accumulator: python numbers and host data (CPU
+tensors, numpy arrays, lists) on the host with numpy, device tensors with torch ops on
+their device, under the same rules.
+
+Checks that need no data (types, shapes, dtypes, python values) raise in the call.
+Data checks (negative or non-finite weights, non-finite values under
+``nonfinite="error"``) reject the call instead: it contributes nothing and is counted,
+and ``compute()`` reports it. On the device that count is a flag computed there, so
+the host never waits; the host path keeps the same rule so that a CPU test behaves as
+the GPU run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlmetrics.inputs import (
+    as_number,
+    as_tensor,
+    as_weights,
+    check_weight_number,
+    host_array,
+    host_weights,
+    in_host_memory,
+)
+from rlmetrics.kinds import Accumulator
+from rlmetrics.kinds.base import NONFINITE_SLOT, REJECTED_SLOT
+from rlmetrics.kinds.last import replace_dev
+
+BOOL_DTYPES = (torch.bool, np.dtype(bool))
+
+
+def add_number(acc: Accumulator, name: str, value: float, weight: float, nonfinite: str) -> None:
+    """One python number (checked here and now: it is on the host)."""
+    if weight != 1.0:
+        check_weight_number(name, weight)
+    # non-finite elements count whether masked out or not, as in the tensor path
+    if nonfinite != "propagate" and not math.isfinite(value):
+        if nonfinite == "error":
+            raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
+        acc.sums[NONFINITE_SLOT] += 1.0
+        return
+    if weight == 0.0 and not acc.kind.takes_weight:
+        return
+    acc.kind.add_float(acc, value, weight)
+
+
+def add_data(
+    acc: Accumulator, name: str, value: Any, weight: Any, nonfinite: str, *, host_arrays: bool
+) -> None:
+    """Any value (number, array, tensor) with any weight: host data through numpy (unless
+    ``host_arrays`` is False), device tensors through torch ops on their device."""
+    # a tensor is never a number (0-d ones included: reading one would sync)
+    number = None if isinstance(value, Tensor) else as_number(name, value)
+    weight_number = None
+    if weight is not None and not isinstance(weight, Tensor):
+        weight_number = as_number(name, weight, "weight")
+    if number is not None and (weight is None or weight_number is not None):
+        add_number(acc, name, number, 1.0 if weight is None else weight_number, nonfinite)
+        return
+    # bool masks are valid weights by construction: only other arrays need data checks
+    check_weights = weight_number is None and getattr(weight, "dtype", None) not in BOOL_DTYPES
+    if host_arrays and in_host_memory(value) and in_host_memory(weight):
+        values = np.array(number) if number is not None else host_array(name, value)
+        weights = host_weights(name, weight, values)
+        _check_replaces(acc, name, values.size, values.shape)
+        add_array(acc, values.ravel(), weights, nonfinite, check_weights=check_weights)
+        return
+    if number is not None:
+        device = weight.device if isinstance(weight, Tensor) else None
+        # torch.full, not torch.tensor: on CUDA the latter is a blocking copy
+        values = torch.full((), number, dtype=torch.float64, device=device)
+    else:
+        values = as_tensor(name, value)
+    weights = as_weights(name, weight, values)
+    _check_replaces(acc, name, values.numel(), tuple(values.shape))
+    values = values if values.dim() == 1 else values.reshape(-1)
+    add_tensor(acc, values, weights, nonfinite, check_weights=check_weights)
+
+
+def _check_replaces(acc: Accumulator, name: str, size: int, shape: tuple[int, ...]) -> None:
+    if acc.kind.replaces and size != 1:
+        raise ValueError(
+            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {shape}"
+        )
+
+
+def add_array(
+    acc: Accumulator, values: np.ndarray, weights: Any, nonfinite: str, *, check_weights: bool
+) -> None:
+    """Accumulate host data with numpy, with the tensor path's rules: a rejected call
+    is dropped and counted (reported at step end, as for tensors)."""
+    if weights is not None:
+        weights = weights.ravel()
+        if (
+            check_weights
+            and weights.size
+            and not (
+                weights.min() >= 0 and weights.max() < math.inf  # NaN fails both
+            )
+        ):
+            acc.sums[REJECTED_SLOT] += 1.0
+            return
+    if nonfinite != "propagate":
+        finite = np.isfinite(values)
+        if not finite.all():
+            if nonfinite == "error":
+                acc.sums[REJECTED_SLOT] += 1.0
+                return
+            acc.sums[NONFINITE_SLOT] += float(values.size - np.count_nonzero(finite))
+            if acc.kind.replaces:
+                return
+            values = np.where(finite, values, 0.0)
+            weights = np.where(finite, 1.0 if weights is None else weights, 0.0)
+    with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
+        acc.kind.add_array(acc, values, weights)
+
+
+def add_tensor(
+    acc: Accumulator,
+    values: Tensor,
+    weights: Tensor | None,
+    nonfinite: str,
+    *,
+    check_weights: bool,
+) -> None:
+    """Accumulate on the device; data checks become device flags (no host sync).
+
+    A rejected call (bad weights; non-finite values under "error") is zeroed by
+    ``where`` on its outputs, whatever they hold, and counted in the flags.
+    """
+    kind = acc.kind
+    if weights is not None and weights.dim() != 1:
+        weights = weights.reshape(-1)
+    rejected = None
+    if weights is not None and check_weights:
+        rejected = ~((weights >= 0) & (weights < math.inf)).all()  # NaN fails both
+    num_nonfinite = None
+    keep_old = None
+    if nonfinite == "skip":
+        finite = torch.isfinite(values)
+        num_nonfinite = (~finite).sum().double()
+        values = torch.where(finite, values, 0.0)
+        weights = finite.double() if weights is None else torch.where(finite, weights, 0.0)
+        keep_old = ~finite.all() if kind.replaces else None
+    elif nonfinite == "error":
+        bad = ~torch.isfinite(values).all()
+        rejected = bad if rejected is None else rejected | bad
+    if num_nonfinite is not None and rejected is not None:
+        num_nonfinite = torch.where(rejected, 0.0, num_nonfinite)  # a dropped call counts once
+    sums, maxes = kind.update(values, weights)
+    flags = None
+    if num_nonfinite is not None or rejected is not None:
+        zero = sums.new_zeros(())
+        flags = torch.stack(
+            (
+                zero if num_nonfinite is None else num_nonfinite,
+                zero if rejected is None else rejected.double(),
+            )
+        )
+    if rejected is not None:
+        sums = torch.where(rejected, 0.0, sums)
+        maxes = torch.where(rejected, -math.inf, maxes)
+        keep_old = rejected if keep_old is None else keep_old | rejected
+    if kind.replaces:
+        replace_dev(acc, sums, maxes, keep_old, flags)
+    else:
+        acc.add_dev(sums, maxes, flags)
+    if kind.has_extra:
+        batch = kind.batch_extra(values, weights)
+        if rejected is not None:
+            batch = kind.reject_extra(batch, rejected)
+        acc.dev_extra = kind.merge_dev_extra(acc.dev_extra, batch)
