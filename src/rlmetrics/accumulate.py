@@ -91,19 +91,19 @@ def _check_replaces(acc: Accumulator, name: str, size: int, shape: tuple[int, ..
 
 
 def add_array(
-    acc: Accumulator, values: np.ndarray, weights: Any, nonfinite: str, *, check_weights: bool
+    acc: Accumulator,
+    values: np.ndarray,
+    weights: np.ndarray | None,
+    nonfinite: str,
+    *,
+    check_weights: bool,
 ) -> None:
     """Accumulate host data with numpy, with the tensor path's rules: a rejected call
     is dropped and counted (reported at step end, as for tensors)."""
     if weights is not None:
         weights = weights.ravel()
-        if (
-            check_weights
-            and weights.size
-            and not (
-                weights.min() >= 0 and weights.max() < math.inf  # NaN fails both
-            )
-        ):
+        low, high = (weights.min(), weights.max()) if check_weights and weights.size else (0, 0)
+        if not (low >= 0 and high < math.inf):  # NaN fails both
             acc.sums[REJECTED_SLOT] += 1.0
             return
     if nonfinite != "propagate":
