@@ -13,9 +13,9 @@ kept as it is.
 The demo trainer (``rlmetrics demo`` defaults: GRPO, 32 prompts x 8 samples, float32)
 runs on ``--dp`` spawned gloo ranks with these patches, installed in each rank:
 
-* ``Tracker._log`` (every log call of a Tracker or a prefixed view ends there) and
-  ``Tracker.compute`` are wrapped in a ``perf_counter`` timer that adds to per-step
-  totals;
+* ``Tracker._log`` and ``Tracker._log_shared`` (every log call of a Tracker or a
+  prefixed view ends in one of them) and ``Tracker.compute`` are wrapped in a
+  ``perf_counter`` timer that adds to per-step totals;
 * ``train_step`` is wrapped the same way: its wall time is the step (it ends with the
   step's ``compute()``);
 * before ``compute()``, an untimed ``dist.barrier()`` aligns the ranks, so that waiting
@@ -134,15 +134,20 @@ def aligned(compute: Callable, totals: dict[str, float]) -> Callable:
     return wrapper
 
 
-def switchable(log: Callable, compute: Callable) -> tuple[Callable, Callable, dict]:
-    """``Tracker._log`` and ``Tracker.compute`` that do nothing while ``switch["on"]`` is
+def switchable(
+    logs: tuple[Callable, ...], compute: Callable
+) -> tuple[list[Callable], Callable, dict]:
+    """The log methods and ``Tracker.compute``, doing nothing while ``switch["on"]`` is
     False (compute then resets and returns the last real metrics, so the loggers still
     get a dict); the switch is flipped between steps, the same on every rank."""
     switch: dict[str, Any] = {"on": True, "last": {}}
 
-    def switched_log(self: Any, *args: Any) -> None:
-        if switch["on"]:
-            log(self, *args)
+    def switched(log: Callable) -> Callable:
+        def switched_log(self: Any, *args: Any) -> None:
+            if switch["on"]:
+                log(self, *args)
+
+        return switched_log
 
     def switched_compute(self: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
         if switch["on"]:
@@ -151,7 +156,7 @@ def switchable(log: Callable, compute: Callable) -> tuple[Callable, Callable, di
             self.reset()
         return dict(switch["last"])
 
-    return switched_log, switched_compute, switch
+    return [switched(log) for log in logs], switched_compute, switch
 
 
 def install(rank: int, steps: list[dict[str, float]], alternate: bool) -> None:
@@ -166,8 +171,11 @@ def install(rank: int, steps: list[dict[str, float]], alternate: bool) -> None:
     train = importlib.import_module("rlmetrics.trainer.train")  # the package shadows it
 
     totals = fresh_totals()
-    log, compute, switch = switchable(Tracker._log, Tracker.compute)
+    (log, log_shared), compute, switch = switchable(
+        (Tracker._log, Tracker._log_shared), Tracker.compute
+    )
     Tracker._log = timed(log, totals, "log", count=True)
+    Tracker._log_shared = timed(log_shared, totals, "log", count=True)
     Tracker.compute = aligned(timed(compute, totals, "compute"), totals)
     report.Reporter.log = timed(report.Reporter.log, totals, "report")
     inner = timed(train.train_step, totals, "step")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlmetrics import Tracker, TrackerState, rl
+from rlmetrics.rl.updates import extremes, token_mean
 from rlmetrics.testing import assert_partition_invariant
 from rlmetrics.trainer.launch import exit_now
 
@@ -62,6 +63,28 @@ def test_batch_metrics_match_numpy_under_every_split() -> None:
     assert set(got) == set(want)
     for name, value in want.items():
         assert got[name] == pytest.approx(value, rel=1e-9), name
+
+
+def test_log_updates_converts_each_shared_input_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """extremes' three updates share one value and mask: one log_shared call, and the
+    same results as logging each update on its own."""
+    values, mask = torch.randn(4, 5, dtype=torch.float64), torch.rand(4, 5) > 0.3
+    updates = [*extremes("adv", values, mask), token_mean("kl", values, mask)]
+    calls: list[list] = []
+    shared = Tracker()
+    original = Tracker._log_shared
+
+    def spy(self: Tracker, metrics: list, value: object, weight: object) -> None:
+        calls.append(metrics)
+        original(self, metrics, value, weight)
+
+    monkeypatch.setattr(Tracker, "_log_shared", spy)
+    rl.log_updates(shared, updates)
+    assert calls == [[("adv/mean", "mean"), ("adv/max", "max"), ("adv/min", "min")]]
+    separate = Tracker()
+    for update in updates:
+        separate.log(update.name, update.value, update.weight, kind=update.kind)
+    assert shared.compute() == separate.compute()
 
 
 def test_explained_var_state_round_trips_and_merges_in_any_order() -> None:

@@ -369,6 +369,42 @@ def test_cpu_and_array_data_accumulate_on_the_host_device_tensors_do_not(log_pat
     assert t.accumulators["tensor_path"].dev_sums is not None
 
 
+SHARED_KINDS = ("mean", "sum", "max", "min", "std", "dist")
+
+
+@pytest.mark.parametrize(
+    ("value", "weight"),
+    [
+        (torch.tensor([1.5, -2.0, 4.0, 0.25]), torch.tensor([True, False, True, True])),
+        (np.array([1.5, -2.0, 4.0, 0.25]), np.array([1.0, 0.0, 2.0, 0.5])),
+        ([1.5, -2.0, 4.0, math.inf], None),
+        (2.5, 3.0),
+        (torch.tensor(7.0, dtype=torch.float64), None),
+    ],
+    ids=["tensor-mask", "array-weights", "list-inf", "number", "0-d"],
+)
+@pytest.mark.parametrize("policy", ["propagate", "skip"])
+def test_log_shared_equals_one_call_per_metric(value, weight, policy: str) -> None:
+    shared, separate = Tracker(nonfinite=policy), Tracker(nonfinite=policy)
+    metrics = [(f"x/{kind}", kind) for kind in SHARED_KINDS]
+    shared.prefixed("p/").log_shared(metrics, value, weight)
+    for name, kind in metrics:
+        separate.log("p/" + name, value, weight, kind=kind)
+    np.testing.assert_equal(shared.compute(), separate.compute())  # NaN equals NaN
+
+
+def test_log_shared_fails_like_one_call_per_metric() -> None:
+    """Metrics before the failing one are logged; the failing one is not created."""
+    t = Tracker()
+    with pytest.raises(ValueError, match=r"metric 'b' \(kind 'last'\) takes one value"):
+        t.log_shared([("a", "mean"), ("b", "last"), ("c", "max")], torch.tensor([1.0, 3.0]))
+    assert t.schema() == {"a": "mean"}
+    with pytest.raises(TypeError, match="metric 'd': value must be a number"):
+        t.log_shared([("d", "mean"), ("e", "max")], "text")
+    assert t.schema() == {"a": "mean"}
+    assert t.compute() == {"a": 2.0}
+
+
 def test_name_clash_between_result_keys_is_reported() -> None:
     t = Tracker()
     t.dist("x", 1.0)

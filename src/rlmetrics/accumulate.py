@@ -13,6 +13,7 @@ the GPU run.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,27 +51,38 @@ def add_number(acc: Accumulator, name: str, value: float, weight: float, nonfini
     acc.kind.add_float(acc, value, weight)
 
 
-def add_data(
-    acc: Accumulator, name: str, value: Any, weight: Any, nonfinite: str, *, host_arrays: bool
-) -> None:
-    """Any value (number, array, tensor) with any weight: host data through numpy (unless
-    ``host_arrays`` is False), device tensors through torch ops on their device."""
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """One log call's value and weight, converted and checked once (``prepare``); it may
+    feed several metrics (``Tracker.log_shared``)."""
+
+    number: float | None  # a python number with a python weight: the number path
+    weight_number: float
+    values: np.ndarray | Tensor | None  # 1-D float64, host or device (else None)
+    weights: np.ndarray | Tensor | None
+    shape: tuple[int, ...]  # of the value as logged, for messages
+    check_weights: bool  # weights are an array that is not a bool mask
+
+
+def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepared:
+    """Convert any value (number, array, tensor) and weight: python numbers stay numbers,
+    host data becomes numpy arrays (unless ``host_arrays`` is False), device tensors stay
+    on their device. Checks that need no data raise here, naming ``name``."""
     # a tensor is never a number (0-d ones included: reading one would sync)
     number = None if isinstance(value, Tensor) else as_number(name, value)
     weight_number = None
     if weight is not None and not isinstance(weight, Tensor):
         weight_number = as_number(name, weight, "weight")
     if number is not None and (weight is None or weight_number is not None):
-        add_number(acc, name, number, 1.0 if weight is None else weight_number, nonfinite)
-        return
+        weight_number = 1.0 if weight_number is None else weight_number
+        return Prepared(number, weight_number, None, None, (), False)
     # bool masks are valid weights by construction: only other arrays need data checks
-    check_weights = weight_number is None and getattr(weight, "dtype", None) not in BOOL_DTYPES
+    check = weight_number is None and getattr(weight, "dtype", None) not in BOOL_DTYPES
     if host_arrays and in_host_memory(value) and in_host_memory(weight):
         values = np.array(number) if number is not None else host_array(name, value)
         weights = host_weights(name, weight, values)
-        _check_replaces(acc, name, values.size, values.shape)
-        add_array(acc, values.ravel(), weights, nonfinite, check_weights=check_weights)
-        return
+        flat = None if weights is None else weights.ravel()
+        return Prepared(None, 1.0, values.ravel(), flat, values.shape, check)
     if number is not None:
         device = weight.device if isinstance(weight, Tensor) else None
         # torch.full, not torch.tensor: on CUDA the latter is a blocking copy
@@ -78,16 +90,25 @@ def add_data(
     else:
         values = as_tensor(name, value)
     weights = as_weights(name, weight, values)
-    _check_replaces(acc, name, values.numel(), tuple(values.shape))
+    shape = tuple(values.shape)
     values = values if values.dim() == 1 else values.reshape(-1)
-    add_tensor(acc, values, weights, nonfinite, check_weights=check_weights)
+    if weights is not None and weights.dim() != 1:
+        weights = weights.reshape(-1)
+    return Prepared(None, 1.0, values, weights, shape, check)
 
 
-def _check_replaces(acc: Accumulator, name: str, size: int, shape: tuple[int, ...]) -> None:
-    if acc.kind.replaces and size != 1:
+def add_prepared(acc: Accumulator, name: str, prepared: Prepared, nonfinite: str) -> None:
+    """Accumulate a prepared value into ``acc`` (the metric called ``name``)."""
+    values = prepared.values
+    if values is None:
+        add_number(acc, name, prepared.number, prepared.weight_number, nonfinite)
+        return
+    if acc.kind.replaces and len(values) != 1:
         raise ValueError(
-            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {shape}"
+            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {prepared.shape}"
         )
+    add = add_array if isinstance(values, np.ndarray) else add_tensor
+    add(acc, values, prepared.weights, nonfinite, check_weights=prepared.check_weights)
 
 
 def add_array(
@@ -98,10 +119,10 @@ def add_array(
     *,
     check_weights: bool,
 ) -> None:
-    """Accumulate host data with numpy, with the tensor path's rules: a rejected call
-    is dropped and counted (reported at step end, as for tensors)."""
+    """Accumulate host data (1-D float64 arrays) with numpy, with the tensor path's
+    rules: a rejected call is dropped and counted (reported at step end, as for
+    tensors)."""
     if weights is not None:
-        weights = weights.ravel()
         low, high = (weights.min(), weights.max()) if check_weights and weights.size else (0, 0)
         if not (low >= 0 and high < math.inf):  # NaN fails both
             acc.sums[REJECTED_SLOT] += 1.0
@@ -129,14 +150,13 @@ def add_tensor(
     *,
     check_weights: bool,
 ) -> None:
-    """Accumulate on the device; data checks become device flags (no host sync).
+    """Accumulate 1-D float64 tensors on their device; data checks become device flags
+    (no host sync).
 
     A rejected call (bad weights; non-finite values under "error") is zeroed by
     ``where`` on its outputs, whatever they hold, and counted in the flags.
     """
     kind = acc.kind
-    if weights is not None and weights.dim() != 1:
-        weights = weights.reshape(-1)
     rejected = None
     if weights is not None and check_weights:
         rejected = ~((weights >= 0) & (weights < math.inf)).all()  # NaN fails both

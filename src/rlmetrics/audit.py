@@ -140,6 +140,10 @@ class RecordingTracker(Tracker):
         if name.endswith("/grad_norm"):  # logged once per optimizer step, after its mbs
             self._opt_steps[prefix] = self._opt_steps.get(prefix, 0) + 1
 
+    def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
+        for name, kind in metrics:  # one call each, so that each is recorded
+            self._log(name, kind, value, weight)
+
     def naive(self, by_tokens: bool) -> dict[str, tuple[str, float]]:
         """This rank's verl-style values: {name: (kind, value)}.
 

@@ -29,9 +29,27 @@ class MetricUpdate:
 
 
 def log_updates(tracker: LogMethods, updates: Iterable[MetricUpdate]) -> None:
-    """Apply ``updates`` to ``tracker`` (a Tracker or a prefixed view); no host sync."""
+    """Apply ``updates`` to ``tracker`` (a Tracker or a prefixed view); no host sync.
+
+    Consecutive updates of the same value and weight objects (``extremes``' mean, max
+    and min) go through one ``log_shared`` call, which converts their input once.
+    """
+    group: list[MetricUpdate] = []
     for update in updates:
-        tracker.log(update.name, update.value, update.weight, kind=update.kind)
+        if group and (update.value is not group[0].value or update.weight is not group[0].weight):
+            _log_group(tracker, group)
+            group = []
+        group.append(update)
+    if group:
+        _log_group(tracker, group)
+
+
+def _log_group(tracker: LogMethods, group: list[MetricUpdate]) -> None:
+    first = group[0]
+    if len(group) == 1:
+        tracker.log(first.name, first.value, first.weight, kind=first.kind)
+    else:
+        tracker.log_shared([(u.name, u.kind) for u in group], first.value, first.weight)
 
 
 def bool_mask(mask: Tensor) -> Tensor:
