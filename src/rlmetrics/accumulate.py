@@ -13,8 +13,7 @@ the GPU run.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -51,8 +50,7 @@ def add_number(acc: Accumulator, name: str, value: float, weight: float, nonfini
     acc.kind.add_float(acc, value, weight)
 
 
-@dataclass(frozen=True, slots=True)
-class Prepared:
+class Prepared(NamedTuple):
     """One log call's value and weight, converted and checked once (``prepare``); it may
     feed several metrics (``Tracker.log_shared``)."""
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rlmetrics.accumulate import add_number, add_prepared, prepare
+from rlmetrics.accumulate import Prepared, add_number, add_prepared, prepare
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
 from rlmetrics.kinds.base import NUM_FLAGS, REJECTED_SLOT
@@ -149,45 +149,46 @@ class Tracker(LogMethods):
         return self._own_kinds.get(kind_name) or get_kind(kind_name)
 
     def _log(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
-        acc, created = self._accumulator_for(name, kind_name)
-        try:
-            value_type = type(value)
-            if (value_type is float or value_type is int) and (
-                weight is None or type(weight) is float or type(weight) is int
-            ):  # python numbers: the fast path
-                add_number(acc, name, *_as_floats(name, value, weight), self.nonfinite)
-            else:
-                prepared = prepare(name, value, weight, host_arrays=self.host_arrays)
-                add_prepared(acc, name, prepared, self.nonfinite)
-        except BaseException:
-            if created:
-                del self._accumulators[name]  # a failed first call leaves no empty metric
-            raise
-
-    def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
-        prepared = None
-        for name, kind_name in metrics:
-            acc, created = self._accumulator_for(name, kind_name)
-            try:
-                if prepared is None:
-                    prepared = prepare(name, value, weight, host_arrays=self.host_arrays)
-                add_prepared(acc, name, prepared, self.nonfinite)
-            except BaseException:
-                if created:
-                    del self._accumulators[name]
-                raise
-
-    def _accumulator_for(self, name: str, kind_name: str) -> tuple[Accumulator, bool]:
-        """The accumulator of ``name`` (made for ``kind_name`` when new) and whether it
-        was made by this call."""
         try:
             acc = self._accumulators.get(name)
         except TypeError:  # an unhashable name
             check_name(name)
             raise
-        if acc is not None and acc.kind.name == kind_name:
-            return acc, False
-        return self._accumulator(name, self.kind(kind_name)), True
+        if acc is None or acc.kind.name != kind_name:
+            acc = self._accumulator(name, self.kind(kind_name))
+            try:
+                self._log_value(acc, name, value, weight)
+            except BaseException:
+                del self._accumulators[name]  # a failed first call leaves no empty metric
+                raise
+            return
+        self._log_value(acc, name, value, weight)
+
+    def _log_value(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
+        """Python numbers take the fast path; everything else is prepared first (unless
+        ``log_shared`` prepared it already)."""
+        value_type = type(value)
+        if (value_type is float or value_type is int) and (
+            weight is None or type(weight) is float or type(weight) is int
+        ):
+            try:
+                number = float(value)
+                weight = 1.0 if weight is None else float(weight)
+            except OverflowError:  # an int beyond float64's range: as_number names it
+                as_number(name, value)
+                as_number(name, weight, "weight")
+                raise
+            add_number(acc, name, number, weight, self.nonfinite)
+            return
+        if value_type is not Prepared:
+            value = prepare(name, value, weight, host_arrays=self.host_arrays)
+        add_prepared(acc, name, value, self.nonfinite)
+
+    def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
+        if metrics:
+            prepared = prepare(metrics[0][0], value, weight, host_arrays=self.host_arrays)
+            for name, kind_name in metrics:
+                self._log(name, kind_name, prepared, None)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -345,16 +346,6 @@ class Tracker(LogMethods):
         state = TrackerState.from_dict(state_dict)
         self.reset()
         self.merge(state)
-
-
-def _as_floats(name: str, value: int | float, weight: int | float | None) -> tuple[float, float]:
-    """A python value and weight as floats (an int beyond float64's range raises, named)."""
-    try:
-        return float(value), 1.0 if weight is None else float(weight)
-    except OverflowError:
-        as_number(name, value)
-        as_number(name, weight, "weight")
-        raise
 
 
 class PrefixedTracker(LogMethods):
