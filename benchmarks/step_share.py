@@ -74,18 +74,33 @@ def fresh_totals() -> dict[str, float]:
     return {f"{c}:{k}": 0.0 for c in COUNTERS for k in CLOCKS} | {"log_calls": 0.0}
 
 
-def timed(fn: Callable, totals: dict[str, float], name: str, count: bool = False) -> Callable:
-    """``fn`` that adds its wall and process CPU time to ``totals[name:wall|cpu]``."""
+def timed(
+    fn: Callable,
+    totals: dict[str, float],
+    name: str,
+    count: bool = False,
+    depth: list[int] | None = None,
+) -> Callable:
+    """``fn`` that adds its wall and process CPU time to ``totals[name:wall|cpu]``.
+
+    Wrappers sharing a ``depth`` cell time only the outermost call (``log_shared``
+    calls ``_log`` once per metric: its time is booked once, as one call).
+    """
     wall, cpu = CLOCKS["wall"], CLOCKS["cpu"]
+    depth = [0] if depth is None else depth
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if depth[0]:
+            return fn(*args, **kwargs)
+        depth[0] += 1
         w, c = wall(), cpu()
         try:
             return fn(*args, **kwargs)
         finally:
             totals[f"{name}:cpu"] += cpu() - c
             totals[f"{name}:wall"] += wall() - w
+            depth[0] -= 1
             if count:
                 totals["log_calls"] += 1
 
@@ -174,8 +189,9 @@ def install(rank: int, steps: list[dict[str, float]], alternate: bool) -> None:
     (log, log_shared), compute, switch = switchable(
         (Tracker._log, Tracker._log_shared), Tracker.compute
     )
-    Tracker._log = timed(log, totals, "log", count=True)
-    Tracker._log_shared = timed(log_shared, totals, "log", count=True)
+    depth = [0]  # one cell: a log_shared call is timed once, not again per metric
+    Tracker._log = timed(log, totals, "log", count=True, depth=depth)
+    Tracker._log_shared = timed(log_shared, totals, "log", count=True, depth=depth)
     Tracker.compute = aligned(timed(compute, totals, "compute"), totals)
     report.Reporter.log = timed(report.Reporter.log, totals, "report")
     inner = timed(train.train_step, totals, "step")
