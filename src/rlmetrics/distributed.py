@@ -223,11 +223,6 @@ def agree_schema(
     return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()])
 
 
-def _layout_hash(layout: Layout) -> float:
-    """A float64-exact hash of the layout (52 bits), equal on ranks with equal layouts."""
-    return layout.digest
-
-
 def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list[float]:
     """Per layout slot, 1.0 when this process logged the name this step, else 0.0."""
     if not fits:
@@ -244,8 +239,23 @@ class _GroupSync:
 
     layout: Layout
     device: torch.device
+    world: int
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
+    full_tail: tuple[Layout | None, np.ndarray] = (None, np.zeros(0))
+
+    def tail(self, accumulators: Mapping[str, Any], fits: bool) -> np.ndarray:
+        """The MAX buffer's tail: [logged per slot..., schema changed, hash, -hash]; the
+        common one (every name logged, schema unchanged) is made once per layout."""
+        layout = self.layout
+        everything = fits and len(accumulators) == len(layout.slots)
+        if everything and self.full_tail[0] is layout:
+            return self.full_tail[1]
+        logged = _logged(accumulators, layout, fits)
+        tail = np.array([*logged, 0.0 if fits else 1.0, layout.digest, -layout.digest])
+        if everything:
+            self.full_tail = (layout, tail)
+        return tail
 
     def gather_rows(self, world: int, length: int) -> tuple[np.ndarray, list[Tensor]]:
         """The reusable (world, length) host buffer and its rows as CPU tensors."""
@@ -274,16 +284,14 @@ def sync_reduce(
     sync = cache.get(pg)
     if sync is None:
         device = comm_device(pg)
-        sync = cache[pg] = _GroupSync(agree_schema(tracker, pg, device, wait), device)
+        layout = agree_schema(tracker, pg, device, wait)
+        sync = cache[pg] = _GroupSync(layout, device, dist.get_world_size(pg))
     accumulators = tracker.accumulators
     for _ in range(2):
         layout = sync.layout
         fits = layout.fits(accumulators)
-        layout_hash = _layout_hash(layout)
-        header = (*_logged(accumulators, layout, fits), 0.0 if fits else 1.0, layout_hash)
-        packed = pack_scalars(
-            accumulators if fits else {}, layout, sync.device, max_tail=(*header, -layout_hash)
-        )
+        tail = sync.tail(accumulators, fits)
+        packed = pack_scalars(accumulators if fits else {}, layout, sync.device, max_tail=tail)
         sums, maxes = _reduce(packed, sum_part(layout), sync, pg, wait)
         changed, high, neg_low = maxes[-HEADER:]
         if changed == 0 and high == -neg_low:
@@ -301,7 +309,7 @@ def _reduce(
     """The packed buffer's SUM part (its first ``num_sums``) and MAX part reduced over
     ``group``, on the host (one device-to-host copy): one gather up to
     ``GATHER_LIMIT`` gathered floats, else two all_reduces."""
-    world = dist.get_world_size(group)
+    world = sync.world
     length = packed.numel()
     if world * length <= GATHER_LIMIT:
         what = "all_gather of metric states"

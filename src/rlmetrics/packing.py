@@ -32,7 +32,7 @@ def pack_scalars(
     layout: Layout,
     device: torch.device,
     *,
-    max_tail: Sequence[float] = (),
+    max_tail: Sequence[float] | np.ndarray = (),
 ) -> Tensor:
     """This process's SUM and MAX buffers, one after the other in one float64 tensor on
     ``device``: [SUM | NaN counts | MAX | max_tail].
@@ -47,9 +47,9 @@ def pack_scalars(
     maxes = _host_maxes(accs, layout)
     dev_sums = list(map(_get_dev_sums, accs))
     dev_maxes = list(map(_get_dev_maxes, accs))
-    sum_rows = [i for i, t in enumerate(dev_sums) if t is not None]
-    max_rows = [i for i, t in enumerate(dev_maxes) if t is not None]
-    if sum_rows or max_rows:
+    if dev_sums.count(None) + dev_maxes.count(None) < 2 * len(accs):  # device parts
+        sum_rows = [i for i, t in enumerate(dev_sums) if t is not None]
+        max_rows = [i for i, t in enumerate(dev_maxes) if t is not None]
         if device.type != "cpu" or not _all_on_cpu(dev_sums, dev_maxes, sum_rows, max_rows):
             return _merge_device(layout, sums, maxes, dev_sums, dev_maxes, device, max_tail)
         # CPU tensors: fold them in with numpy (no device to wait on, far fewer dispatches)
@@ -63,9 +63,10 @@ def pack_scalars(
             )
     # NaN bookkeeping in numpy (see _merge_device), one transfer
     is_nan = np.isnan(maxes)
-    maxes[is_nan] = math.inf
+    if is_nan.any():
+        maxes[is_nan] = math.inf
     tail = np.asarray(max_tail, dtype=np.float64)
-    buffer = torch.from_numpy(np.concatenate((sums, is_nan.astype(np.float64), maxes, tail)))
+    buffer = torch.from_numpy(np.concatenate((sums, is_nan, maxes, tail), dtype=np.float64))
     return buffer if device.type == "cpu" else buffer.to(device)
 
 
@@ -132,7 +133,7 @@ def _merge_device(
     dev_sums: list[Tensor | None],
     dev_maxes: list[Tensor | None],
     device: torch.device,
-    max_tail: Sequence[float],
+    max_tail: Sequence[float] | np.ndarray,
 ) -> Tensor:
     """Add the device halves to the host halves on ``device`` (no host sync)."""
     sum_buffer = torch.from_numpy(sums).to(device)
@@ -153,7 +154,7 @@ def _merge_device(
     is_nan = torch.isnan(max_buffer)
     max_buffer = torch.where(is_nan, math.inf, max_buffer)
     parts = [sum_buffer, is_nan.double(), max_buffer]
-    if max_tail:  # a host-to-device copy, like the host halves above
+    if len(max_tail):  # a host-to-device copy, like the host halves above
         parts.append(torch.from_numpy(np.asarray(max_tail, dtype=np.float64)).to(device))
     return torch.cat(parts)
 
@@ -225,12 +226,14 @@ def unpack(
             non-finite values under ``nonfinite="error"``) in a tensor log call.
     """
     rejected_counts = sums[layout.rejected_positions]
-    if (rejected_counts > 0).any():
+    if rejected_counts.any():  # counts, never negative
         _raise_rejected(layout, rejected_counts)
     extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_slots else {}
-    nan_maxes = np.where(sums[layout.num_sums :] > 0, math.nan, maxes[: layout.num_maxes])
+    nan_counts, maxes = sums[layout.num_sums :], maxes[: layout.num_maxes]
+    if nan_counts.any():
+        maxes = np.where(nan_counts > 0, math.nan, maxes)
     keep = np.ones(len(layout.slots), dtype=bool) if logged is None else np.asarray(logged) > 0
-    return Reduced(layout, sums, nan_maxes, extra_values, keep)
+    return Reduced(layout, sums, maxes, extra_values, keep)
 
 
 def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
