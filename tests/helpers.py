@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +18,7 @@ import torch
 from rlmetrics import Tracker, TrackerState
 
 QUANTILES = (0.5, 0.9, 0.99)
+SRC_DIR = Path(__file__).resolve().parent.parent / "src"
 RTOL = 1e-12
 
 
@@ -293,3 +298,12 @@ def log_every_kind(tracker: Tracker, batch: dict[str, np.ndarray], idx: np.ndarr
     tracker.last("m/last", 0.25)
     if len(idx) and idx[0] % 3 == 0:
         tracker.mean("sometimes", value)  # a name only some ranks log
+
+
+# -- fresh interpreters ----------------------------------------------------------------------
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter that imports rlmetrics from this checkout."""
+    env = {**os.environ, "PYTHONPATH": str(SRC_DIR)}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )

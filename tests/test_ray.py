@@ -7,14 +7,10 @@ one call returns both paths: each worker's collective ``compute()`` and its ``st
 from __future__ import annotations
 
 import math
-import os
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +19,7 @@ import torch
 
 from rlmetrics import Tracker, TrackerState
 
-from helpers import log_every_kind
+from helpers import log_every_kind, run_python
 from local_ray import local_ray
 from multiprocess import free_port
 
@@ -35,8 +31,6 @@ except ImportError:  # the import-guard test below still runs
 needs_ray = pytest.mark.skipif(
     ray is None, reason="ray is not installed (pip install 'rlmetrics[ray]')"
 )
-TESTS_DIR = Path(__file__).resolve().parent
-SRC_DIR = TESTS_DIR.parent / "src"
 WORLD = 2
 
 
@@ -321,9 +315,6 @@ def test_import_rlmetrics_never_imports_ray() -> None:
         "except ImportError as error:\n"
         "    print(error)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(SRC_DIR)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert "pip install 'rlmetrics[ray]'" in out.stdout

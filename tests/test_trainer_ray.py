@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from rlmetrics.cli import main
 
+from helpers import run_python
 from local_ray import local_ray
 
 try:
@@ -30,7 +27,6 @@ except ImportError:  # the no-Ray test below still runs
 needs_ray = pytest.mark.skipif(
     ray is None, reason="ray is not installed (pip install 'rlmetrics[ray]')"
 )
-SRC_DIR = Path(__file__).resolve().parent.parent / "src"
 SKIP = ("timing_s/", "timing_per_token_ms/", "perf/")
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-symbols", "3",
         "--max-prompt-len", "3", "--num-prompts", "4", "--samples-per-prompt", "3",
@@ -117,10 +113,7 @@ def test_trainer_works_without_ray() -> None:
         "from rlmetrics.cli import main\n"
         "main(['demo', '--launcher', 'ray', '--steps', '1'])\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(SRC_DIR)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+    out = run_python(code)
     assert out.returncode == 2, out.stderr
     assert "the Ray launcher needs Ray" in out.stderr
     assert "pip install 'rlmetrics[ray]'" in out.stderr
