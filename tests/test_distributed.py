@@ -334,3 +334,46 @@ def test_gather_and_all_reduce_paths_agree(world: int) -> None:
                 ), key
         driver = TrackerState.merge_all([state for _, _, state in runs]).compute()
         assert same_bits(gathered, driver), case
+
+
+# Per step, per rank: (name, kind, value) log calls. Steps repeat a schema (the cached
+# packing plan), reorder it, add a name on one rank, change a name's kind, count a
+# non-finite element and log a CPU tensor down the tensor path.
+STEPS: list[list[list[tuple[str, str, object]]]] = [
+    [[("a", "mean", 1.0), ("b", "max", 2.0)], [("a", "mean", 3.0), ("b", "max", -1.0)]],
+    [[("a", "mean", 5.0), ("b", "max", 0.5)], [("a", "mean", 7.0), ("b", "max", 4.0)]],
+    [[("b", "max", 1.5), ("a", "mean", 2.0)], [("a", "mean", 4.0), ("b", "max", 3.0)]],
+    [[("a", "mean", 1.0)], [("a", "mean", 2.0), ("c", "sum", 6.0)]],
+    [[("a", "max", 9.0), ("b", "max", 1.0)], [("a", "max", 8.0), ("b", "max", 2.0)]],
+    [[("a", "mean", math.nan)], [("a", "mean", 2.0), ("b", "last", 0.5)]],
+    [[("a", "mean", torch.tensor([1.0, 2.0]))], [("a", "mean", 3.0), ("b", "max", 1.0)]],
+    [[("a", "mean", 1.0), ("b", "max", 2.0)], [("a", "mean", 3.0), ("b", "max", -1.0)]],
+]
+
+
+def log_step(tracker: Tracker, calls: list[tuple[str, str, object]]) -> None:
+    for name, kind, value in calls:
+        tracker.log(name, value, kind=kind)
+
+
+def changing_steps(rank: int, world: int) -> list[dict]:
+    tracker = Tracker(nonfinite="skip")
+    tracker.host_arrays = False  # tensors take the tensor path (device parts) on the CPU
+    outs = []
+    for step in STEPS:
+        log_step(tracker, step[rank])
+        outs.append(tracker.compute(timeout=30))
+    return outs
+
+
+def test_steps_that_reuse_reorder_and_change_their_metrics() -> None:
+    """Each step equals one process logging every rank's calls: a step whose
+    accumulators are the last step's (the cached plan) and every kind of change."""
+    per_rank = ok_results(run_ranks(changing_steps, 2))
+    assert per_rank[0] == per_rank[1]
+    for got, step in zip(per_rank[0], STEPS, strict=True):
+        single = Tracker(nonfinite="skip")
+        single.host_arrays = False
+        for calls in step:
+            log_step(single, calls)
+        assert got == single.compute(), step

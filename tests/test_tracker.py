@@ -13,7 +13,7 @@ import torch
 from rlmetrics import Kind, MetricState, Tracker, TrackerState, register_kind, unregister_kind
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
 
-from helpers import SyncTrap, no_host_copies, reference, trap
+from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
 
 NAN, INF = math.nan, math.inf
 
@@ -577,3 +577,64 @@ def test_vectorised_results_equal_per_metric_results(empty: str, seed: int) -> N
     assert list(fast) == list(slow)
     for key, value in slow.items():
         assert fast[key] == value or (math.isnan(fast[key]) and math.isnan(value)), key
+
+
+def test_a_reused_accumulator_starts_empty() -> None:
+    """A name's accumulator is kept across steps and cleared on reuse: nothing of the
+    last step (values, counts, device parts, extras, kind) leaks into the next."""
+
+    def second_step(t: Tracker) -> None:
+        t.mean("x", 4.0)
+        t.dist("d", [7.0])
+        t.max("k", -1.0)  # "k" was a mean: another kind, another accumulator
+
+    t = Tracker(nonfinite="skip")
+    t.host_arrays = False
+    t.mean("x", torch.tensor([1.0, math.nan]))  # device part and a non-finite count
+    t.dist("d", [1.0, 2.0, 3.0])
+    t.mean("k", 5.0)
+    kept = t.accumulators["x"]
+    first = t.compute()
+    assert first["x"] == 1.0 and first["x/nonfinite_count"] == 1.0 and first["d/max"] == 3.0
+    second_step(t)
+    assert t.accumulators["x"] is kept
+    fresh = Tracker(nonfinite="skip")
+    fresh.host_arrays = False
+    second_step(fresh)
+    assert t.compute() == fresh.compute()
+
+
+def test_names_that_come_and_go_do_not_pile_up() -> None:
+    t = Tracker()
+    for step in range(2000):
+        t.mean(f"once/{step}", 1.0)
+        t.mean("always", 1.0)
+        t.compute()
+    assert len(t._pool) <= 2 * 2 + 256 + 1
+
+
+def test_few_metrics_give_the_vectorised_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of at most ``SCALAR_LIMIT`` metrics compute per metric in python; the
+    result is the vectorised one, bit for bit, for every kind and policy."""
+    from rlmetrics import reduced
+
+    rng = np.random.default_rng(0)
+    batch = {
+        "value": rng.normal(size=64),
+        "weight": rng.random(64),
+        "mask": rng.random(64) < 0.5,
+    }
+    for empty in ("omit", "nan"):
+        runs = []
+        for limit in (0, 1000):
+            monkeypatch.setattr(reduced, "SCALAR_LIMIT", limit)
+            t = Tracker(empty=empty, nonfinite="skip")
+            for start in range(0, 64, 16):
+                log_every_kind(t, batch, np.arange(start, start + 16))
+            t.mean("nan", math.nan)
+            t.last("replica", 1.0)
+            t.max("empty", [1.0], mask=[False])
+            runs.append(t.compute())
+        assert list(runs[0]) == list(runs[1])
+        for key, value in runs[0].items():
+            assert value == runs[1][key] or (math.isnan(value) and math.isnan(runs[1][key])), key

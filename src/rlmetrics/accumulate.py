@@ -43,7 +43,7 @@ def add_number(acc: Accumulator, name: str, value: float, weight: float, nonfini
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
-        acc.sums[NONFINITE_SLOT] += 1.0
+        acc.count(NONFINITE_SLOT)
         return
     if weight == 0.0 and not acc.kind.takes_weight:
         return
@@ -123,15 +123,15 @@ def add_array(
     if weights is not None:
         low, high = (weights.min(), weights.max()) if check_weights and weights.size else (0, 0)
         if not (low >= 0 and high < math.inf):  # NaN fails both
-            acc.sums[REJECTED_SLOT] += 1.0
+            acc.count(REJECTED_SLOT)
             return
     if nonfinite != "propagate":
         finite = np.isfinite(values)
         if not finite.all():
             if nonfinite == "error":
-                acc.sums[REJECTED_SLOT] += 1.0
+                acc.count(REJECTED_SLOT)
                 return
-            acc.sums[NONFINITE_SLOT] += float(values.size - np.count_nonzero(finite))
+            acc.count(NONFINITE_SLOT, float(values.size - np.count_nonzero(finite)))
             if acc.kind.replaces:
                 return
             values = np.where(finite, values, 0.0)

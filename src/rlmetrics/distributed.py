@@ -44,7 +44,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlmetrics.layout import Layout
-from rlmetrics.packing import extra_sizes, pack_extras, pack_scalars, sum_part, unpack
+from rlmetrics.packing import (
+    extra_sizes,
+    in_order,
+    pack_extras,
+    pack_scalars,
+    restore_nans,
+    sum_part,
+    unpack,
+)
 from rlmetrics.reduced import Reduced
 
 HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
@@ -235,27 +243,38 @@ def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list
 @dataclass(eq=False)
 class _GroupSync:
     """What a tracker keeps per process group between steps: the agreed layout, the
-    device collectives run on, and the host buffer a CPU gather writes into."""
+    device collectives run on, the host buffer a CPU gather writes into, and the last
+    step's packing plan.
+
+    The plan is reused when a step's accumulators are the same objects, in the same
+    order, as the last one's: a Tracker keeps each name's accumulator across steps
+    (while its kind stays) and never files one object under two names, so the same
+    objects mean the same names and kinds, and the layout still fits.
+    """
 
     layout: Layout
     device: torch.device
     world: int
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
-    full_tail: tuple[Layout | None, np.ndarray] = (None, np.zeros(0))
+    seen: list[Any] = field(default_factory=list)  # the last plan's accumulators, dict order
+    plan: tuple[Layout | None, list[Any], np.ndarray] = (None, [], np.zeros(0))
 
-    def tail(self, accumulators: Mapping[str, Any], fits: bool) -> np.ndarray:
-        """The MAX buffer's tail: [logged per slot..., schema changed, hash, -hash]; the
-        common one (every name logged, schema unchanged) is made once per layout."""
+    def packing_plan(self, accumulators: Mapping[str, Any]) -> tuple[list[Any], np.ndarray]:
+        """This step's accumulators in layout order, and the MAX buffer's tail: [logged
+        per slot..., schema changed, hash, -hash]. A step that logged a name the layout
+        lacks packs as empty with "changed" set, so every rank agrees again."""
         layout = self.layout
-        everything = fits and len(accumulators) == len(layout.slots)
-        if everything and self.full_tail[0] is layout:
-            return self.full_tail[1]
+        current = list(accumulators.values())
+        if self.plan[0] is layout and current == self.seen:  # identity compare
+            return self.plan[1], self.plan[2]
+        fits = layout.fits(accumulators)
         logged = _logged(accumulators, layout, fits)
         tail = np.array([*logged, 0.0 if fits else 1.0, layout.digest, -layout.digest])
-        if everything:
-            self.full_tail = (layout, tail)
-        return tail
+        accs = in_order(accumulators if fits else {}, layout)
+        if fits:
+            self.seen, self.plan = current, (layout, accs, tail)
+        return accs, tail
 
     def gather_rows(self, world: int, length: int) -> tuple[np.ndarray, list[Tensor]]:
         """The reusable (world, length) host buffer and its rows as CPU tensors."""
@@ -289,47 +308,66 @@ def sync_reduce(
     accumulators = tracker.accumulators
     for _ in range(2):
         layout = sync.layout
-        fits = layout.fits(accumulators)
-        tail = sync.tail(accumulators, fits)
-        packed = pack_scalars(accumulators if fits else {}, layout, sync.device, max_tail=tail)
-        sums, maxes = _reduce(packed, sum_part(layout), sync, pg, wait)
+        accs, tail = sync.packing_plan(accumulators)
+        sums, maxes = _reduce(accs, layout, tail, sync, pg, wait)
         changed, high, neg_low = maxes[-HEADER:]
         if changed == 0 and high == -neg_low:
-            tail = len(layout.slots) + HEADER
-            return _finish(
-                accumulators, layout, sums, maxes[:-tail], maxes[-tail:-HEADER], pg, sync, wait
-            )
+            size = layout.num_maxes
+            logged = maxes[size : size + len(layout.slots)]
+            return _finish(accumulators, layout, sums, maxes[:size], logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
 def _reduce(
-    packed: Tensor, num_sums: int, sync: _GroupSync, group: Any, wait: timedelta | None
+    accs: list[Any],
+    layout: Layout,
+    tail: np.ndarray,
+    sync: _GroupSync,
+    group: Any,
+    wait: timedelta | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The packed buffer's SUM part (its first ``num_sums``) and MAX part reduced over
-    ``group``, on the host (one device-to-host copy): one gather up to
-    ``GATHER_LIMIT`` gathered floats, else two all_reduces."""
+    """The packed SUM part and MAX part (tail included) reduced over ``group``, on the
+    host (one device-to-host copy): one gather up to ``GATHER_LIMIT`` gathered floats,
+    else two all_reduces."""
     world = sync.world
-    length = packed.numel()
-    if world * length <= GATHER_LIMIT:
+    num_sums = layout.num_sums
+    if world * (num_sums + layout.num_maxes + len(tail)) <= GATHER_LIMIT:
+        packed = pack_scalars(accs, layout, sync.device, max_tail=tail)
         what = "all_gather of metric states"
         if packed.device.type == "cpu":  # straight into a reused host buffer
-            gathered, rows = sync.gather_rows(world, length)
+            gathered, rows = sync.gather_rows(world, packed.numel())
             _wait(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
         else:
             gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
-        total = gathered[0, :num_sums].copy()
-        for row in gathered[1:]:  # rank order: the same bits on every rank
-            total += row[:num_sums]
-        return total, gathered[:, num_sums:].max(axis=0)  # no NaN here (packed as +inf)
+        return _add_rows(gathered[:, :num_sums]), _max_rows(gathered[:, num_sums:])
+    packed = pack_scalars(accs, layout, sync.device, max_tail=tail, nan_counts=True)
+    additive = sum_part(layout, nan_counts=True)
     all_reduce(
-        packed[:num_sums], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states"
+        packed[:additive], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states"
     )
     all_reduce(
-        packed[num_sums:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states"
+        packed[additive:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states"
     )
     host = packed.cpu().numpy()
-    return host[:num_sums], host[num_sums:]
+    sums = host[:additive]
+    return sums[:num_sums], restore_nans(sums, host[additive:], layout)
+
+
+def _add_rows(rows: np.ndarray) -> np.ndarray:
+    """The rows added in rank order, so every rank gets the same bits."""
+    total = rows[0] + rows[1] if len(rows) > 1 else rows[0].copy()
+    for row in rows[2:]:
+        total += row
+    return total
+
+
+def _max_rows(rows: np.ndarray) -> np.ndarray:
+    """The rows' elementwise max (NaN wins, as in a single process)."""
+    top = np.maximum(rows[0], rows[1]) if len(rows) > 1 else rows[0].copy()
+    for row in rows[2:]:
+        np.maximum(top, row, out=top)
+    return top
 
 
 def _finish(
@@ -342,7 +380,8 @@ def _finish(
     sync: _GroupSync,
     wait: timedelta | None,
 ) -> Reduced:
-    """Gather the extras (when any) and unpack the reduced buffers."""
+    """Gather the extras (when any) and unpack the reduced buffers (``maxes`` without
+    the tail)."""
     sizes = extra_sizes(layout, maxes)
     extras: list[np.ndarray] = []
     objects: list[Mapping[str, object]] = []

@@ -1,15 +1,15 @@
 """Where each metric of an agreed schema lives in the packed buffers.
 
-A ``Layout`` fixes, for sorted (name, kind) pairs, each metric's additive slots in the
-SUM buffer, its max slots in the MAX buffer and (for kinds with an extra payload) its
-piece of the gather buffer; the index arrays that packing and unpacking use are built
-once per layout.
+A ``Layout`` fixes, for an agreed set of (name, kind) pairs, each metric's additive
+slots and framework counts in the SUM buffer, its max slots in the MAX buffer and (for
+kinds with an extra payload) its piece of the gather buffer; the index arrays that
+packing and unpacking use are built once per layout.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,7 +17,7 @@ from operator import attrgetter, is_
 
 import numpy as np
 
-from rlmetrics.kinds.base import NONFINITE_SLOT, NUM_FLAGS, REJECTED_SLOT, Accumulator, Kind
+from rlmetrics.kinds.base import NUM_FLAGS, Accumulator, Kind
 
 _get_kind = attrgetter("kind")
 
@@ -28,31 +28,49 @@ class Slot:
 
     name: str
     kind: Kind
-    sum_offset: int
-    num_sums: int  # the kind's sums plus the framework flags
+    sum_offset: int  # the kind's sums
+    flag_offset: int  # the framework counts: [num_nonfinite, num_rejected]
     max_offset: int
     num_maxes: int  # the kind's maxes plus one extra-size slot for kinds with an extra
 
 
-class Layout:
-    """The packed positions of an agreed schema (sorted (name, kind) pairs).
+@dataclass(frozen=True, slots=True)
+class KindGroup:
+    """The contiguous run of one kind's metrics (a kind with ``results_vector`` and no
+    extra): their rows, and their SUM and MAX slots as (rows, slots) blocks."""
 
-    Index arrays used by packing and unpacking are built once per layout (lazily), so a
-    steady-state step does no per-metric bookkeeping beyond reading the states.
+    kind: Kind
+    rows: slice
+    sums: slice
+    maxes: slice
+
+
+class Layout:
+    """The packed positions of an agreed schema.
+
+    Metrics are ordered by kind name, then by name, so each kind's slots form one block
+    and results are computed a kind at a time from views. The SUM part is [every
+    metric's kind sums | two framework counts per metric]; the MAX part holds the kinds'
+    max slots (and each extra kind's extra size). Index arrays used by packing and
+    unpacking are built once per layout (lazily), so a steady-state step does no
+    per-metric bookkeeping beyond reading the states.
     """
 
     def __init__(self, schema: Sequence[tuple[str, Kind]]) -> None:
+        ordered = sorted(schema, key=lambda item: (item[1].name, item[0]))
+        self.num_kind_sums = sum(kind.num_sums for _, kind in ordered)
         self.slots: list[Slot] = []
         self.index: dict[str, int] = {}
         sum_offset = max_offset = 0
-        for name, kind in sorted(schema, key=lambda item: item[0]):
-            num_sums = kind.num_sums + NUM_FLAGS
+        flag_offset = self.num_kind_sums
+        for name, kind in ordered:
             num_maxes = kind.num_maxes + (1 if kind.has_extra else 0)
             self.index[name] = len(self.slots)
-            self.slots.append(Slot(name, kind, sum_offset, num_sums, max_offset, num_maxes))
-            sum_offset += num_sums
+            self.slots.append(Slot(name, kind, sum_offset, flag_offset, max_offset, num_maxes))
+            sum_offset += kind.num_sums
+            flag_offset += NUM_FLAGS
             max_offset += num_maxes
-        self.num_sums = sum_offset
+        self.num_sums = flag_offset
         self.num_maxes = max_offset
         self.extra_slots = [slot for slot in self.slots if slot.kind.has_extra]
         self.signature = tuple((slot.name, slot.kind.fingerprint()) for slot in self.slots)
@@ -78,10 +96,27 @@ class Layout:
     @cached_property
     def blanks(self) -> list[Accumulator]:
         """Per slot, an empty stand-in (read only) for a metric this process never logged."""
-        return [
-            Accumulator(s.kind, [0.0] * s.num_sums, [-math.inf] * s.kind.num_maxes)
-            for s in self.slots
-        ]
+        return [Accumulator.empty(s.kind) for s in self.slots]
+
+    @cached_property
+    def sum_struct(self) -> struct.Struct:
+        """Packs the kinds' sums (python floats) as float64, in one call."""
+        return struct.Struct(f"={self.num_kind_sums}d")
+
+    @cached_property
+    def max_struct(self) -> struct.Struct:
+        """Packs the MAX part (python floats) as float64, in one call."""
+        return struct.Struct(f"={self.num_maxes}d")
+
+    @cached_property
+    def name_order(self) -> np.ndarray:
+        """The rows in name order (results are reported sorted by name)."""
+        return np.array(sorted(range(len(self.names)), key=self.names.__getitem__), dtype=np.int64)
+
+    @cached_property
+    def sorted_names(self) -> list[str]:
+        """The names, sorted."""
+        return sorted(self.names)
 
     @cached_property
     def kind_max_positions(self) -> np.ndarray:
@@ -93,8 +128,16 @@ class Layout:
 
     @cached_property
     def sum_positions(self) -> list[np.ndarray]:
-        """Per slot, its SUM-buffer positions (framework flags included)."""
-        return [np.arange(s.sum_offset, s.sum_offset + s.num_sums) for s in self.slots]
+        """Per slot, the SUM-buffer positions of ``dev_sums`` (kind sums, then counts)."""
+        return [
+            np.concatenate(
+                (
+                    np.arange(s.sum_offset, s.sum_offset + s.kind.num_sums),
+                    np.arange(s.flag_offset, s.flag_offset + NUM_FLAGS),
+                )
+            )
+            for s in self.slots
+        ]
 
     @cached_property
     def max_positions(self) -> list[np.ndarray]:
@@ -102,11 +145,10 @@ class Layout:
         return [np.arange(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
 
     @cached_property
-    def rejected_positions(self) -> np.ndarray:
-        """SUM-buffer positions of every slot's rejected-call count."""
-        return np.array(
-            [s.sum_offset + s.num_sums + REJECTED_SLOT for s in self.slots], dtype=np.int64
-        )
+    def flag_positions(self) -> np.ndarray:
+        """Per slot, its two framework counts' SUM-buffer positions, as an (n, 2) array."""
+        start = self.num_kind_sums
+        return np.arange(start, self.num_sums, dtype=np.int64).reshape(-1, NUM_FLAGS)
 
     @cached_property
     def kind_names(self) -> list[str]:
@@ -115,7 +157,7 @@ class Layout:
 
     @cached_property
     def sum_slices(self) -> list[slice]:
-        """Per slot, the kind's own SUM-buffer slots (framework flags excluded)."""
+        """Per slot, the kind's SUM-buffer slots."""
         return [slice(s.sum_offset, s.sum_offset + s.kind.num_sums) for s in self.slots]
 
     @cached_property
@@ -124,44 +166,37 @@ class Layout:
         return [slice(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
 
     @cached_property
-    def vector_groups(self) -> dict[Kind, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per kind with a ``results_vector`` (and no extra): its rows, and the (n, k)
-        SUM and MAX positions of their slots."""
-        rows: dict[Kind, list[int]] = {}
-        for i, slot in enumerate(self.slots):
-            if _vectorised(slot.kind):
-                rows.setdefault(slot.kind, []).append(i)
-        groups = {}
-        for kind, members in rows.items():
-            sums = [
-                np.arange(self.slots[i].sum_offset, self.slots[i].sum_offset + kind.num_sums)
-                for i in members
-            ]
-            maxes = [
-                np.arange(self.slots[i].max_offset, self.slots[i].max_offset + kind.num_maxes)
-                for i in members
-            ]
-            groups[kind] = (
-                np.array(members, dtype=np.int64),
-                np.array(sums, dtype=np.int64).reshape(len(members), kind.num_sums),
-                np.array(maxes, dtype=np.int64).reshape(len(members), kind.num_maxes),
-            )
+    def vector_groups(self) -> list[KindGroup]:
+        """The blocks of kinds with a ``results_vector`` (and no extra)."""
+        groups = []
+        start = 0
+        while start < len(self.slots):
+            kind = self.slots[start].kind
+            stop = start
+            while stop < len(self.slots) and self.slots[stop].kind is kind:
+                stop += 1
+            if _vectorised(kind):
+                first, last = self.slots[start], self.slots[stop - 1]
+                groups.append(
+                    KindGroup(
+                        kind,
+                        slice(start, stop),
+                        slice(first.sum_offset, last.sum_offset + kind.num_sums),
+                        slice(first.max_offset, last.max_offset + last.num_maxes),
+                    )
+                )
+            start = stop
         return groups
+
+    @cached_property
+    def has_slow_rows(self) -> bool:
+        """Whether any metric's kind has no vectorised results."""
+        return bool(self.slow_rows.any())
 
     @cached_property
     def slow_rows(self) -> np.ndarray:
         """Per slot, True when its kind has no vectorised results."""
         return np.array([not _vectorised(slot.kind) for slot in self.slots], dtype=bool)
-
-    @cached_property
-    def nonfinite_array(self) -> np.ndarray:
-        """``nonfinite_positions`` as an index array."""
-        return np.array(self.nonfinite_positions, dtype=np.int64)
-
-    @cached_property
-    def nonfinite_positions(self) -> list[int]:
-        """Per slot, the SUM-buffer position of its non-finite count."""
-        return [s.sum_offset + s.num_sums + NONFINITE_SLOT for s in self.slots]
 
 
 def _vectorised(kind: Kind) -> bool:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from functools import partial
 from itertools import chain
-from operator import attrgetter, is_not
+from operator import attrgetter
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator
+from rlmetrics.kinds.base import NUM_FLAGS, Accumulator
 from rlmetrics.layout import Layout
 from rlmetrics.reduced import Reduced
 
@@ -28,51 +27,90 @@ class RejectedInputError(ValueError):
 
 
 def pack_scalars(
-    accumulators: Mapping[str, Accumulator],
+    accs: Sequence[Accumulator],
     layout: Layout,
     device: torch.device,
     *,
     max_tail: Sequence[float] | np.ndarray = (),
+    nan_counts: bool = False,
 ) -> Tensor:
     """This process's SUM and MAX buffers, one after the other in one float64 tensor on
-    ``device``: [SUM | NaN counts | MAX | max_tail].
+    ``device``: [SUM | MAX | max_tail], or [SUM | NaN counts | MAX | max_tail].
 
-    The SUM part (``layout.num_sums + layout.num_maxes`` long: see ``sum_part``) is
-    merged by addition and ends with one NaN count per max slot; the MAX part is merged
-    by max and ends with ``max_tail`` (taken as is). Metrics of the layout that this
-    process never logged pack as empty states.
+    ``accs`` are the layout's accumulators in its order (``in_order``). The SUM part is
+    merged by addition, the MAX part by max; ``max_tail`` is taken as is. A gather
+    carries NaN as it is (the host max propagates it); ``all_reduce(MAX)`` need not
+    (gloo does not, symmetrically), so for it ``nan_counts`` carries each NaN max slot
+    as +inf and a count in the additive part (see ``sum_part``).
     """
-    accs = _in_order(accumulators, layout)
-    sums = np.fromiter(chain.from_iterable(map(_get_sums, accs)), np.float64, count=layout.num_sums)
+    if not layout.extra_slots and not nan_counts:
+        buffer = _pack_plain(accs, layout, max_tail)
+        if buffer is not None:
+            buffer = torch.from_numpy(buffer)
+            return buffer if device.type == "cpu" else buffer.to(device)
+    count = len(accs)
+    flags = list(map(_get_flags, accs))
+    sums = np.zeros(layout.num_sums)
+    sums[: layout.num_kind_sums] = np.fromiter(
+        chain.from_iterable(map(_get_sums, accs)), np.float64, count=layout.num_kind_sums
+    )
+    if flags.count(None) != count:
+        rows = [i for i, f in enumerate(flags) if f is not None]
+        sums[layout.flag_positions[rows]] = [flags[i] for i in rows]
     maxes = _host_maxes(accs, layout)
     dev_sums = list(map(_get_dev_sums, accs))
-    dev_maxes = list(map(_get_dev_maxes, accs))
-    if dev_sums.count(None) + dev_maxes.count(None) < 2 * len(accs):  # device parts
+    if dev_sums.count(None) != count:  # device parts (dev_maxes is set only with dev_sums)
+        dev_maxes = list(map(_get_dev_maxes, accs))
         sum_rows = [i for i, t in enumerate(dev_sums) if t is not None]
         max_rows = [i for i, t in enumerate(dev_maxes) if t is not None]
         if device.type != "cpu" or not _all_on_cpu(dev_sums, dev_maxes, sum_rows, max_rows):
-            return _merge_device(layout, sums, maxes, dev_sums, dev_maxes, device, max_tail)
+            return _merge_device(
+                layout, sums, maxes, dev_sums, dev_maxes, device, max_tail, nan_counts
+            )
         # CPU tensors: fold them in with numpy (no device to wait on, far fewer dispatches)
-        if sum_rows:
-            index = np.concatenate([layout.sum_positions[i] for i in sum_rows])
-            sums[index] += torch.cat([dev_sums[i] for i in sum_rows]).numpy()
+        index = np.concatenate([layout.sum_positions[i] for i in sum_rows])
+        sums[index] += torch.cat([dev_sums[i] for i in sum_rows]).numpy()
         if max_rows:
             index = np.concatenate([layout.max_positions[i] for i in max_rows])
             maxes[index] = np.maximum(
                 maxes[index], torch.cat([dev_maxes[i] for i in max_rows]).numpy()
             )
-    # NaN bookkeeping in numpy (see _merge_device), one transfer
-    is_nan = np.isnan(maxes)
-    if is_nan.any():
-        maxes[is_nan] = math.inf
-    tail = np.asarray(max_tail, dtype=np.float64)
-    buffer = torch.from_numpy(np.concatenate((sums, is_nan, maxes, tail), dtype=np.float64))
+    parts = [sums]
+    if nan_counts:  # NaN bookkeeping in numpy (see _merge_device), one transfer
+        is_nan = np.isnan(maxes)
+        if is_nan.any():
+            maxes[is_nan] = math.inf
+        parts.append(is_nan)
+    parts += [maxes, np.asarray(max_tail, dtype=np.float64)]
+    buffer = torch.from_numpy(np.concatenate(parts, dtype=np.float64))
     return buffer if device.type == "cpu" else buffer.to(device)
 
 
-def sum_part(layout: Layout) -> int:
-    """The length of a packed buffer's additive part (SUM slots and NaN counts)."""
-    return layout.num_sums + layout.num_maxes
+def _pack_plain(
+    accs: Sequence[Accumulator], layout: Layout, max_tail: Sequence[float] | np.ndarray
+) -> np.ndarray | None:
+    """The common step's buffer (host numbers only, no counts): one pass over the
+    accumulators and one conversion per part; None when some metric is not that plain.
+    """
+    sums: list[float] = []
+    maxes: list[float] = []
+    for acc in accs:
+        if acc.flags is not None or acc.dev_sums is not None:
+            return None
+        sums += acc.sums
+        maxes += acc.maxes
+    buffer = np.empty(layout.num_sums + layout.num_maxes + len(max_tail))
+    layout.sum_struct.pack_into(buffer, 0, *sums)
+    buffer[layout.num_kind_sums : layout.num_sums] = 0.0
+    layout.max_struct.pack_into(buffer, 8 * layout.num_sums, *maxes)
+    buffer[layout.num_sums + layout.num_maxes :] = max_tail
+    return buffer
+
+
+def sum_part(layout: Layout, nan_counts: bool = False) -> int:
+    """The length of a packed buffer's additive part (SUM slots, and NaN counts when
+    packed with them)."""
+    return layout.num_sums + (layout.num_maxes if nan_counts else 0)
 
 
 def _all_on_cpu(
@@ -88,12 +126,12 @@ def _all_on_cpu(
 
 _get_sums = attrgetter("sums")
 _get_maxes = attrgetter("maxes")
+_get_flags = attrgetter("flags")
 _get_dev_sums = attrgetter("dev_sums")
 _get_dev_maxes = attrgetter("dev_maxes")
-_is_set = partial(is_not, None)
 
 
-def _in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator]:
+def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator]:
     """The accumulators in layout order, blanks where this process logged nothing.
 
     Raises:
@@ -109,7 +147,7 @@ def _in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[A
     return accs
 
 
-def _host_maxes(accs: list[Accumulator], layout: Layout) -> np.ndarray:
+def _host_maxes(accs: Sequence[Accumulator], layout: Layout) -> np.ndarray:
     """The host half of the MAX buffer (extra-size slots filled in for extra kinds)."""
     kind_maxes = chain.from_iterable(map(_get_maxes, accs))
     if not layout.extra_slots:
@@ -134,6 +172,7 @@ def _merge_device(
     dev_maxes: list[Tensor | None],
     device: torch.device,
     max_tail: Sequence[float] | np.ndarray,
+    nan_counts: bool,
 ) -> Tensor:
     """Add the device halves to the host halves on ``device`` (no host sync)."""
     sum_buffer = torch.from_numpy(sums).to(device)
@@ -149,11 +188,12 @@ def _merge_device(
         parts = [dev_maxes[i] for i in max_rows]
         dev = _scatter(index, parts, layout.num_maxes, -math.inf, device)
         max_buffer = torch.maximum(max_buffer, dev)
-    # all_reduce(MAX) need not propagate NaN (gloo does not, symmetrically): carry NaN
-    # as +inf in MAX and as a count per max slot at the SUM buffer's tail.
-    is_nan = torch.isnan(max_buffer)
-    max_buffer = torch.where(is_nan, math.inf, max_buffer)
-    parts = [sum_buffer, is_nan.double(), max_buffer]
+    parts = [sum_buffer]
+    if nan_counts:  # carry NaN as +inf in MAX and as a count per max slot in SUM
+        is_nan = torch.isnan(max_buffer)
+        max_buffer = torch.where(is_nan, math.inf, max_buffer)
+        parts.append(is_nan.double())
+    parts.append(max_buffer)
     if len(max_tail):  # a host-to-device copy, like the host halves above
         parts.append(torch.from_numpy(np.asarray(max_tail, dtype=np.float64)).to(device))
     return torch.cat(parts)
@@ -169,6 +209,17 @@ def _scatter(
         (positions,), torch.cat([p if p.device == device else p.to(device) for p in parts])
     )
     return out
+
+
+def restore_nans(sums: np.ndarray, maxes: np.ndarray, layout: Layout) -> np.ndarray:
+    """The MAX part (tail included) of an all-reduced buffer packed with ``nan_counts``,
+    with NaN back where any rank had one; ``sums`` is the whole additive part."""
+    counts = sums[layout.num_sums :]
+    if not counts.any():
+        return maxes
+    maxes = maxes.copy()
+    maxes[: layout.num_maxes][counts > 0] = math.nan
+    return maxes
 
 
 def extra_sizes(layout: Layout, maxes: np.ndarray) -> list[int]:
@@ -218,22 +269,23 @@ def unpack(
 ) -> Reduced:
     """Reduced buffers (and gathered extras) as a ``Reduced`` step.
 
-    ``extras`` holds one gather buffer per rank (rank order) and ``objects`` one dict of
-    object extras per rank; each rank's extras are merged in rank order.
+    ``sums`` is the SUM part, ``maxes`` the MAX part (NaN as merged). ``extras`` holds
+    one gather buffer per rank (rank order) and ``objects`` one dict of object extras per
+    rank; each rank's extras are merged in rank order.
 
     Raises:
         RejectedInputError: a metric received rejected input (negative weights, or
             non-finite values under ``nonfinite="error"``) in a tensor log call.
     """
-    rejected_counts = sums[layout.rejected_positions]
-    if rejected_counts.any():  # counts, never negative
-        _raise_rejected(layout, rejected_counts)
+    counts = sums[layout.num_kind_sums :]
+    counted = bool(counts.any())  # counts, never negative
+    if counted:
+        rejected = counts[1::NUM_FLAGS]
+        if rejected.any():
+            _raise_rejected(layout, rejected)
     extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_slots else {}
-    nan_counts, maxes = sums[layout.num_sums :], maxes[: layout.num_maxes]
-    if nan_counts.any():
-        maxes = np.where(nan_counts > 0, math.nan, maxes)
-    keep = np.ones(len(layout.slots), dtype=bool) if logged is None else np.asarray(logged) > 0
-    return Reduced(layout, sums, maxes, extra_values, keep)
+    keep = None if logged is None or logged.all() else logged > 0
+    return Reduced(layout, sums, maxes[: layout.num_maxes], extra_values, keep, counted)
 
 
 def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
@@ -277,8 +329,9 @@ def local_reduce(
     accumulators: Mapping[str, Accumulator], layout: Layout, device: torch.device
 ) -> Reduced:
     """This process's step, with one device-to-host transfer per buffer."""
-    host = pack_scalars(accumulators, layout, device).cpu().numpy()
-    sums, maxes = host[: sum_part(layout)], host[sum_part(layout) :]
+    accs = in_order(accumulators, layout)
+    host = pack_scalars(accs, layout, device).cpu().numpy()
+    sums, maxes = host[: layout.num_sums], host[layout.num_sums :]
     sizes = extra_sizes(layout, maxes)
     extras, objects = pack_extras(accumulators, layout, sizes, device)
     return unpack(layout, sums, maxes, [extras.cpu().numpy()], [objects], sizes)

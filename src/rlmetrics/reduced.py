@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
 
 import numpy as np
 
-from rlmetrics.kinds.base import Kind, MetricState
+from rlmetrics.kinds.base import NUM_FLAGS, Kind, MetricState
 from rlmetrics.layout import Layout
 from rlmetrics.state import results
+
+SCALAR_LIMIT = 8
+"""Steps with at most this many metrics compute their results per metric in python:
+below about that count, a few numpy calls per kind cost more than the python."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,89 +24,109 @@ class Reduced:
 
     Attributes:
         layout: where each metric's slots are.
-        sums: the SUM buffer (the NaN-count tail included).
-        maxes: the kinds' max slots with NaN restored (extra-size slots included).
+        sums: the SUM part (the kinds' sums, then two framework counts per metric).
+        maxes: the MAX part (the kinds' max slots and the extra-size slots).
         extras: each extra kind's merged extra, by name.
-        keep: per slot, whether any rank logged the name this step.
+        keep: per slot, whether any rank logged the name this step (None: every one).
+        counted: whether any framework count (non-finite elements) is not zero.
     """
 
     layout: Layout
     sums: np.ndarray
     maxes: np.ndarray
     extras: Mapping[str, object]
-    keep: np.ndarray
+    keep: np.ndarray | None
+    counted: bool = True
 
     def states(self) -> dict[str, MetricState]:
-        """Per metric, its merged state (names no rank logged are left out)."""
-        layout = self.layout
-        s, m = self.sums.tolist(), self.maxes.tolist()
-        states = map(
-            MetricState,
-            layout.kind_names,
-            map(tuple, map(s.__getitem__, layout.sum_slices)),
-            map(tuple, map(m.__getitem__, layout.max_slices)),
-            map(self.extras.get, layout.names),
-            map(s.__getitem__, layout.nonfinite_positions),
-        )
-        pairs = zip(layout.names, states, strict=True)
-        if self.keep.all():
-            return dict(pairs)
-        return {name: state for (name, state), kept in zip(pairs, self.keep, strict=True) if kept}
+        """Per metric, its merged state, by name (names no rank logged are left out)."""
+        layout, keep = self.layout, self.keep
+        sums, maxes = self.sums.tolist(), self.maxes.tolist()
+        return {
+            layout.names[i]: self._state(i, sums, maxes)
+            for i in layout.name_order.tolist()
+            if keep is None or keep[i]
+        }
 
     def results(self, kind_of: Callable[[str], Kind], *, empty: str) -> dict[str, float]:
-        """Every metric's values, as ``state.results`` gives them, vectorised by kind.
+        """Every metric's values, as ``state.results`` gives them, sorted by name.
 
         Kinds with a ``results_vector`` are computed a whole kind at a time; metrics of
         other kinds, or with non-finite counts to report, go through ``kind.result``.
         """
         layout = self.layout
+        if len(layout.slots) <= SCALAR_LIMIT:  # few metrics: python costs less than numpy
+            return results(self.states(), kind_of, empty=empty)
         values, present, slow = self._vector_results()
-        slow &= self.keep
+        keep = self.keep
+        if slow is None and keep is None and present.all():  # the common step
+            return dict(zip(layout.sorted_names, values[layout.name_order].tolist(), strict=True))
+        if slow is None:
+            slow = np.zeros(len(present), dtype=bool)
+        elif keep is not None:
+            slow &= keep
         if empty == "nan":
-            present = present | ~slow
+            values = np.where(present, values, math.nan)
+            present = ~slow
+        shown = present if keep is None else present & keep
+        order = layout.name_order
         if not slow.any():
-            shown = present & self.keep
-            return dict(zip(compress(layout.names, shown), values[shown].tolist(), strict=True))
-        slow_rows = set(np.flatnonzero(slow).tolist())
+            shown = shown[order]
+            names = compress(layout.sorted_names, shown)
+            return dict(zip(names, values[order][shown].tolist(), strict=True))
         out: dict[str, float] = {}
         emitted = 0
-        for i in np.flatnonzero(self.keep).tolist():
+        for i, is_slow, is_shown in zip(
+            order.tolist(), slow[order].tolist(), shown[order].tolist(), strict=True
+        ):
             name = layout.names[i]
-            if i in slow_rows:
-                state = self._state(i)
+            if is_slow:
+                state = self._state(i, self.sums, self.maxes)
                 part = results({name: state}, kind_of, empty=empty)
                 out.update(part)
                 emitted += len(part)
-            elif present[i]:
+            elif is_shown:
                 out[name] = float(values[i])
                 emitted += 1
         if len(out) != emitted:
             results(self.states(), kind_of, empty=empty)  # raises, naming the clash
         return out
 
-    def _vector_results(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(values, present, needs the slow path) per slot."""
+    def _vector_results(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(values, present, needs the slow path or None when no metric does) per slot.
+
+        Values of metrics that are not present, or that need the slow path, are
+        undefined."""
         layout = self.layout
         size = len(layout.slots)
-        values = np.full(size, math.nan)
+        values = np.empty(size)
         present = np.zeros(size, dtype=bool)
-        slow = layout.slow_rows.copy()
-        slow |= self.sums[layout.nonfinite_array] > 0
-        for kind, (rows, sum_index, max_index) in layout.vector_groups.items():
-            out = kind.results_vector(self.sums[sum_index], self.maxes[max_index])
+        slow = layout.slow_rows.copy() if layout.has_slow_rows else None
+        if self.counted:  # non-finite counts to report (rejected calls raised already)
+            flagged = self.sums[layout.num_kind_sums :: NUM_FLAGS] > 0
+            slow = flagged if slow is None else slow | flagged
+        for group in layout.vector_groups:
+            kind, rows = group.kind, group.rows
+            count = rows.stop - rows.start
+            sums = self.sums[group.sums].reshape(count, kind.num_sums)
+            maxes = self.maxes[group.maxes].reshape(count, kind.num_maxes)
+            out = kind.results_vector(sums, maxes)
             if out is None:
+                if slow is None:
+                    slow = np.zeros(size, dtype=bool)
                 slow[rows] = True
                 continue
             values[rows], present[rows] = out
-        values[~present] = math.nan
         return values, present, slow
 
-    def _state(self, i: int) -> MetricState:
+    def _state(self, i: int, sums: Sequence[float], maxes: Sequence[float]) -> MetricState:
+        """Slot ``i``'s state read from ``sums`` and ``maxes`` (this step's buffers, as
+        arrays or lists)."""
         layout, slot = self.layout, self.layout.slots[i]
         return MetricState(
             slot.kind.name,
-            tuple(self.sums[layout.sum_slices[i]].tolist()),
-            tuple(self.maxes[layout.max_slices[i]].tolist()),
+            tuple(map(float, sums[layout.sum_slices[i]])),
+            tuple(map(float, maxes[layout.max_slices[i]])),
             self.extras.get(slot.name),
-            float(self.sums[layout.nonfinite_positions[i]]),
+            float(sums[slot.flag_offset]),
         )

@@ -136,6 +136,10 @@ class Tracker(LogMethods):
         self.nonfinite = nonfinite
         self._own_kinds: dict[str, Kind] = {"dist": Dist(quantiles)}
         self._accumulators: dict[str, Accumulator] = {}
+        # every name's accumulator, kept across steps and cleared on reuse: no
+        # allocation per name per step, and the sync code can recognise a step's
+        # accumulators as the last one's (see rlmetrics.distributed._GroupSync)
+        self._pool: dict[str, Accumulator] = {}
         self.sync_cache: Any = None  # owned by rlmetrics.distributed
         self._local_layout: Layout | None = None
 
@@ -197,8 +201,12 @@ class Tracker(LogMethods):
                 f"metric {name!r} is already logged as kind {acc.kind.name!r}; "
                 f"cannot log it as kind {kind.name!r}"
             )
-        check_name(name)
-        acc = Accumulator.empty(kind)
+        acc = self._pool.get(name)
+        if acc is not None and acc.kind is kind:
+            acc.clear()
+        else:
+            check_name(name)
+            acc = self._pool[name] = Accumulator.empty(kind)
         self._accumulators[name] = acc
         return acc
 
@@ -262,7 +270,8 @@ class Tracker(LogMethods):
     def _forget_rejected(self) -> None:
         """Zero every rejected-call count once reported (device ops only, no sync)."""
         for acc in self._accumulators.values():
-            acc.sums[REJECTED_SLOT] = 0.0
+            if acc.flags is not None:
+                acc.flags[REJECTED_SLOT] = 0.0
             if acc.dev_sums is not None:
                 acc.dev_sums = torch.cat((acc.dev_sums[:REJECTED_SLOT], acc.dev_sums.new_zeros(1)))
 
@@ -290,10 +299,13 @@ class Tracker(LogMethods):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the caches: the sync cache holds this process's groups (weakly)."""
-        return {**self.__dict__, "sync_cache": None, "_local_layout": None}
+        state = {**self.__dict__, "sync_cache": None, "_local_layout": None}
+        return {**state, "_pool": dict(self._accumulators)}
 
     def reset(self) -> None:
         """Forget every metric (a new step begins)."""
+        if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
+            self._pool = dict(self._accumulators)
         self._accumulators = {}
 
     def compute(

@@ -3,7 +3,7 @@
 A kind describes how values accumulate into a small state and how two states merge.
 Every state has the same shape:
 
-* ``sums``: slots merged by addition (plus two framework slots, see ``NUM_FLAGS``),
+* ``sums``: slots merged by addition,
 * ``maxes``: slots merged by ``max`` (a minimum is stored negated),
 * ``extra``: an optional payload with its own merge (std's Chan triple, dist's values).
 
@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 NUM_FLAGS = 2
-"""Framework slots appended to every kind's ``sums``: [num_nonfinite, num_rejected]."""
+"""Framework counts every metric carries besides its kind's slots: [num_nonfinite,
+num_rejected] (additive; on the host kept apart, appended to ``dev_sums`` on a device)."""
 NONFINITE_SLOT = -2
 REJECTED_SLOT = -1
 
@@ -203,28 +204,43 @@ class Accumulator:
 
     Python numbers add into the host lists (no torch call); tensors add into device
     tensors (no host sync). The two halves meet only at step end, when packed.
+
+    ``sums`` holds the kind's own additive slots; the framework counts live in
+    ``flags`` (host, None until a call is counted) and at the end of ``dev_sums``.
     """
 
     kind: Kind
     sums: list[float] = field(default_factory=list)
     maxes: list[float] = field(default_factory=list)
-    dev_sums: Tensor | None = None
+    dev_sums: Tensor | None = None  # the kind's sums, then the NUM_FLAGS counts
     dev_maxes: Tensor | None = None
     extra: Any = None
     dev_extra: Any = None
+    flags: list[float] | None = None  # [num_nonfinite, num_rejected] on the host
 
     @classmethod
     def empty(cls, kind: Kind) -> Accumulator:
         """A fresh accumulator for ``kind``."""
         return cls(
-            kind,
-            [0.0] * (kind.num_sums + NUM_FLAGS),
-            [-math.inf] * kind.num_maxes,
-            extra=kind.empty_extra(),
+            kind, [0.0] * kind.num_sums, [-math.inf] * kind.num_maxes, extra=kind.empty_extra()
         )
 
+    def clear(self) -> None:
+        """Back to empty (a new step reuses the accumulator)."""
+        kind = self.kind
+        self.sums[:] = [0.0] * kind.num_sums
+        self.maxes[:] = [-math.inf] * kind.num_maxes
+        self.dev_sums = self.dev_maxes = self.dev_extra = self.flags = None
+        self.extra = kind.empty_extra()
+
+    def count(self, slot: int, amount: float = 1.0) -> None:
+        """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
+        if self.flags is None:
+            self.flags = [0.0] * NUM_FLAGS
+        self.flags[slot] += amount
+
     def add_host(self, sums: list[float], maxes: list[float]) -> None:
-        """Add host contributions (``sums`` may omit the framework flags)."""
+        """Add host contributions to the kind's slots."""
         for i, value in enumerate(sums):
             self.sums[i] += value
         for i, value in enumerate(maxes):
@@ -251,10 +267,9 @@ class Accumulator:
                 self.dev_maxes = torch.maximum(self.dev_maxes, maxes.to(self.dev_maxes.device))
 
     def clear_value(self) -> None:
-        """Drop the accumulated value, keeping the framework flags (a replacing kind's
+        """Drop the accumulated value, keeping the framework counts (a replacing kind's
         new value follows)."""
-        flags = self.sums[-NUM_FLAGS:]
-        self.sums[:] = [0.0] * (len(self.sums) - NUM_FLAGS) + flags
+        self.sums[:] = [0.0] * len(self.sums)
         self.maxes[:] = [-math.inf] * len(self.maxes)
         if self.dev_sums is not None:
             dev_flags = self.dev_sums[-NUM_FLAGS:]
@@ -264,7 +279,8 @@ class Accumulator:
     def load(self, state: MetricState) -> None:
         """Merge a host snapshot into this accumulator."""
         self.add_host(list(state.sums), list(state.maxes))
-        self.sums[NONFINITE_SLOT] += state.num_nonfinite
+        if state.num_nonfinite:
+            self.count(NONFINITE_SLOT, state.num_nonfinite)
         if self.kind.has_extra:
             self.extra = self.kind.merge_extra(self.extra, state.extra)
 

@@ -94,16 +94,18 @@ def replace_dev(
     """
     device = sums.device
     old_sums = _on_device(acc.sums, sums)
+    old_flags = sums.new_zeros(NUM_FLAGS)
     if acc.dev_sums is not None:
-        old_sums = old_sums + acc.dev_sums.to(device)
+        dev_sums = acc.dev_sums.to(device)
+        old_sums = old_sums + dev_sums[:-NUM_FLAGS]
+        old_flags = dev_sums[-NUM_FLAGS:]
     old_maxes = _on_device(acc.maxes, maxes)
     if acc.dev_maxes is not None:
         old_maxes = torch.maximum(old_maxes, acc.dev_maxes.to(device))
     new_values = sums
     if keep_old is not None:
-        new_values = torch.where(keep_old, old_sums[:-NUM_FLAGS], new_values)
+        new_values = torch.where(keep_old, old_sums, new_values)
         maxes = torch.where(keep_old, old_maxes, maxes)
-    old_flags = old_sums[-NUM_FLAGS:]
     acc.dev_sums = torch.cat((new_values, old_flags if flags is None else old_flags + flags))
     acc.dev_maxes = maxes
     acc.sums[:] = [0.0] * len(acc.sums)
