@@ -348,6 +348,9 @@ STEPS: list[list[list[tuple[str, str, object]]]] = [
     [[("a", "mean", math.nan)], [("a", "mean", 2.0), ("b", "last", 0.5)]],
     [[("a", "mean", torch.tensor([1.0, 2.0]))], [("a", "mean", 3.0), ("b", "max", 1.0)]],
     [[("a", "mean", 1.0), ("b", "max", 2.0)], [("a", "mean", 3.0), ("b", "max", -1.0)]],
+    [[("a", "mean", 1.0)], [("a", "mean", 2.0)]],  # the same plan three times: plain,
+    [[("a", "mean", math.nan)], [("a", "mean", 2.0)]],  # with a count,
+    [[("a", "mean", 3.0)], [("a", "mean", 5.0)]],  # plain again
 ]
 
 

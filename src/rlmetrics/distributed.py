@@ -45,6 +45,7 @@ from torch import Tensor
 
 from rlmetrics.layout import Layout
 from rlmetrics.packing import (
+    SendBuffer,
     extra_sizes,
     in_order,
     pack_extras,
@@ -241,6 +242,18 @@ def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list
 
 
 @dataclass(eq=False)
+class _Plan:
+    """How this rank packs a step: its accumulators in layout order (blanks included),
+    the MAX tail, and the send buffer of steps of python numbers only."""
+
+    layout: Layout
+    accs: list[Any]
+    tail: np.ndarray
+    logged_all: bool  # this rank logged every name of the layout
+    send: SendBuffer | None = None
+
+
+@dataclass(eq=False)
 class _GroupSync:
     """What a tracker keeps per process group between steps: the agreed layout, the
     device collectives run on, the host buffer a CPU gather writes into, and the last
@@ -258,23 +271,25 @@ class _GroupSync:
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
     seen: list[Any] = field(default_factory=list)  # the last plan's accumulators, dict order
-    plan: tuple[Layout | None, list[Any], np.ndarray] = (None, [], np.zeros(0))
+    plan: _Plan | None = None
 
-    def packing_plan(self, accumulators: Mapping[str, Any]) -> tuple[list[Any], np.ndarray]:
+    def packing_plan(self, accumulators: Mapping[str, Any]) -> _Plan:
         """This step's accumulators in layout order, and the MAX buffer's tail: [logged
         per slot..., schema changed, hash, -hash]. A step that logged a name the layout
         lacks packs as empty with "changed" set, so every rank agrees again."""
         layout = self.layout
         current = list(accumulators.values())
-        if self.plan[0] is layout and current == self.seen:  # identity compare
-            return self.plan[1], self.plan[2]
+        plan = self.plan
+        if plan is not None and plan.layout is layout and current == self.seen:  # identity
+            return plan
         fits = layout.fits(accumulators)
         logged = _logged(accumulators, layout, fits)
         tail = np.array([*logged, 0.0 if fits else 1.0, layout.digest, -layout.digest])
         accs = in_order(accumulators if fits else {}, layout)
+        plan = _Plan(layout, accs, tail, fits and len(accumulators) == len(layout.slots))
         if fits:
-            self.seen, self.plan = current, (layout, accs, tail)
-        return accs, tail
+            self.seen, self.plan = current, plan
+        return plan
 
     def gather_rows(self, world: int, length: int) -> tuple[np.ndarray, list[Tensor]]:
         """The reusable (world, length) host buffer and its rows as CPU tensors."""
@@ -308,32 +323,30 @@ def sync_reduce(
     accumulators = tracker.accumulators
     for _ in range(2):
         layout = sync.layout
-        accs, tail = sync.packing_plan(accumulators)
-        sums, maxes = _reduce(accs, layout, tail, sync, pg, wait)
-        changed, high, neg_low = maxes[-HEADER:]
+        plan = sync.packing_plan(accumulators)
+        sums, maxes = _reduce(plan, sync, pg, wait)
+        changed, high, neg_low = maxes[-HEADER:].tolist()
         if changed == 0 and high == -neg_low:
             size = layout.num_maxes
-            logged = maxes[size : size + len(layout.slots)]
+            # when this rank logged every name, so did the group
+            logged = None if plan.logged_all else maxes[size : size + len(layout.slots)]
             return _finish(accumulators, layout, sums, maxes[:size], logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
 def _reduce(
-    accs: list[Any],
-    layout: Layout,
-    tail: np.ndarray,
-    sync: _GroupSync,
-    group: Any,
-    wait: timedelta | None,
+    plan: _Plan, sync: _GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The packed SUM part and MAX part (tail included) reduced over ``group``, on the
     host (one device-to-host copy): one gather up to ``GATHER_LIMIT`` gathered floats,
     else two all_reduces."""
-    world = sync.world
+    world, layout, accs, tail = sync.world, plan.layout, plan.accs, plan.tail
     num_sums = layout.num_sums
     if world * (num_sums + layout.num_maxes + len(tail)) <= GATHER_LIMIT:
-        packed = pack_scalars(accs, layout, sync.device, max_tail=tail)
+        if plan.send is None and not layout.extra_slots:
+            plan.send = SendBuffer.make(layout, tail)
+        packed = pack_scalars(accs, layout, sync.device, max_tail=tail, reuse=plan.send)
         what = "all_gather of metric states"
         if packed.device.type == "cpu":  # straight into a reused host buffer
             gathered, rows = sync.gather_rows(world, packed.numel())

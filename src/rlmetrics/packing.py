@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
 
@@ -33,6 +34,7 @@ def pack_scalars(
     *,
     max_tail: Sequence[float] | np.ndarray = (),
     nan_counts: bool = False,
+    reuse: SendBuffer | None = None,
 ) -> Tensor:
     """This process's SUM and MAX buffers, one after the other in one float64 tensor on
     ``device``: [SUM | MAX | max_tail], or [SUM | NaN counts | MAX | max_tail].
@@ -42,12 +44,14 @@ def pack_scalars(
     carries NaN as it is (the host max propagates it); ``all_reduce(MAX)`` need not
     (gloo does not, symmetrically), so for it ``nan_counts`` carries each NaN max slot
     as +inf and a count in the additive part (see ``sum_part``).
+
+    A step of python numbers only packs into ``reuse`` (made by ``SendBuffer.make``
+    with this ``max_tail``) when given, and returns its tensor.
     """
     if not layout.extra_slots and not nan_counts:
-        buffer = _pack_plain(accs, layout, max_tail)
-        if buffer is not None:
-            buffer = torch.from_numpy(buffer)
-            return buffer if device.type == "cpu" else buffer.to(device)
+        send = reuse if reuse is not None else SendBuffer.make(layout, max_tail)
+        if _pack_plain(accs, layout, send.array):
+            return send.tensor if device.type == "cpu" else send.tensor.to(device)
     count = len(accs)
     flags = list(map(_get_flags, accs))
     sums = np.zeros(layout.num_sums)
@@ -86,25 +90,35 @@ def pack_scalars(
     return buffer if device.type == "cpu" else buffer.to(device)
 
 
-def _pack_plain(
-    accs: Sequence[Accumulator], layout: Layout, max_tail: Sequence[float] | np.ndarray
-) -> np.ndarray | None:
-    """The common step's buffer (host numbers only, no counts): one pass over the
-    accumulators and one conversion per part; None when some metric is not that plain.
-    """
+@dataclass(frozen=True)
+class SendBuffer:
+    """A packed buffer for steps of python numbers only, as an array and a tensor over
+    the same memory; its counts block is zero and its tail written once."""
+
+    array: np.ndarray
+    tensor: Tensor
+
+    @classmethod
+    def make(cls, layout: Layout, max_tail: Sequence[float] | np.ndarray) -> SendBuffer:
+        array = np.zeros(layout.num_sums + layout.num_maxes + len(max_tail))
+        array[layout.num_sums + layout.num_maxes :] = max_tail
+        return cls(array, torch.from_numpy(array))
+
+
+def _pack_plain(accs: Sequence[Accumulator], layout: Layout, buffer: np.ndarray) -> bool:
+    """Pack the common step (host numbers only, no counts) into ``buffer``'s SUM and MAX
+    slots: one pass over the accumulators, one conversion per part. False, with
+    ``buffer`` untouched, when some metric is not that plain."""
     sums: list[float] = []
     maxes: list[float] = []
     for acc in accs:
         if acc.flags is not None or acc.dev_sums is not None:
-            return None
+            return False
         sums += acc.sums
         maxes += acc.maxes
-    buffer = np.empty(layout.num_sums + layout.num_maxes + len(max_tail))
     layout.sum_struct.pack_into(buffer, 0, *sums)
-    buffer[layout.num_kind_sums : layout.num_sums] = 0.0
     layout.max_struct.pack_into(buffer, 8 * layout.num_sums, *maxes)
-    buffer[layout.num_sums + layout.num_maxes :] = max_tail
-    return buffer
+    return True
 
 
 def sum_part(layout: Layout, nan_counts: bool = False) -> int:
