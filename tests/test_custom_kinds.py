@@ -12,7 +12,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from rlmetrics import Kind, MetricState, Tracker, TrackerState, register_kind, unregister_kind
+from rlmetrics import (
+    Kind,
+    MetricState,
+    ResultFormula,
+    Tracker,
+    TrackerState,
+    register_kind,
+    unregister_kind,
+)
 from rlmetrics.kinds import check_kind, get_kind
 from rlmetrics.kinds.histogram import Histogram
 
@@ -227,6 +235,16 @@ def make(base: type[Kind], **attrs: Any) -> Kind:
             make(Malformed, update=lambda self, v, w: (v[-1].reshape(1).repeat(2), v[:0])),
             ValueError,
             r"update\(\) failed on a probe batch \(values \[\], weights None\): index -1",
+        ),
+        (
+            make(Malformed, result_formula=ResultFormula(value=0, present=2)),
+            ValueError,
+            r"result_formula.present must index the state \[\*sums, \*maxes\] \(0 to 1\), got 2",
+        ),
+        (
+            make(Malformed, result_formula=(0, 1)),
+            ValueError,
+            "result_formula must be a ResultFormula",
         ),
     ],
 )

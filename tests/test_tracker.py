@@ -613,28 +613,32 @@ def test_names_that_come_and_go_do_not_pile_up() -> None:
     assert len(t._pool) <= 2 * 2 + 256 + 1
 
 
-def test_few_metrics_give_the_vectorised_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps of at most ``SCALAR_LIMIT`` metrics compute per metric in python; the
-    result is the vectorised one, bit for bit, for every kind and policy."""
-    from rlmetrics import reduced
-
+def test_formula_results_equal_each_kinds_result() -> None:
+    """The kinds with a ``result_formula`` are computed together from index arrays; the
+    result is each kind's own ``result`` (``TrackerState.compute`` calls it per metric),
+    bit for bit, for every kind and policy, many metrics or few."""
     rng = np.random.default_rng(0)
-    batch = {
-        "value": rng.normal(size=64),
-        "weight": rng.random(64),
-        "mask": rng.random(64) < 0.5,
-    }
+    batch = {"value": rng.normal(size=64), "weight": rng.random(64), "mask": rng.random(64) < 0.5}
+    other = Tracker()
+    other.last("replica/disagrees", 2.0)
     for empty in ("omit", "nan"):
-        runs = []
-        for limit in (0, 1000):
-            monkeypatch.setattr(reduced, "SCALAR_LIMIT", limit)
+        for many in (0, 40):
             t = Tracker(empty=empty, nonfinite="skip")
             for start in range(0, 64, 16):
                 log_every_kind(t, batch, np.arange(start, start + 16))
+            for i in range(many):
+                t.log(f"many/{i}", float(rng.normal()), kind=("mean", "sum", "max", "min")[i % 4])
             t.mean("nan", math.nan)
-            t.last("replica", 1.0)
+            t.min("inf", -math.inf)
+            t.last("replica/agrees", 1.0)
+            t.last("replica/disagrees", 1.0)
             t.max("empty", [1.0], mask=[False])
-            runs.append(t.compute())
-        assert list(runs[0]) == list(runs[1])
-        for key, value in runs[0].items():
-            assert value == runs[1][key] or (math.isnan(value) and math.isnan(runs[1][key])), key
+            t.merge(other.state())
+            with warnings.catch_warnings():  # the disagreement warns once per name
+                warnings.simplefilter("ignore", RuntimeWarning)
+                expected = t.state().compute(empty=empty)
+                got = t.compute()
+            assert got["replica/disagrees"] == 1.5  # the mean, through ``result``
+            assert list(got) == list(expected)
+            for key, value in got.items():
+                assert value == expected[key] or (math.isnan(value) and math.isnan(expected[key]))

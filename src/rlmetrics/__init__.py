@@ -4,7 +4,14 @@ Every logged number means the same thing however the batch was split across rank
 mini-batches and micro-batches, at the cost of one small collective per step.
 """
 
-from rlmetrics.kinds import Kind, MetricState, get_kind, register_kind, unregister_kind
+from rlmetrics.kinds import (
+    Kind,
+    MetricState,
+    ResultFormula,
+    get_kind,
+    register_kind,
+    unregister_kind,
+)
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import PrefixedTracker, Tracker
 
@@ -14,6 +21,7 @@ __all__ = [
     "Kind",
     "MetricState",
     "PrefixedTracker",
+    "ResultFormula",
     "Tracker",
     "TrackerState",
     "get_kind",

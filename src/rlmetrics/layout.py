@@ -45,6 +45,20 @@ class KindGroup:
     maxes: slice
 
 
+@dataclass(frozen=True, slots=True)
+class Formulas:
+    """Index arrays for the metrics whose kind has a ``result_formula``, into the
+    reduced buffers read as one vector ``[*sums, *maxes, 1.0]``."""
+
+    rows: np.ndarray | None  # their rows (None: every row)
+    value: np.ndarray
+    present: np.ndarray
+    divisor: np.ndarray | None  # None: no kind divides (else 1.0 where one does not)
+    negate: np.ndarray | None  # bool per formula row; None: none negates
+    copy_at: np.ndarray | None  # positions (among the formula rows) with a negated copy
+    copy: np.ndarray | None  # where those copies are
+
+
 class Layout:
     """The packed positions of an agreed schema.
 
@@ -166,8 +180,48 @@ class Layout:
         return [slice(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
 
     @cached_property
+    def formulas(self) -> Formulas | None:
+        """Where the formula kinds' results are read (None: no such kind here)."""
+        one = self.num_sums + self.num_maxes
+
+        def position(slot: Slot, index: int) -> int:
+            kind = slot.kind
+            if index < kind.num_sums:
+                return slot.sum_offset + index
+            return self.num_sums + slot.max_offset + index - kind.num_sums
+
+        rows, value, present, divisor, negate, copy_at, copy = [], [], [], [], [], [], []
+        for row, slot in enumerate(self.slots):
+            if not _formula(slot.kind):
+                continue
+            formula = slot.kind.result_formula
+            if formula.negated_copy is not None:
+                copy_at.append(len(rows))
+                copy.append(position(slot, formula.negated_copy))
+            rows.append(row)
+            value.append(position(slot, formula.value))
+            present.append(position(slot, formula.present))
+            divisor.append(one if formula.divisor is None else position(slot, formula.divisor))
+            negate.append(formula.negate)
+        if not rows:
+            return None
+
+        def array(values: list) -> np.ndarray:
+            return np.array(values, dtype=np.int64)
+
+        return Formulas(
+            None if len(rows) == len(self.slots) else array(rows),
+            array(value),
+            array(present),
+            array(divisor) if any(d != one for d in divisor) else None,
+            np.array(negate, dtype=bool) if any(negate) else None,
+            array(copy_at) if copy_at else None,
+            array(copy) if copy else None,
+        )
+
+    @cached_property
     def vector_groups(self) -> list[KindGroup]:
-        """The blocks of kinds with a ``results_vector`` (and no extra)."""
+        """The blocks of kinds with a ``results_vector`` (and no extra or formula)."""
         groups = []
         start = 0
         while start < len(self.slots):
@@ -195,9 +249,21 @@ class Layout:
 
     @cached_property
     def slow_rows(self) -> np.ndarray:
-        """Per slot, True when its kind has no vectorised results."""
-        return np.array([not _vectorised(slot.kind) for slot in self.slots], dtype=bool)
+        """Per slot, True when its kind has neither a formula nor vectorised results."""
+        return np.array(
+            [not (_vectorised(s.kind) or _formula(s.kind)) for s in self.slots], dtype=bool
+        )
 
 
 def _vectorised(kind: Kind) -> bool:
-    return not kind.has_extra and type(kind).results_vector is not Kind.results_vector
+    """Whether a kind's results come from ``results_vector``."""
+    return (
+        not kind.has_extra
+        and kind.result_formula is None
+        and type(kind).results_vector is not Kind.results_vector
+    )
+
+
+def _formula(kind: Kind) -> bool:
+    """Whether a kind's results come from its ``result_formula``."""
+    return not kind.has_extra and kind.result_formula is not None

@@ -13,9 +13,7 @@ from rlmetrics.kinds.base import NUM_FLAGS, Kind, MetricState
 from rlmetrics.layout import Layout
 from rlmetrics.state import results
 
-SCALAR_LIMIT = 8
-"""Steps with at most this many metrics compute their results per metric in python:
-below about that count, a few numpy calls per kind cost more than the python."""
+_ONE = np.ones(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +49,11 @@ class Reduced:
     def results(self, kind_of: Callable[[str], Kind], *, empty: str) -> dict[str, float]:
         """Every metric's values, as ``state.results`` gives them, sorted by name.
 
-        Kinds with a ``results_vector`` are computed a whole kind at a time; metrics of
-        other kinds, or with non-finite counts to report, go through ``kind.result``.
+        Kinds with a ``result_formula`` are computed together, kinds with a
+        ``results_vector`` a whole kind at a time; metrics of other kinds, or with
+        non-finite counts to report, go through ``kind.result``.
         """
         layout = self.layout
-        if len(layout.slots) <= SCALAR_LIMIT:  # few metrics: python costs less than numpy
-            return results(self.states(), kind_of, empty=empty)
         values, present, slow = self._vector_results()
         keep = self.keep
         if slow is None and keep is None and present.all():  # the common step
@@ -99,12 +96,20 @@ class Reduced:
         undefined."""
         layout = self.layout
         size = len(layout.slots)
-        values = np.empty(size)
-        present = np.zeros(size, dtype=bool)
         slow = layout.slow_rows.copy() if layout.has_slow_rows else None
         if self.counted:  # non-finite counts to report (rejected calls raised already)
             flagged = self.sums[layout.num_kind_sums :: NUM_FLAGS] > 0
             slow = flagged if slow is None else slow | flagged
+        formulas = layout.formulas
+        if formulas is not None:
+            result, shown, slow = self._formula_results(slow)
+            if formulas.rows is None:  # every metric: nothing else to fill in
+                return result, shown, slow
+        values = np.empty(size)
+        present = np.zeros(size, dtype=bool)
+        if formulas is not None:
+            values[formulas.rows] = result
+            present[formulas.rows] = shown
         for group in layout.vector_groups:
             kind, rows = group.kind, group.rows
             count = rows.stop - rows.start
@@ -118,6 +123,32 @@ class Reduced:
                 continue
             values[rows], present[rows] = out
         return values, present, slow
+
+    def _formula_results(
+        self, slow: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(value, present) of every metric whose kind has a ``result_formula``, in the
+        order of ``layout.formulas``, from a few array operations whatever the number of
+        metrics and kinds; and ``slow`` with the rows added where a replicated value
+        disagrees across ranks (those go through ``result``, which warns, naming them)."""
+        f = self.layout.formulas
+        state = np.concatenate((self.sums, self.maxes, _ONE))
+        result = state[f.value]
+        if f.negate is not None:
+            np.negative(result, out=result, where=f.negate)
+        if f.divisor is not None:
+            with np.errstate(divide="ignore", invalid="ignore"):  # empty: not shown
+                result /= state[f.divisor]
+        shown = state[f.present] != 0
+        if f.copy is not None:
+            copies = result[f.copy_at]
+            agree = (copies == -state[f.copy]) | np.isnan(copies)
+            disagree = f.copy_at[shown[f.copy_at] & ~agree]
+            if len(disagree):
+                if slow is None:
+                    slow = np.zeros(len(self.layout.slots), dtype=bool)
+                slow[disagree if f.rows is None else f.rows[disagree]] = True
+        return result, shown, slow
 
     def _state(self, i: int, sums: Sequence[float], maxes: Sequence[float]) -> MetricState:
         """Slot ``i``'s state read from ``sums`` and ``maxes`` (this step's buffers, as

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from rlmetrics.accumulate import Prepared, add_number, add_prepared, prepare
+from rlmetrics.distributed import should_sync, sync_reduce
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
 from rlmetrics.kinds.base import NUM_FLAGS, REJECTED_SLOT
@@ -333,8 +334,6 @@ class Tracker(LogMethods):
             ValueError: a tensor log call was rejected (see ``state``); nothing is reset,
                 and calling ``compute()`` again returns every other call's metrics.
         """
-        from rlmetrics.distributed import should_sync, sync_reduce
-
         if sync and should_sync(group):
             try:
                 reduced = sync_reduce(self, group=group, timeout=timeout)

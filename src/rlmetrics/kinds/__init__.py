@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState, ResultFormula
 from rlmetrics.kinds.dist import Dist
 from rlmetrics.kinds.extrema import Max, Min
 from rlmetrics.kinds.last import Last
@@ -81,6 +81,7 @@ def check_kind(kind: Kind) -> None:
         required += ["batch_extra", "merge_dev_extra", "merge_extra"]
         if _overrides(kind, "extra_vector"):
             required += ["vector_length", "extra_from_vector"]
+    _check_formula(kind, label)
     missing = [f"{method}()" for method in required if not _overrides(kind, method)]
     if missing:
         why = " (has_extra=True needs the *_extra methods)" if kind.has_extra else ""
@@ -91,6 +92,26 @@ def check_kind(kind: Kind) -> None:
         probes.append((values[:0], None))
     for probe, weights in probes:
         _probe_update(kind, label, probe, weights)
+
+
+def _check_formula(kind: Kind, label: str) -> None:
+    formula = kind.result_formula
+    if formula is None:
+        return
+    if not isinstance(formula, ResultFormula):
+        raise ValueError(f"{label}: result_formula must be a ResultFormula, got {formula!r}")
+    if kind.has_extra:
+        raise ValueError(f"{label}: result_formula is for kinds without an extra payload")
+    size = kind.num_sums + kind.num_maxes
+    for field in ("value", "present", "divisor", "negated_copy"):
+        index = getattr(formula, field)
+        if index is None and field in ("divisor", "negated_copy"):
+            continue
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
+            raise ValueError(
+                f"{label}: result_formula.{field} must index the state [*sums, *maxes] "
+                f"(0 to {size - 1}), got {index!r}"
+            )
 
 
 def _overrides(kind: Kind, method: str) -> bool:
@@ -146,6 +167,7 @@ __all__ = [
     "Mean",
     "MetricState",
     "Min",
+    "ResultFormula",
     "Std",
     "Sum",
     "check_kind",

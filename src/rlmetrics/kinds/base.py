@@ -65,6 +65,25 @@ class MetricState:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ResultFormula:
+    """A kind's one result as arithmetic on its own state, so that ``compute()`` gets
+    every such metric of every such kind from a few array operations.
+
+    Slots are indexed in the kind's state read as ``[*sums, *maxes]``. The value is
+    ``±state[value] / state[divisor]`` (no divisor: 1), reported where
+    ``state[present] != 0``. With ``negated_copy``, the value is a replicated one that
+    must equal ``-state[negated_copy]`` (or be NaN); a metric where it does not goes
+    through ``result`` (which can warn, naming it).
+    """
+
+    value: int
+    present: int
+    divisor: int | None = None
+    negate: bool = False
+    negated_copy: int | None = None
+
+
 def _nan_max(a: float, b: float) -> float:
     """max that propagates NaN, like torch.maximum and all_reduce(MAX) on most backends."""
     if a != a or b != b:
@@ -182,12 +201,17 @@ class Kind:
         ``name/p50``. None when the state is empty."""
         raise NotImplementedError
 
+    result_formula: ResultFormula | None = None
+    """Optional, for kinds with one result and no extra: that result as arithmetic on
+    the state (see ``ResultFormula``); it must agree with ``result``."""
+
     def results_vector(
         self, sums: np.ndarray, maxes: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Optional fast path for kinds with one result and no extra: the results of n
-        metrics at once from their (n, num_sums) and (n, num_maxes) slots, as (values,
-        present). None means "use ``result`` per metric" (the default)."""
+        """Optional fast path for kinds with one result and no extra (and no
+        ``result_formula``): the results of n metrics at once from their (n, num_sums)
+        and (n, num_maxes) slots, as (values, present). None means "use ``result`` per
+        metric" (the default)."""
         return None
 
     def result_names(self) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState, ResultFormula
 
 
 def _count(values: Tensor, weights: Tensor | None) -> Tensor:
@@ -52,6 +52,7 @@ class Max(Kind):
     name = "max"
     num_sums = 1
     num_maxes = 1
+    result_formula = ResultFormula(value=1, present=0)  # state: [count, max]
     takes_weight = False
 
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -65,9 +66,6 @@ class Max(Kind):
 
     def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
         _add_extreme(acc, values, weights)
-
-    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return maxes[:, 0], sums[:, 0] != 0
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         if state.sums[0] == 0:
@@ -89,6 +87,7 @@ class Min(Kind):
     name = "min"
     num_sums = 1
     num_maxes = 1
+    result_formula = ResultFormula(value=1, present=0, negate=True)  # state: [count, -min]
     takes_weight = False
 
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -102,9 +101,6 @@ class Min(Kind):
 
     def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
         _add_extreme(acc, -values, weights)
-
-    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return -maxes[:, 0], sums[:, 0] != 0
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         if state.sums[0] == 0:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import NUM_FLAGS, Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import NUM_FLAGS, Accumulator, Kind, MetricState, ResultFormula
 
 _warned: set[str] = set()
 
@@ -33,6 +33,8 @@ class Last(Kind):
     name = "last"
     num_sums = 2
     num_maxes = 2
+    # state: [Σ v, sources, v, -v]; ranks that disagree go through ``result`` (it warns)
+    result_formula = ResultFormula(value=2, present=1, negated_copy=3)
     takes_weight = False
     replaces = True
 
@@ -50,16 +52,6 @@ class Last(Kind):
 
     def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
         self.add_float(acc, float(values[-1]), 1.0)
-
-    def results_vector(
-        self, sums: np.ndarray, maxes: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        present = sums[:, 1] != 0
-        high, neg_low = maxes[:, 0], maxes[:, 1]
-        agree = (high == -neg_low) | np.isnan(high)
-        if not agree[present].all():
-            return None  # per metric, so each disagreement warns with its name
-        return high, present
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, sources = state.sums

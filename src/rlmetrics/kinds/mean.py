@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState, ResultFormula
 
 
 class Mean(Kind):
@@ -24,6 +24,7 @@ class Mean(Kind):
 
     name = "mean"
     num_sums = 2
+    result_formula = ResultFormula(value=0, divisor=1, present=1)
 
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
         if weights is None:
@@ -47,11 +48,6 @@ class Mean(Kind):
         else:
             sums[0] += float(np.dot(values, weights))
             sums[1] += float(weights.sum())
-
-    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        present = sums[:, 1] != 0
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return sums[:, 0] / sums[:, 1], present
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, weight = state.sums

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState, ResultFormula
 
 
 class Sum(Kind):
@@ -22,6 +22,7 @@ class Sum(Kind):
 
     name = "sum"
     num_sums = 2
+    result_formula = ResultFormula(value=0, present=1)
     takes_weight = False
 
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -47,9 +48,6 @@ class Sum(Kind):
             kept = weights > 0
             sums[0] += float(np.where(kept, values, 0.0).sum())
             sums[1] += float(np.count_nonzero(kept))
-
-    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return sums[:, 0], sums[:, 1] != 0
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, count = state.sums
