@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from rlmetrics import Kind, MetricState, Tracker, TrackerState, register_kind, unregister_kind
+from rlmetrics import (
+    Kind,
+    MetricState,
+    ResultFormula,
+    Tracker,
+    TrackerState,
+    register_kind,
+    unregister_kind,
+)
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
 
 from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
@@ -642,3 +650,87 @@ def test_formula_results_equal_each_kinds_result() -> None:
             assert list(got) == list(expected)
             for key, value in got.items():
                 assert value == expected[key] or (math.isnan(value) and math.isnan(expected[key]))
+
+
+class ValuePerWeight(Kind):
+    """Σ values / Σ weights (a test kind whose formula can divide by zero)."""
+
+    name = "test_value_per_weight"
+    num_sums = 3  # Σ values, Σ weights, count
+    result_formula = ResultFormula(value=0, divisor=1, present=2)
+
+    def update(self, values: torch.Tensor, weights: torch.Tensor | None) -> tuple:
+        weight = values.new_full((), float(len(values))) if weights is None else weights.sum()
+        count = values.new_full((), float(len(values)))
+        return torch.stack((values.sum(), weight, count)), values.new_empty(0)
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        total, weight, count = state.sums
+        if count == 0:
+            return None
+        return {"": float(np.float64(total) / np.float64(weight))}
+
+
+@pytest.mark.parametrize("many", [0, 100])
+def test_python_and_array_formula_results_agree(many: int) -> None:
+    """Small steps evaluate the formulas in python, large ones with arrays: the same
+    bits (NaN, ±inf, division by zero, empty metrics, both empty policies)."""
+    from rlmetrics import reduced
+
+    register_kind(ValuePerWeight(), exist_ok=True)
+    try:
+        for empty in ("omit", "nan"):
+            runs = []
+            for limit in (0, 10**9):
+                reduced.SCALAR_LIMIT, saved = limit, reduced.SCALAR_LIMIT
+                rng = np.random.default_rng(1)
+                try:
+                    t = Tracker(empty=empty)
+                    t.mean("mean", [1.0, 2.0], weight=[0.25, 3.0])
+                    t.mean("mean/zero_weight", 1.0, weight=0.0)
+                    t.mean("mean/nan", math.nan)
+                    t.sum("sum/inf", [math.inf, 1.0])
+                    t.max("max/-0", -0.0)
+                    t.max("max/empty", [1.0], mask=[False])
+                    t.min("min/-inf", [-math.inf, 3.0])
+                    t.last("last", 0.1)
+                    for key, value, weight in (
+                        ("pos", 1.0, 0.0),
+                        ("neg", -1.0, 0.0),
+                        ("nan", 0.0, 0.0),
+                    ):
+                        t.log(f"ratio/{key}", value, weight, kind=ValuePerWeight.name)
+                    for i in range(many):
+                        t.log(
+                            f"many/{i}",
+                            float(rng.normal()),
+                            kind=("mean", "max", "min", "last")[i % 4],
+                        )
+                    runs.append(t.compute())
+                finally:
+                    reduced.SCALAR_LIMIT = saved
+            python, arrays = runs[1], runs[0]
+            assert list(python) == list(arrays)
+            for key, value in python.items():
+                other = arrays[key]
+                assert (math.isnan(value) and math.isnan(other)) or (
+                    value == other and math.copysign(1, value) == math.copysign(1, other)
+                ), key
+            assert python["ratio/pos"] == math.inf and python["ratio/neg"] == -math.inf
+            assert math.isnan(python["ratio/nan"]) and math.copysign(1, python["max/-0"]) == -1
+    finally:
+        unregister_kind(ValuePerWeight.name)
+
+
+def test_python_division_is_ieee_division() -> None:
+    from rlmetrics.reduced import _divide
+
+    values = [0.0, -0.0, 1.0, -2.5, math.inf, -math.inf, math.nan, 1e-310]
+    for a in values:
+        for b in values:
+            with np.errstate(all="ignore"):
+                expected = float(np.float64(a) / np.float64(b))
+            got = _divide(a, b)
+            assert (math.isnan(got) and math.isnan(expected)) or (
+                got == expected and math.copysign(1, got) == math.copysign(1, expected)
+            ), (a, b)

@@ -54,7 +54,7 @@ from rlmetrics.packing import (
     sum_part,
     unpack,
 )
-from rlmetrics.reduced import Reduced
+from rlmetrics.reduced import SCALAR_LIMIT, Reduced
 
 HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
 
@@ -325,14 +325,29 @@ def sync_reduce(
         layout = sync.layout
         plan = sync.packing_plan(accumulators)
         sums, maxes = _reduce(plan, sync, pg, wait)
-        changed, high, neg_low = maxes[-HEADER:].tolist()
+        if len(sums) + len(maxes) <= SCALAR_LIMIT:  # a small step: results in python
+            sums_list, maxes_list = sums.tolist(), maxes.tolist()
+            changed, high, neg_low = maxes_list[-HEADER:]
+        else:
+            sums_list = maxes_list = None
+            changed, high, neg_low = maxes[-HEADER:].tolist()
         if changed == 0 and high == -neg_low:
             size = layout.num_maxes
+            if sums_list is not None and _plain(plan, sums_list):
+                scalars = (sums_list, maxes_list[:size])
+                return Reduced(layout, sums, maxes[:size], {}, None, False, scalars)
             # when this rank logged every name, so did the group
             logged = None if plan.logged_all else maxes[size : size + len(layout.slots)]
             return _finish(accumulators, layout, sums, maxes[:size], logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
+
+
+def _plain(plan: _Plan, sums: list[float]) -> bool:
+    """Whether a reduced step is the plain kind: every name logged on this rank (so in
+    the group), no framework counts to report, no extras."""
+    layout = plan.layout
+    return plan.logged_all and not layout.extra_slots and not any(sums[layout.num_kind_sums :])
 
 
 def _reduce(

@@ -220,6 +220,35 @@ class Layout:
         )
 
     @cached_property
+    def scalar_formulas(self) -> list[tuple[str, int, int, int | None, bool, int | None]] | None:
+        """Per metric in name order, when every metric's kind has a formula: (name,
+        value, present, divisor, negate, negated copy), positions in ``[*sums, *maxes]``
+        (None otherwise)."""
+        if self.formulas is None or self.formulas.rows is not None:
+            return None
+
+        def position(slot: Slot, index: int | None) -> int | None:
+            if index is None or index < slot.kind.num_sums:
+                return None if index is None else slot.sum_offset + index
+            return self.num_sums + slot.max_offset + index - slot.kind.num_sums
+
+        out = []
+        for row in self.name_order.tolist():
+            slot = self.slots[row]
+            f = slot.kind.result_formula
+            out.append(
+                (
+                    slot.name,
+                    position(slot, f.value),
+                    position(slot, f.present),
+                    position(slot, f.divisor),
+                    f.negate,
+                    position(slot, f.negated_copy),
+                )
+            )
+        return out
+
+    @cached_property
     def vector_groups(self) -> list[KindGroup]:
         """The blocks of kinds with a ``results_vector`` (and no extra or formula)."""
         groups = []

@@ -15,6 +15,11 @@ from rlmetrics.state import results
 
 _ONE = np.ones(1)
 
+SCALAR_LIMIT = 512
+"""Steps whose reduced buffers hold at most this many floats compute their results in
+python (when every metric's kind has a ``ResultFormula``): below about that size,
+numpy's per-call cost is more than the arithmetic."""
+
 
 @dataclass(frozen=True, slots=True)
 class Reduced:
@@ -27,6 +32,7 @@ class Reduced:
         extras: each extra kind's merged extra, by name.
         keep: per slot, whether any rank logged the name this step (None: every one).
         counted: whether any framework count (non-finite elements) is not zero.
+        scalars: ``sums`` and ``maxes`` as python lists, when the caller has them.
     """
 
     layout: Layout
@@ -35,6 +41,7 @@ class Reduced:
     extras: Mapping[str, object]
     keep: np.ndarray | None
     counted: bool = True
+    scalars: tuple[list[float], list[float]] | None = None
 
     def states(self) -> dict[str, MetricState]:
         """Per metric, its merged state, by name (names no rank logged are left out)."""
@@ -54,6 +61,16 @@ class Reduced:
         non-finite counts to report, go through ``kind.result``.
         """
         layout = self.layout
+        if (
+            self.keep is None
+            and not self.counted
+            and layout.scalar_formulas is not None
+            and len(self.sums) + len(self.maxes) <= SCALAR_LIMIT
+        ):
+            sums, maxes = self.scalars or (self.sums.tolist(), self.maxes.tolist())
+            out = scalar_results(layout, sums + maxes, empty)
+            if out is not None:
+                return out
         values, present, slow = self._vector_results()
         keep = self.keep
         if slow is None and keep is None and present.all():  # the common step
@@ -161,3 +178,34 @@ class Reduced:
             self.extras.get(slot.name),
             float(sums[slot.flag_offset]),
         )
+
+
+def scalar_results(layout: Layout, state: list[float], empty: str) -> dict[str, float] | None:
+    """Every metric's formula result, in python, from the buffers read as one list
+    ``[*sums, *maxes]``: the same IEEE arithmetic as the array path, bit for bit. None
+    when a replicated value disagrees across ranks (the caller takes the path that
+    warns, naming it)."""
+    out: dict[str, float] = {}
+    nan_for_empty = empty == "nan"
+    for name, value, present, divisor, negate, copy in layout.scalar_formulas:
+        if not state[present]:
+            if nan_for_empty:
+                out[name] = math.nan
+            continue
+        result = -state[value] if negate else state[value]
+        if divisor is not None:
+            result = _divide(result, state[divisor])
+        if copy is not None and result != -state[copy] and result == result:
+            return None
+        out[name] = result
+    return out
+
+
+def _divide(a: float, b: float) -> float:
+    """``a / b`` as IEEE (and numpy) divide: by zero gives ±inf, or NaN for 0 or NaN."""
+    try:
+        return a / b
+    except ZeroDivisionError:
+        if a == 0 or a != a:
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, b)

@@ -59,7 +59,7 @@ class MetricState:
         return MetricState(
             self.kind,
             tuple(a + b for a, b in zip(self.sums, other.sums, strict=True)),
-            tuple(_nan_max(a, b) for a, b in zip(self.maxes, other.maxes, strict=True)),
+            tuple(nan_max(a, b) for a, b in zip(self.maxes, other.maxes, strict=True)),
             kind.merge_extra(self.extra, other.extra),
             self.num_nonfinite + other.num_nonfinite,
         )
@@ -84,7 +84,7 @@ class ResultFormula:
     negated_copy: int | None = None
 
 
-def _nan_max(a: float, b: float) -> float:
+def nan_max(a: float, b: float) -> float:
     """max that propagates NaN, like torch.maximum and all_reduce(MAX) on most backends."""
     if a != a or b != b:
         return math.nan
@@ -268,7 +268,7 @@ class Accumulator:
         for i, value in enumerate(sums):
             self.sums[i] += value
         for i, value in enumerate(maxes):
-            self.maxes[i] = _nan_max(self.maxes[i], value)
+            self.maxes[i] = nan_max(self.maxes[i], value)
 
     def add_dev(self, sums: Tensor, maxes: Tensor | None, flags: Tensor | None = None) -> None:
         """Add device contributions: the kind's ``sums`` and ``maxes``, and the framework
