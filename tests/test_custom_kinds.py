@@ -336,3 +336,49 @@ def test_merging_states_of_differently_sized_kinds_raises() -> None:
     large = MetricState("h", (1.0, 2.0, 3.0), ())
     with pytest.raises(ValueError, match="different slot counts"):
         small.merge(large, HIST)
+
+
+class VectorMean(Kind):
+    """A weighted mean with ``results_vector`` (no formula); ``refuse`` makes it
+    decline, sending every metric through ``result``."""
+
+    name = "test_vector_mean"
+    num_sums = 2
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+
+    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        weights = torch.ones_like(values) if weights is None else weights
+        return torch.stack(((values * weights).sum(), weights.sum())), values.new_empty(0)
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        total, weight = state.sums
+        return None if weight == 0 else {"": total / weight}
+
+    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple | None:
+        if self.refuse:
+            return None
+        present = sums[:, 1] != 0
+        with np.errstate(all="ignore"):
+            return sums[:, 0] / sums[:, 1], present
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_results_vector_of_a_user_kind_equals_its_result(refuse: bool) -> None:
+    """A user kind's ``results_vector`` (here among formula kinds and a kind with
+    neither) gives what its ``result`` gives; None falls back to ``result``."""
+    kind = register_kind(VectorMean(refuse))
+    try:
+        t = Tracker()
+        for i in range(12):
+            t.log(f"vec/{i:02d}", [float(i), 2.0], weight=[1.0, float(i % 3)], kind=kind.name)
+        t.log("vec/empty", [1.0], weight=[0.0], kind=kind.name)
+        t.mean("a_mean", 3.0)
+        t.std("z_std", [1.0, 3.0])
+        expected = t.state().compute()
+        got = t.compute()
+        assert got == expected and "vec/empty" not in got and got["vec/00"] == 0.0
+        assert list(got) == sorted(got)
+    finally:
+        unregister_kind(kind.name)

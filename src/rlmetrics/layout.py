@@ -36,13 +36,13 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class KindGroup:
-    """The contiguous run of one kind's metrics (a kind with ``results_vector`` and no
-    extra): their rows, and their SUM and MAX slots as (rows, slots) blocks."""
+    """The metrics of one kind with ``results_vector`` (and no extra or formula): their
+    rows, and the (rows, slots) SUM and MAX positions of their slots."""
 
     kind: Kind
-    rows: slice
-    sums: slice
-    maxes: slice
+    rows: np.ndarray
+    sums: np.ndarray
+    maxes: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,16 +62,15 @@ class Formulas:
 class Layout:
     """The packed positions of an agreed schema.
 
-    Metrics are ordered by kind name, then by name, so each kind's slots form one block
-    and results are computed a kind at a time from views. The SUM part is [every
-    metric's kind sums | two framework counts per metric]; the MAX part holds the kinds'
-    max slots (and each extra kind's extra size). Index arrays used by packing and
+    Metrics are ordered by name (results are reported in that order). The SUM part is
+    [every metric's kind sums | two framework counts per metric]; the MAX part holds the
+    kinds' max slots (and each extra kind's extra size). Index arrays used by packing and
     unpacking are built once per layout (lazily), so a steady-state step does no
     per-metric bookkeeping beyond reading the states.
     """
 
     def __init__(self, schema: Sequence[tuple[str, Kind]]) -> None:
-        ordered = sorted(schema, key=lambda item: (item[1].name, item[0]))
+        ordered = sorted(schema, key=lambda item: item[0])
         self.num_kind_sums = sum(kind.num_sums for _, kind in ordered)
         self.slots: list[Slot] = []
         self.index: dict[str, int] = {}
@@ -121,16 +120,6 @@ class Layout:
     def max_struct(self) -> struct.Struct:
         """Packs the MAX part (python floats) as float64, in one call."""
         return struct.Struct(f"={self.num_maxes}d")
-
-    @cached_property
-    def name_order(self) -> np.ndarray:
-        """The rows in name order (results are reported sorted by name)."""
-        return np.array(sorted(range(len(self.names)), key=self.names.__getitem__), dtype=np.int64)
-
-    @cached_property
-    def sorted_names(self) -> list[str]:
-        """The names, sorted."""
-        return sorted(self.names)
 
     @cached_property
     def kind_max_positions(self) -> np.ndarray:
@@ -221,7 +210,7 @@ class Layout:
 
     @cached_property
     def scalar_formulas(self) -> list[tuple[str, int, int, int | None, bool, int | None]] | None:
-        """Per metric in name order, when every metric's kind has a formula: (name,
+        """Per metric, when every metric's kind has a formula: (name,
         value, present, divisor, negate, negated copy), positions in ``[*sums, *maxes]``
         (None otherwise)."""
         if self.formulas is None or self.formulas.rows is not None:
@@ -233,8 +222,7 @@ class Layout:
             return self.num_sums + slot.max_offset + index - slot.kind.num_sums
 
         out = []
-        for row in self.name_order.tolist():
-            slot = self.slots[row]
+        for slot in self.slots:
             f = slot.kind.result_formula
             out.append(
                 (
@@ -250,25 +238,24 @@ class Layout:
 
     @cached_property
     def vector_groups(self) -> list[KindGroup]:
-        """The blocks of kinds with a ``results_vector`` (and no extra or formula)."""
+        """Per kind with a ``results_vector`` (and no extra or formula), its metrics."""
+        rows: dict[Kind, list[int]] = {}
+        for i, slot in enumerate(self.slots):
+            if _vectorised(slot.kind):
+                rows.setdefault(slot.kind, []).append(i)
         groups = []
-        start = 0
-        while start < len(self.slots):
-            kind = self.slots[start].kind
-            stop = start
-            while stop < len(self.slots) and self.slots[stop].kind is kind:
-                stop += 1
-            if _vectorised(kind):
-                first, last = self.slots[start], self.slots[stop - 1]
-                groups.append(
-                    KindGroup(
-                        kind,
-                        slice(start, stop),
-                        slice(first.sum_offset, last.sum_offset + kind.num_sums),
-                        slice(first.max_offset, last.max_offset + last.num_maxes),
-                    )
+        for kind, members in rows.items():
+            slots = [self.slots[i] for i in members]
+            sums = [np.arange(s.sum_offset, s.sum_offset + kind.num_sums) for s in slots]
+            maxes = [np.arange(s.max_offset, s.max_offset + kind.num_maxes) for s in slots]
+            groups.append(
+                KindGroup(
+                    kind,
+                    np.array(members, dtype=np.int64),
+                    np.array(sums, dtype=np.int64).reshape(len(members), kind.num_sums),
+                    np.array(maxes, dtype=np.int64).reshape(len(members), kind.num_maxes),
                 )
-            start = stop
+            )
         return groups
 
     @cached_property

@@ -49,7 +49,7 @@ class Reduced:
         sums, maxes = self.sums.tolist(), self.maxes.tolist()
         return {
             layout.names[i]: self._state(i, sums, maxes)
-            for i in layout.name_order.tolist()
+            for i in range(len(layout.slots))
             if keep is None or keep[i]
         }
 
@@ -74,7 +74,7 @@ class Reduced:
         values, present, slow = self._vector_results()
         keep = self.keep
         if slow is None and keep is None and present.all():  # the common step
-            return dict(zip(layout.sorted_names, values[layout.name_order].tolist(), strict=True))
+            return dict(zip(layout.names, values.tolist(), strict=True))
         if slow is None:
             slow = np.zeros(len(present), dtype=bool)
         elif keep is not None:
@@ -83,17 +83,14 @@ class Reduced:
             values = np.where(present, values, math.nan)
             present = ~slow
         shown = present if keep is None else present & keep
-        order = layout.name_order
         if not slow.any():
-            shown = shown[order]
-            names = compress(layout.sorted_names, shown)
-            return dict(zip(names, values[order][shown].tolist(), strict=True))
+            names = compress(layout.names, shown)
+            return dict(zip(names, values[shown].tolist(), strict=True))
         out: dict[str, float] = {}
         emitted = 0
-        for i, is_slow, is_shown in zip(
-            order.tolist(), slow[order].tolist(), shown[order].tolist(), strict=True
+        for i, (name, is_slow, is_shown) in enumerate(
+            zip(layout.names, slow.tolist(), shown.tolist(), strict=True)
         ):
-            name = layout.names[i]
             if is_slow:
                 state = self._state(i, self.sums, self.maxes)
                 part = results({name: state}, kind_of, empty=empty)
@@ -128,11 +125,8 @@ class Reduced:
             values[formulas.rows] = result
             present[formulas.rows] = shown
         for group in layout.vector_groups:
-            kind, rows = group.kind, group.rows
-            count = rows.stop - rows.start
-            sums = self.sums[group.sums].reshape(count, kind.num_sums)
-            maxes = self.maxes[group.maxes].reshape(count, kind.num_maxes)
-            out = kind.results_vector(sums, maxes)
+            rows = group.rows
+            out = group.kind.results_vector(self.sums[group.sums], self.maxes[group.maxes])
             if out is None:
                 if slow is None:
                     slow = np.zeros(size, dtype=bool)
