@@ -154,11 +154,6 @@ class Layout:
         return np.arange(start, self.num_sums, dtype=np.int64).reshape(-1, NUM_FLAGS)
 
     @cached_property
-    def kind_names(self) -> list[str]:
-        """Per slot, the kind's registered name."""
-        return [slot.kind.name for slot in self.slots]
-
-    @cached_property
     def sum_slices(self) -> list[slice]:
         """Per slot, the kind's SUM-buffer slots."""
         return [slice(s.sum_offset, s.sum_offset + s.kind.num_sums) for s in self.slots]
