@@ -15,13 +15,14 @@ a few micro-batches) into every contender, untimed; then, contender by contender
 order that rotates each iteration, all ranks pass a barrier and time the sync alone:
 
 * rlmetrics: ``Tracker.compute()`` of N scalar metrics of mixed kinds;
-* bare: the collectives a steady-state ``compute()`` issues for its SUM and MAX buffers
-  (recorded from one call), with float64 CPU tensors of the sizes rlmetrics packs: one
-  all_gather of both, rows added in rank order and maxed on the host (groups up to
+* bare: the collective a steady-state ``compute()`` issues (recorded from one call),
+  with float64 CPU tensors of the sizes rlmetrics packs: one all_gather of the SUM and
+  MAX parts, rows added in rank order and maxed on the host (groups up to
   ``rlmetrics.distributed.GATHER_LIMIT`` gathered floats, so every size here), plus the
   host read;
-* bare pair: one all_reduce(SUM) and one all_reduce(MAX) of the same two buffers (what
-  rlmetrics issues above the limit, and issued at every size before), plus the host read;
+* bare pair: one all_reduce(SUM) and one all_reduce(MAX) of the buffers rlmetrics packs
+  for them (recorded too; the SUM part carries NaN counts), what rlmetrics issues above
+  the limit, plus the host read;
 * verl-style: ``all_gather_object`` of a ``dict[str, list[float]]``, then a mean per key;
 * torchmetrics: ``MetricCollection`` of N ``MeanMetric``s, ``compute()`` (reset untimed),
   run on every k-th iteration only when N is large.
@@ -456,11 +457,12 @@ def section(results: dict, args: argparse.Namespace, reading: str) -> str:
             f"iteration; {args.warmup} warm-up iterations discarded, {args.iters} measured, "
             "contenders interleaved round-robin per iteration, each after a barrier; "
             "torchmetrics runs on every k-th iteration only at larger N. SUM+MAX floats: "
-            "the sizes of the two buffers rlmetrics packs (the bare contenders' too). bare: "
-            "what rlmetrics issues for them, one all_gather of both and the host reduction "
-            "(marked (pair) where the group is above rlmetrics.distributed.GATHER_LIMIT and "
-            "rlmetrics all_reduces); bare pair: all_reduce(SUM) + all_reduce(MAX) of the "
-            "same buffers, the collectives rlmetrics issued at every size before.",
+            "the sizes of the two parts of the buffer rlmetrics gathers (the bare "
+            "contender's too). bare: what rlmetrics issues, one all_gather of that buffer "
+            "and the host reduction (marked (pair) where the group is above "
+            "rlmetrics.distributed.GATHER_LIMIT and rlmetrics all_reduces); bare pair: "
+            "all_reduce(SUM) + all_reduce(MAX) of the buffers rlmetrics packs for them (the "
+            "SUM part longer by one NaN count per max slot), what it issues above the limit.",
             "",
             "Wall time of the sync (what the targets are about):",
             "",
