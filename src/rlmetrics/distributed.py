@@ -335,7 +335,9 @@ def sync_reduce(
             size = layout.num_maxes
             if sums_list is not None and _plain(plan, sums_list):
                 scalars = (sums_list, maxes_list[:size])
-                return Reduced(layout, sums, maxes[:size], {}, None, False, scalars)
+                return Reduced(
+                    layout, sums, maxes[:size], {}, keep=None, counted=False, scalars=scalars
+                )
             # when this rank logged every name, so did the group
             logged = None if plan.logged_all else maxes[size : size + len(layout.slots)]
             return _finish(accumulators, layout, sums, maxes[:size], logged, pg, sync, wait)
