@@ -168,11 +168,10 @@ class Layout:
         """Where the formula kinds' results are read (None: no such kind here)."""
         one = self.num_sums + self.num_maxes
 
-        def position(slot: Slot, index: int) -> int:
-            kind = slot.kind
-            if index < kind.num_sums:
+        def position(slot: Slot, index: int) -> int:  # in [*sums, *maxes]
+            if index < slot.kind.num_sums:
                 return slot.sum_offset + index
-            return self.num_sums + slot.max_offset + index - kind.num_sums
+            return self.num_sums + slot.max_offset + index - slot.kind.num_sums
 
         rows, value, present, divisor, negate, copy_at, copy = [], [], [], [], [], [], []
         for row, slot in enumerate(self.slots):
@@ -205,31 +204,23 @@ class Layout:
 
     @cached_property
     def scalar_formulas(self) -> list[tuple[str, int, int, int | None, bool, int | None]] | None:
-        """Per metric, when every metric's kind has a formula: (name,
-        value, present, divisor, negate, negated copy), positions in ``[*sums, *maxes]``
-        (None otherwise)."""
-        if self.formulas is None or self.formulas.rows is not None:
+        """``formulas`` per metric as python values, when every metric's kind has a
+        formula (else None): (name, value, present, divisor or None, negate, negated copy
+        or None), positions in ``[*sums, *maxes]``."""
+        f = self.formulas
+        if f is None or f.rows is not None:
             return None
-
-        def position(slot: Slot, index: int | None) -> int | None:
-            if index is None or index < slot.kind.num_sums:
-                return None if index is None else slot.sum_offset + index
-            return self.num_sums + slot.max_offset + index - slot.kind.num_sums
-
-        out = []
-        for slot in self.slots:
-            f = slot.kind.result_formula
-            out.append(
-                (
-                    slot.name,
-                    position(slot, f.value),
-                    position(slot, f.present),
-                    position(slot, f.divisor),
-                    f.negate,
-                    position(slot, f.negated_copy),
-                )
-            )
-        return out
+        one, count = self.num_sums + self.num_maxes, len(self.slots)
+        divisors = [None] * count
+        if f.divisor is not None:
+            divisors = [None if d == one else d for d in f.divisor.tolist()]
+        negates = [False] * count if f.negate is None else f.negate.tolist()
+        copies: list[int | None] = [None] * count
+        if f.copy is not None:
+            for at, position in zip(f.copy_at.tolist(), f.copy.tolist(), strict=True):
+                copies[at] = position
+        values, presents = f.value.tolist(), f.present.tolist()
+        return list(zip(self.names, values, presents, divisors, negates, copies, strict=True))
 
     @cached_property
     def vector_groups(self) -> list[KindGroup]:
