@@ -54,7 +54,7 @@ from rlmetrics.packing import (
     sum_part,
     unpack,
 )
-from rlmetrics.reduced import SCALAR_LIMIT, Reduced
+from rlmetrics.reduced import Reduced, python_results
 
 HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
 
@@ -325,7 +325,7 @@ def sync_reduce(
         layout = sync.layout
         plan = sync.packing_plan(accumulators)
         sums, maxes = _reduce(plan, sync, pg, wait)
-        if len(sums) + len(maxes) <= SCALAR_LIMIT:  # a small step: results in python
+        if python_results(layout):  # read the buffers as lists once, for the results
             sums_list, maxes_list = sums.tolist(), maxes.tolist()
             changed, high, neg_low = maxes_list[-HEADER:]
         else:

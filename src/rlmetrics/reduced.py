@@ -61,12 +61,7 @@ class Reduced:
         non-finite counts to report, go through ``kind.result``.
         """
         layout = self.layout
-        if (
-            self.keep is None
-            and not self.counted
-            and layout.scalar_formulas is not None
-            and len(self.sums) + len(self.maxes) <= SCALAR_LIMIT
-        ):
+        if self.keep is None and not self.counted and python_results(layout):
             sums, maxes = self.scalars or (self.sums.tolist(), self.maxes.tolist())
             out = scalar_results(layout, sums + maxes, empty)
             if out is not None:
@@ -172,6 +167,12 @@ class Reduced:
             self.extras.get(slot.name),
             float(sums[slot.flag_offset]),
         )
+
+
+def python_results(layout: Layout) -> bool:
+    """Whether a step of ``layout`` computes its results in python: every metric's kind
+    has a formula and the reduced buffers hold at most ``SCALAR_LIMIT`` floats."""
+    return layout.scalar_formulas is not None and layout.num_sums + layout.num_maxes <= SCALAR_LIMIT
 
 
 def scalar_results(layout: Layout, state: list[float], empty: str) -> dict[str, float] | None:
