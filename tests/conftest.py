@@ -19,3 +19,23 @@ def log_path(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
     finally:
         Tracker.host_arrays = saved
+
+
+# Modules that spawn processes (gloo ranks, Ray, the trainer): `make test-fast` leaves
+# them out with -m "not slow".
+SLOW_MODULES = {
+    "test_distributed",
+    "test_reliability_faults",
+    "test_reliability_soak",
+    "test_ray",
+    "test_resume",
+    "test_trainer",
+    "test_trainer_ray",
+    "test_audit",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
