@@ -27,7 +27,8 @@ def reference(kind: str, name: str, x: np.ndarray, w: np.ndarray | None) -> dict
     """What ``Tracker.compute()`` must report for ``x`` (weights/mask ``w``), by numpy."""
     x = np.asarray(x, dtype=np.float64)
     wf = np.ones_like(x) if w is None else np.asarray(w, dtype=np.float64)
-    kept = x[wf > 0]
+    x, wf = x[wf > 0], wf[wf > 0]  # weight 0 contributes nothing, NaN and inf included
+    kept = x
     if kind == "mean":
         return {} if wf.sum() == 0 else {name: float(np.sum(wf * x) / np.sum(wf))}
     if kind == "std":
@@ -40,7 +41,7 @@ def reference(kind: str, name: str, x: np.ndarray, w: np.ndarray | None) -> dict
     if kept.size == 0:
         return {}
     if kind == "sum":
-        return {name: float(kept.sum())}
+        return {name: float(np.sum(wf * x))}
     if kind == "max":
         return {name: float(kept.max())}
     if kind == "min":

@@ -28,7 +28,7 @@ from helpers import (
 
 pytestmark = pytest.mark.usefixtures("log_path")  # host and tensor paths
 KINDS = [cls.name for cls in BUILTIN_KINDS]
-WEIGHTED = {"mean", "std"}  # real weights; the other kinds take a mask
+WEIGHTED = {"mean", "std", "sum"}  # real weights; the other kinds select weight > 0
 NAME = "m"
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -52,10 +52,20 @@ def batches(draw: st.DrawFn, kind: str, skip: bool) -> tuple[np.ndarray, np.ndar
     if mode == "none":
         return x, None
     if mode == "mask":
-        bits = draw(st.lists(st.booleans(), min_size=n, max_size=n))
-        return x, np.array(bits, dtype=np.float64)
+        mask = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=np.float64)
+        return poison_masked(draw, x, mask), mask
     weight = st.one_of(st.just(0.0), st.floats(1e-3, 10.0), st.integers(1, 5).map(float))
-    return x, np.array(draw(st.lists(weight, min_size=n, max_size=n)), dtype=np.float64)
+    w = np.array(draw(st.lists(weight, min_size=n, max_size=n)), dtype=np.float64)
+    return poison_masked(draw, x, w), w
+
+
+def poison_masked(draw: st.DrawFn, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x`` with NaN or ±inf at some weight-0 positions (padding often holds them): they
+    must change nothing, under every policy."""
+    bad = draw(st.lists(nonfinite, min_size=x.size, max_size=x.size))
+    chosen = draw(st.lists(st.booleans(), min_size=x.size, max_size=x.size))
+    poison = (w == 0) & np.array(chosen, dtype=bool)
+    return np.where(poison, np.array(bad, dtype=np.float64).reshape(x.shape), x)
 
 
 def log_whole(tracker: Tracker, kind: str, x: np.ndarray, w: np.ndarray | None) -> None:
@@ -75,7 +85,7 @@ def expected_results(kind: str, x: np.ndarray, w: np.ndarray | None, skip: bool)
     """numpy's answer, plus the non-finite count under ``nonfinite="skip"``."""
     if not skip:
         return reference(kind, NAME, x, w)
-    bad = ~np.isfinite(x)
+    bad = ~np.isfinite(x) if w is None else ~np.isfinite(x) & (w > 0)  # weight 0: not counted
     out = reference(kind, NAME, x[~bad], None if w is None else w[~bad])
     if bad.any():
         out[f"{NAME}/nonfinite_count"] = float(bad.sum())
@@ -83,13 +93,14 @@ def expected_results(kind: str, x: np.ndarray, w: np.ndarray | None, skip: bool)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("policy", ["propagate", "skip"])
+@pytest.mark.parametrize("policy", ["propagate", "skip", "error"])
 @PROPERTY
 @given(data=st.data())
 def test_pieces_merged_in_any_order_and_tree_equal_the_whole(
     kind: str, policy: str, data: st.DataObject
 ) -> None:
-    """Random partitions, representations, trackers and merge trees give the whole's value."""
+    """Random partitions, representations, trackers and merge trees give the whole's value
+    (NaN and ±inf at weight-0 positions, under every policy, change nothing)."""
     skip = policy == "skip"
     if kind == "last":
         x, w = _last_batch(data), None

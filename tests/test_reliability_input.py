@@ -207,6 +207,83 @@ def test_negative_tensor_weights_are_rejected_under_every_policy(kind: str, poli
     same(t.compute(), {**expected_good(kind), "bystander": 5.0})
 
 
+@pytest.mark.parametrize("empty", ["omit", "nan"])
+@pytest.mark.parametrize("kind", ["mean", "sum", "max", "min", "std", "dist", "last"])
+def test_a_metric_only_rejected_tensor_calls_created_is_never_reported(
+    kind: str, empty: str
+) -> None:
+    """As a python call that raises creates no metric: after the rejection is reported,
+    the metric is gone (no NaN under empty="nan"), while one that also took a good call
+    (a tensor or a python number) stays with that call's value."""
+    t = Tracker(empty=empty, nonfinite="error")
+    t.sum("bystander", 5.0)
+    for name in ("only_rejected", "then_tensor", "then_python"):
+        t.log(name, torch.tensor([2.0]), torch.tensor([-1.0]), kind=kind)
+        t.log(name, torch.tensor([NAN]), kind=kind)
+    t.log("then_tensor", torch.tensor([3.0]), torch.tensor([1.0]), kind=kind)
+    t.log("then_python", 3.0, kind=kind)
+    with pytest.raises(RejectedInputError, match=rf"'only_rejected' \({kind}\): 2"):
+        t.compute()
+    assert "only_rejected" not in t
+    three = reference(kind, "then_tensor", np.array([3.0]), None)
+    expected = {**three, **reference(kind, "then_python", np.array([3.0]), None)}
+    same(t.compute(), {**expected, "bystander": 5.0})
+
+
+def test_a_rejected_metric_is_dropped_through_state_too() -> None:
+    t = Tracker(empty="nan")
+    t.mean("m", torch.tensor([1.0]), weight=torch.tensor([-1.0]))
+    with pytest.raises(RejectedInputError):
+        t.state()
+    assert len(t) == 0 and t.compute() == {}
+
+
+# -- 0-d arrays and masked arrays ---------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_d_numpy_arrays_are_numbers(kind: str) -> None:
+    t = Tracker()
+    t.log("m", 3.0, np.array(2.0), kind=kind)
+    t.log("m", np.array(5.0), np.array(1), kind=kind)
+    t.log("m", np.array(7, dtype=np.int32), kind=kind)
+    t.log("m", np.float32(9.0), np.array(True), kind=kind)
+    x, w = np.array([3.0, 5.0, 7.0, 9.0]), np.array([2.0, 1.0, 1.0, 1.0])
+    same(
+        t.compute(),
+        reference(kind, "m", x[-1:], None) if kind == "last" else reference(kind, "m", x, w),
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_numpy_masked_arrays_honour_their_mask(kind: str, weighted: bool) -> None:
+    """Masked elements weigh 0 (a mean of [1, masked 100] is 1, not 50.5); a masked
+    weight weighs 0 where it is masked."""
+    data = np.array([1.0, 100.0, 3.0, NAN, 4.0])
+    mask = np.array([False, True, False, True, False])
+    weights = np.array([2.0, 5.0, 1.0, 1.0, 3.0]) if weighted else np.ones(5)
+    t = Tracker(nonfinite="error")
+    if kind == "last":
+        t.last("m", 2.0)
+        t.last("m", np.ma.array([7.0], mask=[True]))
+        same(t.compute(), {"m": 2.0})
+        return
+    weight = weights if weighted else None
+    t.log("m", np.ma.array(data, mask=mask), weight, kind=kind)
+    weight_mask = np.array([False, False, True, False, False])
+    t.log("m", data[[0, 2]], np.ma.array(weights[[0, 2]], mask=weight_mask[[0, 2]]), kind=kind)
+    x = np.concatenate([data[~mask], data[[0]]])
+    w = np.concatenate([weights[~mask], weights[[0]]])
+    same(t.compute(), reference(kind, "m", x, w if weighted else None))
+
+
+def test_a_masked_array_with_a_device_weight_names_the_metric() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a device tensor")
+    t = Tracker()
+    with pytest.raises(TypeError, match="metric 'm': a numpy masked array's weight"):
+        t.mean("m", np.ma.array([1.0], mask=[True]), weight=torch.ones(1, device="cuda"))
+
+
 # -- names ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "error", "message"),

@@ -3,6 +3,7 @@ classic metric bugs, and reports a table of what drifts."""
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 
@@ -124,6 +125,36 @@ def test_report_is_a_table_with_missing_metrics() -> None:
     assert "metric" in report and "worst run" in report and "rel diff" in report
     assert "missing" in report and "epochs=2" in report
     assert "rows " not in report.split("only_whole")[0].splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("whole", "split", "drifts"),
+    [
+        (math.inf, -math.inf, True),
+        (math.inf, 1e308, True),
+        (-math.inf, -1e308, True),
+        (1e308, math.inf, True),
+        (math.nan, math.inf, True),
+        (math.inf, math.nan, True),
+        (1.0, math.nan, True),
+        (math.inf, math.inf, False),
+        (-math.inf, -math.inf, False),
+        (math.nan, math.nan, False),
+    ],
+)
+def test_non_finite_values_compare_by_identity(whole: float, split: float, drifts: bool) -> None:
+    """inf matches only inf, -inf only -inf, NaN only NaN: a tolerance scaled by an
+    infinite expected value (inf <= rtol * inf) must not hide a drift."""
+    rows = len(make_batch()["logp"])
+
+    def fn(piece, tracker):
+        tracker.max("x", whole if len(piece["logp"]) == rows else split)
+
+    if not drifts:
+        assert_partition_invariant(fn, make_batch(), ranks=(2,))
+        return
+    with pytest.raises(AssertionError, match=r"1 metric\(s\) depend on the partition:\n"):
+        assert_partition_invariant(fn, make_batch(), ranks=(2,))
 
 
 def test_options_are_checked() -> None:

@@ -92,6 +92,79 @@ def test_merge_rejects_other_types() -> None:
         Tracker().merge({})
 
 
+def _histogram(edges: list[float]) -> Kind:
+    from rlmetrics.kinds.histogram import Histogram
+
+    unregister_kind("test_merge_hist")
+    return register_kind(Histogram(name="test_merge_hist", edges=edges))
+
+
+BAD_STATES = {  # made when a test runs
+    "fewer slots": lambda: MetricState("mean", (1.0,)),
+    "more sum slots": lambda: MetricState("mean", (1.0, 2.0, 3.0)),
+    "more max slots": lambda: MetricState("max", (1.0,), (2.0, 3.0)),
+    "std extra of another length": lambda: MetricState("std", (), (), (1.0, 2.0)),
+    "std extra missing": lambda: MetricState("std", (), (), None),
+    "unknown kind": lambda: MetricState("no_such_kind", (1.0,)),
+    "another configuration": lambda: MetricState(
+        "mean", (1.0, 1.0), fingerprint="mean:2:0:0:other"
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_STATES))
+@pytest.mark.parametrize("route", ["merge", "load_state_dict", "TrackerState.merge"])
+def test_a_merge_that_fails_changes_nothing(bad: str, route: str) -> None:
+    """Every incoming metric is checked (slot counts, extra, kind, configuration) before
+    any is merged: the good metrics next to a bad one are not applied either."""
+    t = filled()
+    before = t.state_dict()
+    good = {"mean": MetricState("mean", (100.0, 1.0)), "fresh": MetricState("sum", (1.0, 1.0))}
+    state = TrackerState({**good, "zz_bad": BAD_STATES[bad]()})
+    with pytest.raises(ValueError, match=r"'zz_bad'|no_such_kind"):
+        if route == "merge":
+            t.merge(state)
+        elif route == "load_state_dict":
+            t.load_state_dict(state.to_dict())
+        else:
+            t.merge(t.state().merge(state))
+    assert t.state_dict() == before
+    assert t.compute() == FILLED
+
+
+def test_histogram_states_with_other_edges_do_not_merge() -> None:
+    """Same slot count, other edges: the counts would land in the wrong bins."""
+    _histogram([0.0, 1.0, 2.0])
+    try:
+        made = Tracker()
+        made.log("h", [0.5, 1.5, 1.5], kind="test_merge_hist")
+        state = made.state()
+        saved = made.state_dict()
+        _histogram([0.0, 10.0, 20.0])
+        t = Tracker()
+        t.log("h", [5.0], kind="test_merge_hist")
+        before = t.state_dict()
+        for attempt in (lambda: t.merge(state), lambda: t.load_state_dict(saved)):
+            with pytest.raises(ValueError, match=r"metric 'h': kind 'test_merge_hist' is "):
+                attempt()
+            assert t.state_dict() == before
+        with pytest.raises(ValueError, match="different configurations"):
+            t.state().merge(state)
+        _histogram([0.0, 1.0, 2.0])
+        assert Tracker().merge(state).compute()["h/bin_1"] == pytest.approx(2 / 3)
+    finally:
+        unregister_kind("test_merge_hist")
+
+
+def test_states_saved_without_a_fingerprint_still_load() -> None:
+    saved = filled().state_dict()
+    for metric in saved["metrics"].values():
+        del metric["fingerprint"]
+    t = Tracker()
+    t.load_state_dict(saved)
+    assert t.compute() == FILLED
+
+
 @pytest.mark.parametrize(
     "value",
     ["1.0", None, object(), {"a": 1}, 1 + 2j, np.array(["a"]), torch.tensor([1j])],
@@ -194,7 +267,7 @@ def test_propagate_gives_what_the_arithmetic_gives() -> None:
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_skip_drops_nonfinite_elements_and_counts_them(as_tensor: bool) -> None:
     values = [1.0, NAN, 3.0, INF, -INF, 5.0]
-    mask = [True, True, True, False, True, False]  # masked-out non-finite values count too
+    mask = [True, True, True, False, True, False]  # a masked-out inf neither counts nor adds
     t = Tracker(nonfinite="skip")
     for kind in ("mean", "sum", "max", "min", "std", "dist"):
         if as_tensor:
@@ -209,7 +282,7 @@ def test_skip_drops_nonfinite_elements_and_counts_them(as_tensor: bool) -> None:
     for kind in ("mean", "sum", "max", "min", "std", "dist"):
         for key, value in reference(kind, kind, np.array(finite), None).items():
             assert out.pop(key) == pytest.approx(value, rel=1e-15), key
-        assert out.pop(f"{kind}/nonfinite_count") == 3.0
+        assert out.pop(f"{kind}/nonfinite_count") == 2.0
     assert out == {"last": 2.0, "last/nonfinite_count": 1.0}
 
 
@@ -224,7 +297,8 @@ def test_error_policy_python_raises_at_once_naming_the_metric() -> None:
     with pytest.raises(ValueError, match=r"metric 'mean': non-finite value nan"):
         t.mean("mean", NAN)
     with pytest.raises(ValueError, match=r"metric 'max': non-finite value -inf"):
-        t.max("max", -INF, mask=False)
+        t.max("max", -INF, mask=True)
+    t.max("max", -INF, mask=False)  # masked out: contributes nothing, raises nothing
     assert t.compute() == FILLED
 
 
@@ -325,6 +399,30 @@ def test_dist_quantiles_are_configurable() -> None:
     assert out["x/p99.9"] == np.quantile(x, 0.999)
     with pytest.raises(ValueError, match="dist quantiles must lie in"):
         Tracker(quantiles=(1.5,))
+
+
+def test_dist_quantile_labels_are_exact_and_unique() -> None:
+    """Close quantiles get their own exact labels (6 significant digits made 0.9999999
+    'p100' and let neighbours overwrite each other); a repeated quantile is rejected."""
+    quantiles = (0.9999999, 0.99999999, 0.999999, 1.0, 0.07, 1 / 3, 0.0, 1e-10)
+    labels = ["p99.99999", "p99.999999", "p99.9999", "p100", "p7", "p33.33333333333333", "p0",
+              "p0.00000001"]  # fmt: skip
+    x = np.arange(1000.0) ** 1.5
+    t = Tracker(quantiles=quantiles)
+    t.dist("x", x)
+    out = t.compute()
+    assert len(out) == 4 + len(quantiles)
+    for q, label in zip(quantiles, labels, strict=True):
+        assert out[f"x/{label}"] == np.quantile(x, q), label
+    for bad in ((0.5, 0.9, 0.5), (0.25, 0.25)):
+        with pytest.raises(
+            ValueError, match=r"dist quantiles must be distinct, got 0\.\d+ repeated"
+        ):
+            Tracker(quantiles=bad)
+    from rlmetrics.kinds.histogram import Histogram
+
+    with pytest.raises(ValueError, match=r"Histogram 'h': quantiles must be distinct"):
+        Histogram(name="h", edges=[0.0, 1.0], quantiles=(0.5, 0.5))
 
 
 def test_dist_copies_what_it_keeps() -> None:
@@ -495,6 +593,8 @@ def test_log_calls_never_sync(armed: None, policy: str) -> None:
     t.dist("dist", trap(x), mask=trap(m, torch.bool))
     t.dist("dist", 16.0)
     t.log("log", trap(x), trap(m, torch.bool), kind="sum")
+    t.mean("masked_nan", trap([1.0, NAN, -INF]), weight=trap([2.0, 0.0, 0.0]))
+    t.last("last_masked", trap([NAN]), weight=trap([False], torch.bool))
     SyncTrap.armed = False  # compute() is where the host may wait
     out = t.compute()
     xs = np.array(x)
@@ -506,6 +606,66 @@ def test_log_calls_never_sync(armed: None, policy: str) -> None:
         reference("std", "s", np.append(xs, 16.0), np.append(w, 1.0))["s"], rel=1e-15
     )
     assert out["dist/p50"] == 6.0
+    assert out["masked_nan"] == 1.0 and "last_masked" not in out
+
+
+# -- one way to pass a weight ---------------------------------------------------------------------
+METHODS = ("mean", "sum", "max", "min", "std", "dist", "last")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_log_call_takes_weight_and_mask_alike(method: str) -> None:
+    """``weight=`` everywhere, ``mask=`` as its alias; a bool mask means the same for
+    every kind (and the same as a 0/1 weight)."""
+    x = [1.0, 4.0, -2.0, 8.0] if method != "last" else [3.0]
+    m = [True, False, True, True] if method != "last" else [True]
+    runs = []
+    for how in ("weight=", "mask=", "log weight=", "log mask=", "log_shared", "0/1 weight"):
+        t = Tracker()
+        view = t.prefixed("p/")
+        if how == "weight=":
+            getattr(view, method)("x", torch.tensor(x), weight=torch.tensor(m))
+        elif how == "mask=":
+            getattr(view, method)("x", torch.tensor(x), mask=torch.tensor(m))
+        elif how == "log weight=":
+            view.log("x", torch.tensor(x), weight=torch.tensor(m), kind=method)
+        elif how == "log mask=":
+            view.log("x", torch.tensor(x), kind=method, mask=torch.tensor(m))
+        elif how == "log_shared":
+            view.log_shared([("x", method)], torch.tensor(x), mask=torch.tensor(m))
+        else:
+            getattr(view, method)("x", x, weight=[float(b) for b in m])
+        runs.append(t.compute())
+    kept = np.array(x)[np.array(m)]
+    expected = reference(method, "p/x", kept[-1:] if method == "last" else kept, None)
+    for out in runs:
+        assert out == pytest.approx(expected, rel=1e-15)
+    with pytest.raises(TypeError, match=r"metric 'x': pass weight= or mask= .*not both"):
+        getattr(Tracker(), method)("x", 1.0, weight=1.0, mask=True)
+
+
+def test_weight_multiplies_for_mean_std_sum_and_selects_for_the_others() -> None:
+    x, w = np.array([1.0, 4.0, -2.0, 8.0]), np.array([2.0, 0.0, 0.5, 1.0])
+    t = Tracker()
+    for method in ("mean", "sum", "std", "max", "min", "dist"):
+        getattr(t, method)(method, torch.tensor(x), weight=torch.tensor(w))
+    t.sum("sum_py", 3.0, weight=2.0)
+    t.sum("sum_py", 5, weight=0)
+    t.max("max_py", 3.0, weight=0.25)
+    t.max("max_py", 9.0, weight=0)
+    t.last("last", 1.0, weight=2.0)
+    t.last("last", 2.0, weight=0.0)
+    out = t.compute()
+    assert out.pop("sum") == float(np.sum(w * x)) == 9.0
+    assert out.pop("sum_py") == 6.0 and out.pop("max_py") == 3.0 and out.pop("last") == 1.0
+    for method in ("mean", "std"):
+        assert out.pop(method) == pytest.approx(reference(method, "m", x, w)["m"], rel=1e-15)
+    kept = x[w > 0]
+    assert out == pytest.approx(
+        {**reference("max", "max", kept, None), **reference("min", "min", kept, None),
+         **reference("dist", "dist", kept, None)},
+        rel=1e-15,
+    )  # fmt: skip
 
 
 # -- custom kinds ----------------------------------------------------------------------------
@@ -652,23 +812,25 @@ def test_formula_results_equal_each_kinds_result() -> None:
                 assert value == expected[key] or (math.isnan(value) and math.isnan(expected[key]))
 
 
-class ValuePerWeight(Kind):
-    """Σ values / Σ weights (a test kind whose formula can divide by zero)."""
+class ValuePerExcess(Kind):
+    """Σ w·x / Σ (w - 1): a test kind whose formula divides by zero at weight 1 (a weight
+    of 0 contributes nothing, so it cannot make the zero divisor)."""
 
-    name = "test_value_per_weight"
-    num_sums = 3  # Σ values, Σ weights, count
+    name = "test_value_per_excess"
+    num_sums = 3  # Σ w·x, Σ (w - 1), count
     result_formula = ResultFormula(value=0, divisor=1, present=2)
 
     def update(self, values: torch.Tensor, weights: torch.Tensor | None) -> tuple:
-        weight = values.new_full((), float(len(values))) if weights is None else weights.sum()
+        weights = torch.ones_like(values) if weights is None else weights
         count = values.new_full((), float(len(values)))
-        return torch.stack((values.sum(), weight, count)), values.new_empty(0)
+        excess = (weights - 1).sum()
+        return torch.stack(((values * weights).sum(), excess, count)), values.new_empty(0)
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
-        total, weight, count = state.sums
+        total, excess, count = state.sums
         if count == 0:
             return None
-        return {"": float(np.float64(total) / np.float64(weight))}
+        return {"": float(np.float64(total) / np.float64(excess))}
 
 
 @pytest.mark.parametrize("many", [0, 100])
@@ -677,7 +839,7 @@ def test_python_and_array_formula_results_agree(many: int) -> None:
     bits (NaN, ±inf, division by zero, empty metrics, both empty policies)."""
     from rlmetrics import reduced
 
-    register_kind(ValuePerWeight(), exist_ok=True)
+    register_kind(ValuePerExcess(), exist_ok=True)
     try:
         for empty in ("omit", "nan"):
             runs = []
@@ -695,11 +857,11 @@ def test_python_and_array_formula_results_agree(many: int) -> None:
                     t.min("min/-inf", [-math.inf, 3.0])
                     t.last("last", 0.1)
                     for key, value, weight in (
-                        ("pos", 1.0, 0.0),
-                        ("neg", -1.0, 0.0),
-                        ("nan", 0.0, 0.0),
+                        ("pos", 1.0, 1.0),
+                        ("neg", -1.0, 1.0),
+                        ("nan", 0.0, 1.0),
                     ):
-                        t.log(f"ratio/{key}", value, weight, kind=ValuePerWeight.name)
+                        t.log(f"ratio/{key}", value, weight, kind=ValuePerExcess.name)
                     for i in range(many):
                         t.log(
                             f"many/{i}",
@@ -719,7 +881,7 @@ def test_python_and_array_formula_results_agree(many: int) -> None:
             assert python["ratio/pos"] == math.inf and python["ratio/neg"] == -math.inf
             assert math.isnan(python["ratio/nan"]) and math.copysign(1, python["max/-0"]) == -1
     finally:
-        unregister_kind(ValuePerWeight.name)
+        unregister_kind(ValuePerExcess.name)
 
 
 def test_python_division_is_ieee_division() -> None:

@@ -8,6 +8,10 @@ Data checks (negative or non-finite weights, non-finite values under
 and ``compute()`` reports it. On the device that count is a flag computed there, so
 the host never waits; the host path keeps the same rule so that a CPU test behaves as
 the GPU run.
+
+An element with weight 0 contributes nothing, whatever its value and under every
+``nonfinite`` policy: a NaN or inf there is neither counted nor rejected, and never
+reaches the arithmetic (``NaN * 0`` is NaN), because its value is replaced by 0 first.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from rlmetrics.inputs import (
     host_array,
     host_weights,
     in_host_memory,
+    unmask,
 )
 from rlmetrics.kinds import Accumulator
 from rlmetrics.kinds.base import NONFINITE_SLOT, REJECTED_SLOT
@@ -37,15 +42,15 @@ BOOL_DTYPES = (torch.bool, np.dtype(bool))
 
 def add_number(acc: Accumulator, name: str, value: float, weight: float, nonfinite: str) -> None:
     """One python number (checked here and now: it is on the host)."""
+    acc.kept_call = True  # checked now: it is never rejected later
     if weight != 1.0:
         check_weight_number(name, weight)
-    # non-finite elements count whether masked out or not, as in the tensor path
+        if weight == 0.0:  # contributes nothing, NaN or not, under every policy
+            return
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
         acc.count(NONFINITE_SLOT)
-        return
-    if weight == 0.0 and not acc.kind.takes_weight:
         return
     acc.kind.add_float(acc, value, weight)
 
@@ -66,6 +71,8 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepare
     """Convert any value (number, array, tensor) and weight: python numbers stay numbers,
     host data becomes numpy arrays (unless ``host_arrays`` is False), device tensors stay
     on their device. Checks that need no data raise here, naming ``name``."""
+    if isinstance(value, np.ma.MaskedArray) or isinstance(weight, np.ma.MaskedArray):
+        value, weight = unmask(name, value, weight)
     # a tensor is never a number (0-d ones included: reading one would sync)
     number = None if isinstance(value, Tensor) else as_number(name, value)
     weight_number = None
@@ -105,6 +112,10 @@ def add_prepared(acc: Accumulator, name: str, prepared: Prepared, nonfinite: str
         raise ValueError(
             f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {prepared.shape}"
         )
+    if prepared.check_weights or nonfinite == "error":
+        acc.num_checked += 1  # may be rejected: compute() tells
+    else:
+        acc.kept_call = True
     add = add_array if isinstance(values, np.ndarray) else add_tensor
     add(acc, values, prepared.weights, nonfinite, check_weights=prepared.check_weights)
 
@@ -125,6 +136,9 @@ def add_array(
         if not (low >= 0 and high < math.inf):  # NaN fails both
             acc.count(REJECTED_SLOT)
             return
+        # x·x has no cancellation: it is finite only when every x is (or on overflow)
+        if not math.isfinite(np.dot(values, values)):
+            values = np.where(weights > 0, values, 0.0)  # weight 0: nothing, NaN included
     if nonfinite != "propagate":
         finite = np.isfinite(values)
         if not finite.all():
@@ -156,16 +170,24 @@ def add_tensor(
     """
     kind = acc.kind
     rejected = None
-    if weights is not None and check_weights:
-        rejected = ~((weights >= 0) & (weights < math.inf)).all()  # NaN fails both
-    num_nonfinite = None
     keep_old = None
+    if weights is not None:
+        if check_weights:
+            rejected = ~((weights >= 0) & (weights < math.inf)).all()  # NaN fails both
+        if kind.takes_weight or nonfinite != "propagate":
+            # weight 0 contributes nothing, NaN included (``NaN * 0`` is NaN); selecting
+            # kinds (takes_weight False) select weight > 0 themselves
+            values = torch.where(weights > 0, values, 0.0)
+        if kind.replaces:  # a replacing kind's one value, deselected: the old one stays
+            keep_old = ~(weights[-1] > 0)
+    num_nonfinite = None
     if nonfinite == "skip":
         finite = torch.isfinite(values)
         num_nonfinite = (~finite).sum().double()
         values = torch.where(finite, values, 0.0)
         weights = finite.double() if weights is None else torch.where(finite, weights, 0.0)
-        keep_old = ~finite.all() if kind.replaces else None
+        if kind.replaces:
+            keep_old = ~finite.all() if keep_old is None else keep_old | ~finite.all()
     elif nonfinite == "error":
         bad = ~torch.isfinite(values).all()
         rejected = bad if rejected is None else rejected | bad

@@ -32,7 +32,10 @@ def check_name(name: object) -> str:
 
 
 def as_number(name: str, value: object, what: str = "value") -> float | None:
-    """``value`` as a python float when it is a real number, else None."""
+    """``value`` as a python float when it is a real number (a 0-d numpy array of one
+    included), else None."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+        return float(value)
     if isinstance(value, (*NUMBER_TYPES, numbers.Real)):
         try:
             return float(value)
@@ -70,6 +73,34 @@ def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
         )
     array = np.ascontiguousarray(array, dtype=np.float64)
     return array if array.flags.writeable else array.copy()
+
+
+def unmask(name: str, value: object, weight: object) -> tuple[object, object]:
+    """A numpy masked array's data, and a weight that is 0 where it is masked (masked
+    elements contribute nothing); a masked weight is 0 where masked. Other inputs pass
+    through unchanged."""
+    if isinstance(weight, np.ma.MaskedArray):
+        weight = np.ma.filled(weight, 0)
+    if not isinstance(value, np.ma.MaskedArray):
+        return value, weight
+    masked = np.ma.getmaskarray(value)
+    data = np.ma.getdata(value)
+    if not masked.any():
+        return data, weight
+    if weight is None:
+        return data, ~masked
+    if not in_host_memory(weight):
+        raise TypeError(
+            f"metric {name!r}: a numpy masked array's weight must be in host memory, got a "
+            f"tensor on {weight.device}"  # type: ignore[union-attr]
+        )
+    number = None if isinstance(weight, Tensor) else as_number(name, weight, "weight")
+    if number is not None:
+        check_weight_number(name, number)
+        return data, np.where(masked, 0.0, number)
+    weights = host_array(name, weight, "weight")
+    _check_shapes(name, weights.shape, data.shape)
+    return data, np.where(masked, 0.0, weights)
 
 
 def in_host_memory(value: object) -> bool:

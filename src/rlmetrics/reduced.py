@@ -166,6 +166,7 @@ class Reduced:
             tuple(map(float, maxes[layout.max_slices[i]])),
             self.extras.get(slot.name),
             float(sums[slot.flag_offset]),
+            slot.kind.fingerprint(),
         )
 
 

@@ -96,6 +96,7 @@ class TrackerState:
                     "maxes": list(m.maxes),
                     "extra": _extra_to_plain(m.extra),
                     "num_nonfinite": m.num_nonfinite,
+                    "fingerprint": m.fingerprint,
                 }
                 for name, m in self.metrics.items()
             },
@@ -120,8 +121,41 @@ class TrackerState:
                 tuple(float(x) for x in m["maxes"]),
                 extra,
                 float(m.get("num_nonfinite", 0.0)),
+                str(m.get("fingerprint", "")),
             )
         return cls(metrics)
+
+
+def check_metric(name: str, metric: object, kind: Kind) -> None:
+    """Check that ``metric`` can merge into a metric called ``name`` of ``kind``: its
+    slot counts, the configuration it was made with and the shape of its extra, so that
+    a merge either applies whole or changes nothing.
+
+    Raises:
+        TypeError: ``metric`` is not a ``MetricState``.
+        ValueError: naming the metric and what differs.
+    """
+    if not isinstance(metric, MetricState):
+        raise TypeError(f"metric {name!r}: expected a MetricState, got {type(metric).__name__}")
+    if len(metric.sums) != kind.num_sums or len(metric.maxes) != kind.num_maxes:
+        raise ValueError(
+            f"metric {name!r}: a {kind.name!r} state has {kind.num_sums} sum and "
+            f"{kind.num_maxes} max slots here, but the merged state has {len(metric.sums)} "
+            f"and {len(metric.maxes)}: the kind is configured differently where it was made"
+        )
+    if metric.fingerprint and metric.fingerprint != kind.fingerprint():
+        raise ValueError(
+            f"metric {name!r}: kind {kind.name!r} is configured as {kind.fingerprint()!r} "
+            f"here but as {metric.fingerprint!r} where the merged state was made"
+        )
+    empty = kind.empty_extra() if kind.has_extra else None
+    if isinstance(empty, tuple) and not (
+        isinstance(metric.extra, tuple | list) and len(metric.extra) == len(empty)
+    ):
+        raise ValueError(
+            f"metric {name!r}: a {kind.name!r} state's extra holds {len(empty)} numbers, "
+            f"got {metric.extra!r}"
+        )
 
 
 def _extra_to_plain(extra: Any) -> Any:

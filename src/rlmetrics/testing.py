@@ -450,7 +450,8 @@ def _compare(
         if (math.isnan(want) and math.isnan(have)) or want == have:
             continue
         diff = abs(have - want)
-        if not diff <= atol + rtol * abs(want):
+        # a non-finite value matches only itself (inf <= atol + rtol * inf would pass)
+        if not (math.isfinite(want) and math.isfinite(have) and diff <= atol + rtol * abs(want)):
             rel = diff / abs(want) if want else math.inf
             yield name, (want, have, diff, rel)
 

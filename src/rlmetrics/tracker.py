@@ -17,59 +17,73 @@ from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
 from rlmetrics.packing import RejectedInputError, local_reduce
 from rlmetrics.reduced import Reduced
-from rlmetrics.state import TrackerState
+from rlmetrics.state import TrackerState, check_metric
 
 EMPTY_POLICIES = ("omit", "nan")
 NONFINITE_POLICIES = ("propagate", "skip", "error")
 
 
 class LogMethods:
-    """The logging calls shared by ``Tracker`` and its prefixed views."""
+    """The logging calls shared by ``Tracker`` and its prefixed views.
+
+    Every call takes ``weight=``: None (1 per element), a python number, or an array or
+    tensor of the value's shape (a bool mask counts as 0/1). Its meaning is the kind's:
+    a multiplier for ``mean``, ``std`` and ``sum``, a selector (weight > 0) for ``max``,
+    ``min``, ``dist`` and ``last``; a bool mask means the same everywhere. An element
+    with weight 0 contributes nothing, whatever its value. ``mask=`` is an alias of
+    ``weight=``, kept for code written when ``sum``, ``max``, ``min`` and ``dist`` took
+    a mask only.
+    """
 
     def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
         raise NotImplementedError
 
-    def mean(self, name: str, value: Any, weight: Any = None) -> None:
-        """Weighted mean: adds (Σ value·weight, Σ weight); weight None means 1 per element.
+    def mean(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+        """Weighted mean: adds (Σ value·weight, Σ weight)."""
+        self._log(name, "mean", value, weight if mask is None else _alias(name, weight, mask))
 
-        ``weight`` has the value's shape (a bool mask works) or is a python number.
-        """
-        self._log(name, "mean", value, weight)
+    def sum(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+        """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements)."""
+        self._log(name, "sum", value, weight if mask is None else _alias(name, weight, mask))
 
-    def sum(self, name: str, value: Any, mask: Any = None) -> None:
-        """Sum of all elements (where ``mask`` is true, when given)."""
-        self._log(name, "sum", value, mask)
+    def max(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+        """Largest element (of those with weight > 0)."""
+        self._log(name, "max", value, weight if mask is None else _alias(name, weight, mask))
 
-    def max(self, name: str, value: Any, mask: Any = None) -> None:
-        """Largest element (where ``mask`` is true, when given)."""
-        self._log(name, "max", value, mask)
+    def min(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+        """Smallest element (of those with weight > 0)."""
+        self._log(name, "min", value, weight if mask is None else _alias(name, weight, mask))
 
-    def min(self, name: str, value: Any, mask: Any = None) -> None:
-        """Smallest element (where ``mask`` is true, when given)."""
-        self._log(name, "min", value, mask)
-
-    def std(self, name: str, value: Any, weight: Any = None) -> None:
+    def std(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
         """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
-        self._log(name, "std", value, weight)
+        self._log(name, "std", value, weight if mask is None else _alias(name, weight, mask))
 
-    def last(self, name: str, value: Any) -> None:
-        """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree."""
-        self._log(name, "last", value, None)
+    def last(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+        """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
+        A weight of 0 (or False) leaves the previous value in place."""
+        self._log(name, "last", value, weight if mask is None else _alias(name, weight, mask))
 
-    def dist(self, name: str, value: Any, mask: Any = None) -> None:
-        """Every element (where ``mask`` is true): name/mean, /std, /min, /max, /pXX."""
-        self._log(name, "dist", value, mask)
+    def dist(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+        """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
+        self._log(name, "dist", value, weight if mask is None else _alias(name, weight, mask))
 
-    def log(self, name: str, value: Any, weight: Any = None, *, kind: str) -> None:
+    def log(
+        self, name: str, value: Any, weight: Any = None, *, kind: str, mask: Any = None
+    ) -> None:
         """Log into any registered kind (built-in or user-defined) by its name."""
-        self._log(name, kind, value, weight)
+        self._log(name, kind, value, weight if mask is None else _alias(name, weight, mask))
 
     def log_shared(
-        self, metrics: Sequence[tuple[str, str]], value: Any, weight: Any = None
+        self,
+        metrics: Sequence[tuple[str, str]],
+        value: Any,
+        weight: Any = None,
+        *,
+        mask: Any = None,
     ) -> None:
-        """Log one value (and weight or mask) into several metrics, given as (name, kind)
-        pairs, converting and checking the input once: the same as one ``log`` call per
-        metric, in order, for less.
+        """Log one value (and weight) into several metrics, given as (name, kind) pairs,
+        converting and checking the input once: the same as one ``log`` call per metric,
+        in order, for less.
 
         Example:
             >>> t = Tracker()
@@ -77,7 +91,10 @@ class LogMethods:
             >>> t.compute()
             {'len/max': 5.0, 'len/mean': 4.0}
         """
-        self._log_shared(list(metrics), value, weight)
+        metrics = list(metrics)
+        if mask is not None:
+            weight = _alias(metrics[0][0] if metrics else "", weight, mask)
+        self._log_shared(metrics, value, weight)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         raise NotImplementedError
@@ -85,6 +102,13 @@ class LogMethods:
     def prefixed(self, prefix: str) -> PrefixedTracker:
         """A view that logs every name as ``prefix + name`` into the same tracker."""
         raise NotImplementedError
+
+
+def _alias(name: str, weight: Any, mask: Any) -> Any:
+    """``mask=`` is ``weight=`` by its older name; both at once is an error."""
+    if weight is not None:
+        raise TypeError(f"metric {name!r}: pass weight= or mask= (an alias), not both")
+    return mask
 
 
 class Tracker(LogMethods):
@@ -269,8 +293,15 @@ class Tracker(LogMethods):
             raise
 
     def _forget_rejected(self) -> None:
-        """Zero every rejected-call count once reported (device ops only, no sync)."""
-        for acc in self._accumulators.values():
+        """Zero every rejected-call count once reported, and drop the metrics that only
+        rejected calls created (as a python call that raises creates none). Reads the
+        counts of those candidates only, on this error path."""
+        for name, acc in list(self._accumulators.items()):
+            if acc.num_checked and not acc.kept_call:
+                if _num_rejected(acc) >= acc.num_checked:
+                    del self._accumulators[name]
+                    continue
+                acc.kept_call = True  # a checked call was taken
             if acc.flags is not None:
                 acc.flags[REJECTED_SLOT] = 0.0
             if acc.dev_sums is not None:
@@ -280,23 +311,39 @@ class Tracker(LogMethods):
         """Merge another tracker's metrics (or a state) into this one; returns self.
 
         The merge is the same associative, commutative one used between micro-batches,
-        ranks and workers. All kinds are checked before anything changes.
+        ranks and workers. Every metric is checked first (names, kinds, slot counts,
+        kind configuration): a merge that fails leaves this tracker as it was.
         """
         state = other.state() if isinstance(other, Tracker) else other
         if not isinstance(state, TrackerState):
             raise TypeError(f"merge expects a Tracker or TrackerState, got {type(other).__name__}")
-        kinds = {name: self.kind(metric.kind) for name, metric in state.metrics.items()}
-        for name, kind in kinds.items():
-            acc = self._accumulators.get(name)
-            if acc is not None and acc.kind.name != kind.name:
+        self._merge_checked(state, self._checked_kinds(state, self._accumulators))
+        return self
+
+    def _checked_kinds(
+        self, state: TrackerState, current: Mapping[str, Accumulator]
+    ) -> dict[str, Kind]:
+        """The kind each of ``state``'s metrics merges into, all checked against the
+        ``current`` accumulators before anything changes."""
+        kinds = {}
+        for name, metric in state.metrics.items():
+            check_name(name)
+            acc = current.get(name)
+            kind_name = getattr(metric, "kind", None)
+            if acc is not None and acc.kind.name != kind_name:
                 raise ValueError(
-                    f"metric {name!r} is kind {acc.kind.name!r} here but {kind.name!r} in the "
+                    f"metric {name!r} is kind {acc.kind.name!r} here but {kind_name!r} in the "
                     "merged state"
                 )
+            kind = acc.kind if acc is not None else self.kind(kind_name)
+            check_metric(name, metric, kind)
+            kinds[name] = kind
+        return kinds
+
+    def _merge_checked(self, state: TrackerState, kinds: Mapping[str, Kind]) -> None:
         for name, metric in state.metrics.items():
             acc = self._accumulators.get(name) or self._accumulator(name, kinds[name])
             acc.load(metric)
-        return self
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the caches: the sync cache holds this process's groups (weakly)."""
@@ -355,8 +402,17 @@ class Tracker(LogMethods):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Replace this tracker's metrics with a ``state_dict()``'s."""
         state = TrackerState.from_dict(state_dict)
+        kinds = self._checked_kinds(state, {})  # a state that fails changes nothing
         self.reset()
-        self.merge(state)
+        self._merge_checked(state, kinds)
+
+
+def _num_rejected(acc: Accumulator) -> float:
+    """An accumulator's rejected-call count (a host read of its device part)."""
+    count = 0.0 if acc.flags is None else acc.flags[REJECTED_SLOT]
+    if acc.dev_sums is not None:
+        count += float(acc.dev_sums[REJECTED_SLOT])
+    return count
 
 
 class PrefixedTracker(LogMethods):

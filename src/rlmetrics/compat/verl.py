@@ -200,6 +200,8 @@ class Metric:
         tracker = Tracker()
         kind = get_kind(self.aggregation.value)
         for value, weight in zip(self.values, self.weights, strict=True):
+            if kind.name != "mean":  # SUM, MIN and MAX: a weight only selects (> 0)
+                weight = float(weight > 0)
             tracker.log("m", float(value), weight, kind=kind.name)
         state = tracker.state().metrics.get("m")
         if state is None:  # nothing logged: the kind's empty state

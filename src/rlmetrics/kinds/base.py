@@ -40,6 +40,9 @@ class MetricState:
         maxes: max-merged slots.
         extra: the kind's extra payload (host objects), or None.
         num_nonfinite: non-finite elements dropped under ``nonfinite="skip"``.
+        fingerprint: the kind's ``fingerprint()`` where the state was made (its slot
+            layout and configuration, e.g. a histogram's edges); "" when unknown (states
+            saved before it was recorded), which skips the check.
     """
 
     kind: str
@@ -47,6 +50,7 @@ class MetricState:
     maxes: tuple[float, ...] = ()
     extra: Any = None
     num_nonfinite: float = 0.0
+    fingerprint: str = ""
 
     def merge(self, other: MetricState, kind: Kind) -> MetricState:
         """Merge two states of the same kind; neither input changes."""
@@ -56,12 +60,18 @@ class MetricState:
                 f"({len(self.sums)}+{len(self.maxes)} vs {len(other.sums)}+{len(other.maxes)}): "
                 "the kind is configured differently where they were made"
             )
+        if self.fingerprint and other.fingerprint and self.fingerprint != other.fingerprint:
+            raise ValueError(
+                f"cannot merge two {self.kind!r} states of different configurations "
+                f"({self.fingerprint!r} vs {other.fingerprint!r})"
+            )
         return MetricState(
             self.kind,
             tuple(a + b for a, b in zip(self.sums, other.sums, strict=True)),
             tuple(nan_max(a, b) for a, b in zip(self.maxes, other.maxes, strict=True)),
             kind.merge_extra(self.extra, other.extra),
             self.num_nonfinite + other.num_nonfinite,
+            self.fingerprint or other.fingerprint,
         )
 
 
@@ -241,6 +251,11 @@ class Accumulator:
     extra: Any = None
     dev_extra: Any = None
     flags: list[float] | None = None  # [num_nonfinite, num_rejected] on the host
+    # calls whose data checks run at step end (they may turn out rejected), and whether
+    # any other call (or merge) was taken: a metric all of whose calls were rejected is
+    # dropped when they are reported, as a python call that raises creates no metric
+    num_checked: int = 0
+    kept_call: bool = False
 
     @classmethod
     def empty(cls, kind: Kind) -> Accumulator:
@@ -256,6 +271,8 @@ class Accumulator:
         self.maxes[:] = [-math.inf] * kind.num_maxes
         self.dev_sums = self.dev_maxes = self.dev_extra = self.flags = None
         self.extra = kind.empty_extra()
+        self.num_checked = 0
+        self.kept_call = False
 
     def count(self, slot: int, amount: float = 1.0) -> None:
         """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
@@ -302,6 +319,7 @@ class Accumulator:
 
     def load(self, state: MetricState) -> None:
         """Merge a host snapshot into this accumulator."""
+        self.kept_call = True
         self.add_host(list(state.sums), list(state.maxes))
         if state.num_nonfinite:
             self.count(NONFINITE_SLOT, state.num_nonfinite)

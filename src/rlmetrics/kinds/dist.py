@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -15,8 +16,25 @@ DEFAULT_QUANTILES = (0.5, 0.9, 0.99)
 
 
 def quantile_suffix(q: float) -> str:
-    """0.5 -> 'p50', 0.999 -> 'p99.9'."""
-    return f"p{round(q * 100, 6):g}"
+    """0.5 -> 'p50', 0.999 -> 'p99.9', 0.9999999 -> 'p99.99999': the percentage written
+    from q's shortest repr, exactly, so that distinct quantiles get distinct labels."""
+    return f"p{Decimal(repr(float(q))).scaleb(2).normalize():f}"
+
+
+def check_quantiles(quantiles: Sequence[float], owner: str) -> tuple[float, ...]:
+    """``quantiles`` as floats, each in [0, 1] and distinct (one label each).
+
+    Raises:
+        ValueError: naming ``owner`` and the offending quantile.
+    """
+    checked = tuple(float(q) for q in quantiles)
+    for q in checked:
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"{owner} quantiles must lie in [0, 1], got {q!r}")
+    repeated = sorted({q for q in checked if checked.count(q) > 1})
+    if repeated:
+        raise ValueError(f"{owner} quantiles must be distinct, got {repeated[0]!r} repeated")
+    return checked
 
 
 class Dist(Kind):
@@ -40,10 +58,7 @@ class Dist(Kind):
     has_extra = True
 
     def __init__(self, quantiles: Sequence[float] = DEFAULT_QUANTILES) -> None:
-        for q in quantiles:
-            if not 0.0 <= q <= 1.0:
-                raise ValueError(f"dist quantiles must lie in [0, 1], got {q!r}")
-        self.quantiles = tuple(float(q) for q in quantiles)
+        self.quantiles = check_quantiles(quantiles, "dist")
 
     def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
         if weights is None:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator, Kind, MetricState
-from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
+from rlmetrics.kinds.dist import DEFAULT_QUANTILES, check_quantiles, quantile_suffix
 
 
 class Histogram(Kind):
@@ -70,12 +70,9 @@ class Histogram(Kind):
             raise ValueError(
                 f"Histogram {name!r}: edges must be strictly increasing, got {edge_list!r}"
             )
-        for q in quantiles:
-            if not 0.0 <= q <= 1.0:
-                raise ValueError(f"Histogram {name!r}: quantiles must lie in [0, 1], got {q!r}")
         self.name = name
         self.edges = tuple(edge_list)
-        self.quantiles = tuple(float(q) for q in quantiles)
+        self.quantiles = check_quantiles(quantiles, f"Histogram {name!r}:")
         self.report_bins = bool(report_bins)
         self.num_sums = len(self.edges) + 1  # under, n - 1 inner bins, over
         self.num_maxes = 2  # max, -min

@@ -51,7 +51,8 @@ class Last(Kind):
         acc.maxes[1] = -value
 
     def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
-        self.add_float(acc, float(values[-1]), 1.0)
+        if weights is None or weights[-1] > 0:  # a weight selects: 0 keeps the old value
+            self.add_float(acc, float(values[-1]), 1.0)
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, sources = state.sums
