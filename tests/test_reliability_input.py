@@ -217,7 +217,8 @@ def test_a_metric_only_rejected_tensor_calls_created_is_never_reported(
     (a tensor or a python number) stays with that call's value."""
     t = Tracker(empty=empty, nonfinite="error")
     t.sum("bystander", 5.0)
-    for name in ("only_rejected", "then_tensor", "then_python"):
+    t.log("python_first", 3.0, kind=kind)
+    for name in ("only_rejected", "then_tensor", "then_python", "python_first"):
         t.log(name, torch.tensor([2.0]), torch.tensor([-1.0]), kind=kind)
         t.log(name, torch.tensor([NAN]), kind=kind)
     t.log("then_tensor", torch.tensor([3.0]), torch.tensor([1.0]), kind=kind)
@@ -225,8 +226,9 @@ def test_a_metric_only_rejected_tensor_calls_created_is_never_reported(
     with pytest.raises(RejectedInputError, match=rf"'only_rejected' \({kind}\): 2"):
         t.compute()
     assert "only_rejected" not in t
-    three = reference(kind, "then_tensor", np.array([3.0]), None)
-    expected = {**three, **reference(kind, "then_python", np.array([3.0]), None)}
+    expected = {}
+    for name in ("then_tensor", "then_python", "python_first"):
+        expected.update(reference(kind, name, np.array([3.0]), None))
     same(t.compute(), {**expected, "bystander": 5.0})
 
 

@@ -42,10 +42,10 @@ BOOL_DTYPES = (torch.bool, np.dtype(bool))
 
 def add_number(acc: Accumulator, name: str, value: float, weight: float, nonfinite: str) -> None:
     """One python number (checked here and now: it is on the host)."""
-    acc.kept_call = True  # checked now: it is never rejected later
     if weight != 1.0:
         check_weight_number(name, weight)
         if weight == 0.0:  # contributes nothing, NaN or not, under every policy
+            acc.kept_call = True  # but the metric exists (see Tracker._forget_rejected)
             return
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":

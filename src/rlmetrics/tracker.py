@@ -32,43 +32,44 @@ class LogMethods:
     ``min``, ``dist`` and ``last``; a bool mask means the same everywhere. An element
     with weight 0 contributes nothing, whatever its value. ``mask=`` is an alias of
     ``weight=``, kept for code written when ``sum``, ``max``, ``min`` and ``dist`` took
-    a mask only.
+    a mask only (pass it by keyword; it is not keyword-only because a keyword-only
+    default costs every call a dictionary lookup).
     """
 
     def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
         raise NotImplementedError
 
-    def mean(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+    def mean(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
         """Weighted mean: adds (Σ value·weight, Σ weight)."""
         self._log(name, "mean", value, weight if mask is None else _alias(name, weight, mask))
 
-    def sum(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+    def sum(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
         """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements)."""
         self._log(name, "sum", value, weight if mask is None else _alias(name, weight, mask))
 
-    def max(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+    def max(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
         """Largest element (of those with weight > 0)."""
         self._log(name, "max", value, weight if mask is None else _alias(name, weight, mask))
 
-    def min(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+    def min(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
         """Smallest element (of those with weight > 0)."""
         self._log(name, "min", value, weight if mask is None else _alias(name, weight, mask))
 
-    def std(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+    def std(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
         """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
         self._log(name, "std", value, weight if mask is None else _alias(name, weight, mask))
 
-    def last(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+    def last(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
         """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
         A weight of 0 (or False) leaves the previous value in place."""
         self._log(name, "last", value, weight if mask is None else _alias(name, weight, mask))
 
-    def dist(self, name: str, value: Any, weight: Any = None, *, mask: Any = None) -> None:
+    def dist(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
         """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
         self._log(name, "dist", value, weight if mask is None else _alias(name, weight, mask))
 
     def log(
-        self, name: str, value: Any, weight: Any = None, *, kind: str, mask: Any = None
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, *, kind: str
     ) -> None:
         """Log into any registered kind (built-in or user-defined) by its name."""
         self._log(name, kind, value, weight if mask is None else _alias(name, weight, mask))
@@ -78,7 +79,6 @@ class LogMethods:
         metrics: Sequence[tuple[str, str]],
         value: Any,
         weight: Any = None,
-        *,
         mask: Any = None,
     ) -> None:
         """Log one value (and weight) into several metrics, given as (name, kind) pairs,
@@ -298,7 +298,9 @@ class Tracker(LogMethods):
         counts of those candidates only, on this error path."""
         for name, acc in list(self._accumulators.items()):
             if acc.num_checked and not acc.kept_call:
-                if _num_rejected(acc) >= acc.num_checked:
+                # python numbers are checked at once, never rejected later: they are
+                # recognised by their effect on the host state, not marked on the fast path
+                if _num_rejected(acc) >= acc.num_checked and acc.host_empty():
                     del self._accumulators[name]
                     continue
                 acc.kept_call = True  # a checked call was taken

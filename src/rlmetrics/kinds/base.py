@@ -274,6 +274,17 @@ class Accumulator:
         self.num_checked = 0
         self.kept_call = False
 
+    def host_empty(self) -> bool:
+        """Whether the host half holds nothing: no python number was added (or, for a
+        replacing kind, one was but ``kept_call`` records it)."""
+        fresh = Accumulator.empty(self.kind)
+        try:
+            return bool(
+                self.sums == fresh.sums and self.maxes == fresh.maxes and self.extra == fresh.extra
+            )
+        except (TypeError, ValueError):  # an extra whose == is elementwise: not empty
+            return False
+
     def count(self, slot: int, amount: float = 1.0) -> None:
         """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
         if self.flags is None:

@@ -86,6 +86,8 @@ def replace_dev(
     spans both.
     """
     device = sums.device
+    if not acc.kept_call and not acc.host_empty():
+        acc.kept_call = True  # the host value folded below came from a python call
     old_sums = _on_device(acc.sums, sums)
     old_flags = sums.new_zeros(NUM_FLAGS)
     if acc.dev_sums is not None:
