@@ -33,7 +33,7 @@ from rlmetrics.inputs import (
     in_host_memory,
     unmask,
 )
-from rlmetrics.kinds import Accumulator
+from rlmetrics.kinds import Accumulator, Kind
 from rlmetrics.kinds.base import NONFINITE_SLOT, REJECTED_SLOT
 from rlmetrics.kinds.last import replace_dev
 
@@ -154,6 +154,48 @@ def add_array(
         acc.kind.add_array(acc, values, weights)
 
 
+class Screened(NamedTuple):
+    """A tensor call after its data checks, as device tensors (see ``screen``)."""
+
+    values: Tensor
+    weights: Tensor | None
+    rejected: Tensor | None  # bool: drop the whole call
+    num_nonfinite: Tensor | None  # non-finite elements skipped (0 when rejected)
+    keep_old: Tensor | None  # bool, replacing kinds: keep the previous value
+
+
+def screen(
+    kind: Kind, values: Tensor, weights: Tensor | None, nonfinite: str, check_weights: bool
+) -> Screened:
+    """Apply the weight and non-finite rules to one tensor call on its device (no sync).
+
+    Weight-0 elements contribute nothing, NaN included (``NaN * 0`` is NaN): their values
+    become 0 before a multiplying kind (or any check) sees them; selecting kinds
+    (``takes_weight`` False) select weight > 0 themselves.
+    """
+    rejected = keep_old = num_nonfinite = None
+    if weights is not None:
+        if check_weights:
+            rejected = ~((weights >= 0) & (weights < math.inf)).all()  # NaN fails both
+        if kind.takes_weight or nonfinite != "propagate":
+            values = torch.where(weights > 0, values, 0.0)
+        if kind.replaces:  # a replacing kind's one value, deselected: the old one stays
+            keep_old = ~(weights[-1] > 0)
+    if nonfinite == "skip":
+        finite = torch.isfinite(values)
+        num_nonfinite = (~finite).sum().double()
+        values = torch.where(finite, values, 0.0)
+        weights = finite.double() if weights is None else torch.where(finite, weights, 0.0)
+        if kind.replaces:
+            keep_old = ~finite.all() if keep_old is None else keep_old | ~finite.all()
+    elif nonfinite == "error":
+        bad = ~torch.isfinite(values).all()
+        rejected = bad if rejected is None else rejected | bad
+    if num_nonfinite is not None and rejected is not None:
+        num_nonfinite = torch.where(rejected, 0.0, num_nonfinite)  # a dropped call counts once
+    return Screened(values, weights, rejected, num_nonfinite, keep_old)
+
+
 def add_tensor(
     acc: Accumulator,
     values: Tensor,
@@ -169,30 +211,9 @@ def add_tensor(
     ``where`` on its outputs, whatever they hold, and counted in the flags.
     """
     kind = acc.kind
-    rejected = None
-    keep_old = None
-    if weights is not None:
-        if check_weights:
-            rejected = ~((weights >= 0) & (weights < math.inf)).all()  # NaN fails both
-        if kind.takes_weight or nonfinite != "propagate":
-            # weight 0 contributes nothing, NaN included (``NaN * 0`` is NaN); selecting
-            # kinds (takes_weight False) select weight > 0 themselves
-            values = torch.where(weights > 0, values, 0.0)
-        if kind.replaces:  # a replacing kind's one value, deselected: the old one stays
-            keep_old = ~(weights[-1] > 0)
-    num_nonfinite = None
-    if nonfinite == "skip":
-        finite = torch.isfinite(values)
-        num_nonfinite = (~finite).sum().double()
-        values = torch.where(finite, values, 0.0)
-        weights = finite.double() if weights is None else torch.where(finite, weights, 0.0)
-        if kind.replaces:
-            keep_old = ~finite.all() if keep_old is None else keep_old | ~finite.all()
-    elif nonfinite == "error":
-        bad = ~torch.isfinite(values).all()
-        rejected = bad if rejected is None else rejected | bad
-    if num_nonfinite is not None and rejected is not None:
-        num_nonfinite = torch.where(rejected, 0.0, num_nonfinite)  # a dropped call counts once
+    values, weights, rejected, num_nonfinite, keep_old = screen(
+        kind, values, weights, nonfinite, check_weights
+    )
     sums, maxes = kind.update(values, weights)
     flags = None
     if num_nonfinite is not None or rejected is not None:
