@@ -47,8 +47,12 @@ class Reduced:
         """Per metric, its merged state, by name (names no rank logged are left out)."""
         layout, keep = self.layout, self.keep
         sums, maxes = self.sums.tolist(), self.maxes.tolist()
+        prints: dict[int, str] = {}  # one fingerprint per kind object, not per metric
+        for slot in layout.slots:
+            if id(slot.kind) not in prints:
+                prints[id(slot.kind)] = slot.kind.fingerprint()
         return {
-            layout.names[i]: self._state(i, sums, maxes)
+            layout.names[i]: self._state(i, sums, maxes, prints[id(layout.slots[i].kind)])
             for i in range(len(layout.slots))
             if keep is None or keep[i]
         }
@@ -156,9 +160,11 @@ class Reduced:
                 slow[disagree if f.rows is None else f.rows[disagree]] = True
         return result, shown, slow
 
-    def _state(self, i: int, sums: Sequence[float], maxes: Sequence[float]) -> MetricState:
+    def _state(
+        self, i: int, sums: Sequence[float], maxes: Sequence[float], fingerprint: str = ""
+    ) -> MetricState:
         """Slot ``i``'s state read from ``sums`` and ``maxes`` (this step's buffers, as
-        arrays or lists)."""
+        arrays or lists), made by a kind of ``fingerprint``."""
         layout, slot = self.layout, self.layout.slots[i]
         return MetricState(
             slot.kind.name,
@@ -166,7 +172,7 @@ class Reduced:
             tuple(map(float, maxes[layout.max_slices[i]])),
             self.extras.get(slot.name),
             float(sums[slot.flag_offset]),
-            slot.kind.fingerprint(),
+            fingerprint,
         )
 
 
