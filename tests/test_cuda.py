@@ -22,6 +22,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 X = [1.0, 2.0, 4.0, 8.0, -3.0, 0.5]
 W = [1.0, 0.0, 2.0, 1.0, 0.5, 3.0]
 M = [True, False, True, True, False, True]
+PADDED = [1.0, float("nan"), float("-inf"), 2.0]
+PADDED_W = [0.5, 0.0, 0.0, 1.0]
+PADDED_M = [True, False, False, True]
 
 
 def log_battery(t: Tracker, data: Callable[..., torch.Tensor]) -> None:
@@ -42,6 +45,11 @@ def log_battery(t: Tracker, data: Callable[..., torch.Tensor]) -> None:
     t.last("last", data(0.5))
     t.dist("dist", x, mask=m)
     t.log("log", x, m, kind="sum")
+    padded = data(PADDED)  # NaN and -inf where the weight is 0: they change nothing
+    t.mean("masked_nan", padded, weight=data(PADDED_W))
+    t.std("masked_nan_std", padded, weight=data(PADDED_M, torch.bool))
+    t.sum("masked_nan_sum", padded, weight=data(PADDED_W))
+    t.last("last_masked", data(PADDED[1:2]), weight=data(PADDED_M[1:2], torch.bool))
 
 
 def cuda_data(values: object, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -74,7 +82,9 @@ def test_cuda_log_calls_never_sync_and_match_the_cpu(policy: str) -> None:
 
     for values, dtype in ((X, torch.float32), (W, torch.float32), (M, torch.bool),
                           (X, torch.int64), (X, torch.bfloat16), (2.0, torch.float32),
-                          (0.5, torch.float32)):  # fmt: skip
+                          (0.5, torch.float32), (PADDED, torch.float32),
+                          (PADDED_W, torch.float32), (PADDED_M, torch.bool),
+                          (PADDED[1:2], torch.float32), (PADDED_M[1:2], torch.bool)):  # fmt: skip
         tensors[repr(values), dtype] = cuda_data(values, dtype)  # host-to-device: before
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
