@@ -30,6 +30,7 @@ log only on one copy (see ``is_replica_source``).
 from __future__ import annotations
 
 import json
+import numbers
 import pickle
 import time
 import weakref
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlmetrics.agreed import HEADER, GroupLayouts, Sizes
 from rlmetrics.layout import Layout
 from rlmetrics.packing import (
     SendBuffer,
@@ -56,8 +58,6 @@ from rlmetrics.packing import (
 )
 from rlmetrics.reduced import Reduced, python_results
 
-HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
-
 # Up to this many gathered floats per step (ranks x (SUM + MAX buffer sizes)), the two
 # buffers are reduced by one all_gather and a host reduction; above it, by
 # all_reduce(SUM) + all_reduce(MAX). Every collective has a fixed cost; the gather's
@@ -68,6 +68,10 @@ HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash,
 # gloo supports in every torch we support, copies each row once more). 200,000 (1.6 MB
 # per rank) stays below that crossover; a few hundred metrics need a few thousand.
 GATHER_LIMIT = 200_000
+
+# Longer waits count as no timeout: gloo adds the wait to a nanosecond clock, which
+# overflows (the wait then fails at once) from about 9e9 s.
+MAX_TIMEOUT_S = 1e9
 
 
 class SyncTimeoutError(RuntimeError):
@@ -95,7 +99,30 @@ def resolve_group(group: Any) -> Any:
         if group.ndim != 1:
             raise ValueError("pass (mesh, dim_name) to sync over one dimension of a DeviceMesh")
         return get_group()
-    return group
+    return _check_group(group)
+
+
+def _check_group(group: Any) -> Any:
+    """``group`` when it is a process group this process belongs to.
+
+    Raises:
+        ValueError: this process is not a member (``dist.new_group`` returns
+            ``GroupMember.NON_GROUP_MEMBER`` on the ranks it leaves out).
+        TypeError: ``group`` is not a process group.
+    """
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"group: this process (global rank {dist.get_rank()}) is not a member of the "
+            "process group passed (dist.new_group returns GroupMember.NON_GROUP_MEMBER on "
+            "the ranks it leaves out); call compute(group=g) only on g's ranks, or "
+            "compute(sync=False) for this process's own values"
+        )
+    raise TypeError(
+        "group must be a ProcessGroup, a DeviceMesh or a (DeviceMesh, dim name) pair, got "
+        f"{type(group).__name__} {group!r}"
+    )
 
 
 def is_initialized() -> bool:
@@ -110,7 +137,7 @@ def rank_in(group: Any) -> int:
 
 def all_reduce_max(tensor: Tensor, group: Any, timeout: float | timedelta | None = None) -> Tensor:
     """Max ``tensor`` in place over ``group`` (raises SyncTimeoutError rather than hang)."""
-    all_reduce(tensor, dist.ReduceOp.MAX, group, _timeout(timeout), "all_reduce(MAX)")
+    all_reduce(tensor, dist.ReduceOp.MAX, group, as_timeout(timeout), "all_reduce(MAX)")
     return tensor
 
 
@@ -128,7 +155,7 @@ def all_reduce_sum(
     """Sum ``tensor`` in place over ``group`` (a no-op on one process); returns it."""
     if world_size(group) > 1:
         all_reduce(
-            tensor, dist.ReduceOp.SUM, resolve_group(group), _timeout(timeout), "all_reduce(SUM)"
+            tensor, dist.ReduceOp.SUM, resolve_group(group), as_timeout(timeout), "all_reduce(SUM)"
         )
     return tensor
 
@@ -147,12 +174,36 @@ def comm_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _timeout(timeout: float | timedelta | None) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    return timedelta(seconds=float(timeout))
+def as_timeout(timeout: float | timedelta | None) -> timedelta | None:
+    """A sync timeout as a timedelta, or None for the process group's own.
+
+    ``math.inf`` (or any wait beyond ``MAX_TIMEOUT_S``) means no bound of rlmetrics':
+    the backend's own timeout (``init_process_group(timeout=...)``) still bounds every
+    collective, and longer waits overflow inside gloo (it then times out at once).
+
+    Raises:
+        TypeError: ``timeout`` is not a number, a timedelta or None.
+        ValueError: ``timeout`` is zero, negative or NaN.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"timeout must be seconds (a number), a timedelta or None, got "
+            f"{type(timeout).__name__} {timeout!r}"
+        )
+    if not seconds > 0:  # NaN too
+        raise ValueError(
+            f"timeout must be > 0 seconds (None or math.inf: the process group's own "
+            f"timeout), got {timeout!r}"
+        )
+    if seconds > MAX_TIMEOUT_S:
+        return None
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
 def _wait(work: Any, timeout: timedelta | None, what: str) -> None:
@@ -243,29 +294,74 @@ def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list
 
 @dataclass(eq=False)
 class _Plan:
-    """How this rank packs a step: its accumulators in layout order (blanks included),
-    the MAX tail, and the send buffer of steps of python numbers only."""
+    """How this rank packs a step: its layout (None: it has none the group may share)
+    and accumulators in layout order (blanks included), the group's padded sizes, the
+    MAX tail of the gather ([logged per slot..., pad, schema changed, hash, -hash]) and
+    the send buffer of steps of python numbers only."""
 
-    layout: Layout
+    layout: Layout | None
     accs: list[Any]
-    tail: np.ndarray
+    sizes: Sizes
+    logged: list[float]
+    header: list[float]
     logged_all: bool  # this rank logged every name of the layout
+    gather_tail: np.ndarray | None = None
     send: SendBuffer | None = None
+
+    @property
+    def num_sums(self) -> int:
+        return 0 if self.layout is None else self.layout.num_sums
+
+    def tail(self, max_part: int) -> np.ndarray:
+        """The MAX part's tail that pads it to ``max_part`` floats, header last."""
+        num_maxes = 0 if self.layout is None else self.layout.num_maxes
+        tail = np.zeros(max_part - num_maxes)
+        tail[: len(self.logged)] = self.logged
+        tail[-HEADER:] = self.header
+        return tail
+
+    def pack_gather(self, device: torch.device) -> Tensor:
+        """[SUM | MAX | logged | pad | header], ``sizes.gather`` floats."""
+        layout, length = self.layout, self.sizes.gather
+        if layout is None:
+            return torch.from_numpy(self.tail(length)).to(device)
+        if self.gather_tail is None:
+            self.gather_tail = self.tail(length - layout.num_sums)
+            if not layout.extra_slots:
+                self.send = SendBuffer.make(layout, self.gather_tail)
+        return pack_scalars(self.accs, layout, device, max_tail=self.gather_tail, reuse=self.send)
+
+    def pack_pair(self, device: torch.device) -> Tensor:
+        """[SUM | NaN counts | pad | MAX | logged | pad | header]: the all_reduce(SUM)
+        part is ``sizes.sums`` floats, the all_reduce(MAX) part ``sizes.maxes``."""
+        layout, sizes = self.layout, self.sizes
+        if layout is None:
+            return torch.from_numpy(self.tail(sizes.sums + sizes.maxes)).to(device)
+        tail = self.tail(sizes.maxes)
+        packed = pack_scalars(self.accs, layout, device, max_tail=tail, nan_counts=True)
+        additive = sum_part(layout, nan_counts=True)
+        if additive == sizes.sums:
+            return packed
+        pad = packed.new_zeros(sizes.sums - additive)
+        return torch.cat((packed[:additive], pad, packed[additive:]))
 
 
 @dataclass(eq=False)
 class _GroupSync:
-    """What a tracker keeps per process group between steps: the agreed layout, the
-    device collectives run on, the host buffer a CPU gather writes into, and the last
-    step's packing plan.
+    """What a tracker keeps per process group between steps: its agreed layout (None
+    until it has one), the group's ``GroupLayouts`` (the same on every rank), the device
+    collectives run on, the host buffer a CPU gather writes into, and the last step's
+    packing plan.
 
     The plan is reused when a step's accumulators are the same objects, in the same
-    order, as the last one's: a Tracker keeps each name's accumulator across steps
-    (while its kind stays) and never files one object under two names, so the same
-    objects mean the same names and kinds, and the layout still fits.
+    order, as the last one's and the group's padded sizes are the same object: a Tracker
+    keeps each name's accumulator across steps (while its kind stays) and never files
+    one object under two names, so the same objects mean the same names and kinds, and
+    the layout still fits.
     """
 
-    layout: Layout
+    layout: Layout | None
+    agreed: GroupLayouts
     device: torch.device
     world: int
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
@@ -274,19 +370,29 @@ class _GroupSync:
     plan: _Plan | None = None
 
     def packing_plan(self, accumulators: Mapping[str, Any]) -> _Plan:
-        """This step's accumulators in layout order, and the MAX buffer's tail: [logged
-        per slot..., schema changed, hash, -hash]. A step that logged a name the layout
-        lacks packs as empty with "changed" set, so every rank agrees again."""
-        layout = self.layout
+        """This step's accumulators in layout order, and what the MAX tail carries. A
+        step that logged a name the layout lacks packs as empty with "changed" set, and
+        a tracker with no layout the group holds packs nothing with "changed" set, so
+        every rank agrees again."""
         current = list(accumulators.values())
-        plan = self.plan
-        if plan is not None and plan.layout is layout and current == self.seen:  # identity
+        plan, sizes = self.plan, self.agreed.sizes
+        if (
+            plan is not None
+            and plan.layout is self.layout
+            and plan.sizes is sizes
+            and current == self.seen  # identity
+        ):
             return plan
+        layout = self.layout
+        if layout is None or not self.agreed.holds(layout):
+            layout = self.layout = self.agreed.guess(accumulators)
+        if layout is None:
+            return _Plan(None, [], sizes, [], [1.0, 0.0, 0.0], False)
         fits = layout.fits(accumulators)
-        logged = _logged(accumulators, layout, fits)
-        tail = np.array([*logged, 0.0 if fits else 1.0, layout.digest, -layout.digest])
+        header = [0.0 if fits else 1.0, layout.digest, -layout.digest]
         accs = in_order(accumulators if fits else {}, layout)
-        plan = _Plan(layout, accs, tail, fits and len(accumulators) == len(layout.slots))
+        logged_all = fits and len(accumulators) == len(layout.slots)
+        plan = _Plan(layout, accs, sizes, _logged(accumulators, layout, fits), header, logged_all)
         if fits:
             self.seen, self.plan = current, plan
         return plan
@@ -299,6 +405,33 @@ class _GroupSync:
         return self.gathered, self.rows
 
 
+# Per process group, the layouts agreed over it (keyed by the group object, weakly):
+# the same on every rank of the group, unlike each tracker's own cache.
+_GROUP_LAYOUTS: weakref.WeakKeyDictionary[Any, GroupLayouts] = weakref.WeakKeyDictionary()
+
+
+def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> _GroupSync:
+    """The tracker's sync state for ``group``; on the group's first sync in this
+    process (so on every rank's), the schema agreed first."""
+    cache = tracker.sync_cache
+    if not isinstance(cache, weakref.WeakKeyDictionary):
+        cache = tracker.sync_cache = weakref.WeakKeyDictionary()
+    # keyed by the group object (weakly), never by id(): a group created after another
+    # was destroyed may reuse its id on some ranks only
+    sync = cache.get(group)
+    if sync is not None:
+        return sync
+    device, layout = comm_device(group), None
+    agreed = _GROUP_LAYOUTS.get(group)
+    if agreed is None:  # no tracker synced over this group yet, on any rank
+        agreed = _GROUP_LAYOUTS[group] = GroupLayouts()
+        layout = agree_schema(tracker, group, device, wait)
+        agreed.use(layout)
+    # else the step itself tells whether this rank's guess is its peers' layout
+    sync = cache[group] = _GroupSync(layout, agreed, device, dist.get_world_size(group))
+    return sync
+
+
 def sync_reduce(
     tracker: Any, *, group: Any = None, timeout: float | timedelta | None = None
 ) -> Reduced:
@@ -308,30 +441,21 @@ def sync_reduce(
     result, as a single process would leave them out.
     """
     pg = resolve_group(group)
-    wait = _timeout(timeout)
-    cache = tracker.sync_cache
-    if not isinstance(cache, weakref.WeakKeyDictionary):
-        cache = tracker.sync_cache = weakref.WeakKeyDictionary()
-    # keyed by the group object (weakly), never by id(): a group created after another
-    # was destroyed may reuse its id on some ranks only, which would send those ranks
-    # straight to the reduce with a stale layout while the others agree again
-    sync = cache.get(pg)
-    if sync is None:
-        device = comm_device(pg)
-        layout = agree_schema(tracker, pg, device, wait)
-        sync = cache[pg] = _GroupSync(layout, device, dist.get_world_size(pg))
+    wait = as_timeout(timeout)
+    sync = _group_sync(tracker, pg, wait)
     accumulators = tracker.accumulators
     for _ in range(2):
-        layout = sync.layout
         plan = sync.packing_plan(accumulators)
         sums, maxes = _reduce(plan, sync, pg, wait)
-        if python_results(layout):  # read the buffers as lists once, for the results
+        layout = plan.layout
+        if layout is not None and python_results(layout):  # read the buffers once
             sums_list, maxes_list = sums.tolist(), maxes.tolist()
             changed, high, neg_low = maxes_list[-HEADER:]
         else:
             sums_list = maxes_list = None
             changed, high, neg_low = maxes[-HEADER:].tolist()
-        if changed == 0 and high == -neg_low:
+        if layout is not None and changed == 0 and high == -neg_low:
+            sync.agreed.use(layout)  # every rank packed this layout
             size = layout.num_maxes
             if sums_list is not None and _plain(plan, sums_list):
                 scalars = (sums_list, maxes_list[:size])
@@ -342,6 +466,7 @@ def sync_reduce(
             logged = None if plan.logged_all else maxes[size : size + len(layout.slots)]
             return _finish(accumulators, layout, sums, maxes[:size], logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
+        sync.agreed.use(sync.layout)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
@@ -355,33 +480,31 @@ def _plain(plan: _Plan, sums: list[float]) -> bool:
 def _reduce(
     plan: _Plan, sync: _GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The packed SUM part and MAX part (tail included) reduced over ``group``, on the
-    host (one device-to-host copy): one gather up to ``GATHER_LIMIT`` gathered floats,
-    else two all_reduces."""
-    world, layout, accs, tail = sync.world, plan.layout, plan.accs, plan.tail
-    num_sums = layout.num_sums
-    if world * (num_sums + layout.num_maxes + len(tail)) <= GATHER_LIMIT:
-        if plan.send is None and not layout.extra_slots:
-            plan.send = SendBuffer.make(layout, tail)
-        packed = pack_scalars(accs, layout, sync.device, max_tail=tail, reuse=plan.send)
+    """The packed SUM part and MAX part (padding and header included) reduced over
+    ``group``, on the host (one device-to-host copy): one gather up to ``GATHER_LIMIT``
+    gathered floats, else two all_reduces. Every rank's buffers have the group's padded
+    sizes, whatever layout (or none) it packed."""
+    world, sizes = sync.world, plan.sizes
+    if world * sizes.gather <= GATHER_LIMIT:
+        packed = plan.pack_gather(sync.device)
         what = "all_gather of metric states"
         if packed.device.type == "cpu":  # straight into a reused host buffer
             gathered, rows = sync.gather_rows(world, packed.numel())
             _wait(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
         else:
             gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
+        num_sums = plan.num_sums
         return _add_rows(gathered[:, :num_sums]), _max_rows(gathered[:, num_sums:])
-    packed = pack_scalars(accs, layout, sync.device, max_tail=tail, nan_counts=True)
-    additive = sum_part(layout, nan_counts=True)
-    all_reduce(
-        packed[:additive], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states"
-    )
-    all_reduce(
-        packed[additive:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states"
-    )
+    packed = plan.pack_pair(sync.device)
+    split = sizes.sums
+    all_reduce(packed[:split], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
+    all_reduce(packed[split:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states")
     host = packed.cpu().numpy()
-    sums = host[:additive]
-    return sums[:num_sums], restore_nans(sums, host[additive:], layout)
+    layout = plan.layout
+    if layout is None:  # only the header matters
+        return host[:0], host[split:]
+    sums = host[: sum_part(layout, nan_counts=True)]
+    return sums[: layout.num_sums], restore_nans(sums, host[split:], layout)
 
 
 def _add_rows(rows: np.ndarray) -> np.ndarray:
