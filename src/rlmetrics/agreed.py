@@ -1,4 +1,5 @@
-"""What every rank of a process group knows alike: the layouts agreed over it.
+"""What every rank of a process group knows alike (the layouts agreed over it), and how
+one rank packs a step into buffers of the group's padded sizes (``Plan``).
 
 A step's collective must have the same size on every rank, or the backend pairs the
 wrong messages (gloo aborts the process). A tracker's own cache (the layout it last
@@ -19,9 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator
 from rlmetrics.layout import Layout
+from rlmetrics.packing import SendBuffer, pack_scalars, sum_part
 
 HEADER = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
 RECENT = 8  # layouts kept per group: trackers that share a group keep their own
@@ -86,3 +93,66 @@ class GroupLayouts:
         """For a tracker with no layout of its own: the newest recent layout that fits
         its metrics (the peers' likely one; a wrong guess costs one agreement), or None."""
         return next((layout for layout in self.layouts if layout.fits(accumulators)), None)
+
+
+def logged_flags(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list[float]:
+    """Per layout slot, 1.0 when this process logged the name this step, else 0.0."""
+    if not fits:
+        return [0.0] * len(layout.slots)
+    if len(accumulators) == len(layout.slots):
+        return [1.0] * len(layout.slots)
+    return [1.0 if name in accumulators else 0.0 for name in layout.names]
+
+
+@dataclass(eq=False)
+class Plan:
+    """How this rank packs a step: its layout (None: it has none the group may share)
+    and accumulators in layout order (blanks included), the group's padded sizes, the
+    MAX tail of the gather ([logged per slot..., pad, schema changed, hash, -hash]) and
+    the send buffer of steps of python numbers only."""
+
+    layout: Layout | None
+    accs: list[Any]
+    sizes: Sizes
+    logged: list[float]
+    header: list[float]
+    logged_all: bool  # this rank logged every name of the layout
+    gather_tail: np.ndarray | None = None
+    send: SendBuffer | None = None
+
+    @property
+    def num_sums(self) -> int:
+        return 0 if self.layout is None else self.layout.num_sums
+
+    def tail(self, max_part: int) -> np.ndarray:
+        """The MAX part's tail that pads it to ``max_part`` floats, header last."""
+        num_maxes = 0 if self.layout is None else self.layout.num_maxes
+        tail = np.zeros(max_part - num_maxes)
+        tail[: len(self.logged)] = self.logged
+        tail[-HEADER:] = self.header
+        return tail
+
+    def pack_gather(self, device: torch.device) -> Tensor:
+        """[SUM | MAX | logged | pad | header], ``sizes.gather`` floats."""
+        layout, length = self.layout, self.sizes.gather
+        if layout is None:
+            return torch.from_numpy(self.tail(length)).to(device)
+        if self.gather_tail is None:
+            self.gather_tail = self.tail(length - layout.num_sums)
+            if not layout.extra_slots:
+                self.send = SendBuffer.make(layout, self.gather_tail)
+        return pack_scalars(self.accs, layout, device, max_tail=self.gather_tail, reuse=self.send)
+
+    def pack_pair(self, device: torch.device) -> Tensor:
+        """[SUM | NaN counts | pad | MAX | logged | pad | header]: the all_reduce(SUM)
+        part is ``sizes.sums`` floats, the all_reduce(MAX) part ``sizes.maxes``."""
+        layout, sizes = self.layout, self.sizes
+        if layout is None:
+            return torch.from_numpy(self.tail(sizes.sums + sizes.maxes)).to(device)
+        tail = self.tail(sizes.maxes)
+        packed = pack_scalars(self.accs, layout, device, max_tail=tail, nan_counts=True)
+        additive = sum_part(layout, nan_counts=True)
+        if additive == sizes.sums:
+            return packed
+        pad = packed.new_zeros(sizes.sums - additive)
+        return torch.cat((packed[:additive], pad, packed[additive:]))

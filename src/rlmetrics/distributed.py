@@ -6,20 +6,20 @@ collective, however many scalar metrics exist: an ``all_gather`` of the two buff
 concatenated, reduced on the host (rows added in rank order, so every rank gets the
 same bits; max over rows). Above ``GATHER_LIMIT`` gathered floats (many ranks times a
 large layout) the gather's traffic grows with the group, and the step issues
-``all_reduce(SUM)`` and ``all_reduce(MAX)`` instead. The MAX buffer also carries a
-"schema changed" flag and the layout's hash, so ranks notice without an extra
-collective when some rank logged a name the cached schema lacks; only then do they
-agree again (one byte gather) and repeat the reduce. Kinds with an extra payload (std,
-dist) add one ``all_gather``.
+``all_reduce(SUM)`` and ``all_reduce(MAX)`` instead. The MAX buffer ends with a
+header: a "schema changed" flag and the hash of the layout this rank packed, so ranks
+notice without an extra collective when some rank logged a name its layout lacks, or
+packed another layout (or none: see ``rlmetrics.agreed``); only then do they agree again
+(one byte gather) and repeat the reduce. Every rank's buffers have its group's padded
+sizes, whatever its tracker caches. Kinds with an extra payload (std, dist) add one
+``all_gather``.
 
 Nothing here unpickles data that did not come from a rank of the same process group:
 schemas travel as JSON, extras of built-in kinds as float64 tensors; only user kinds
 whose extras cannot be packed travel pickled, and only between the group's ranks.
 
-Timeouts: every collective is issued with ``async_op=True`` and waited on with the
-timeout, so a rank that died or never arrives raises ``SyncTimeoutError`` on the others
-(with gloo; with NCCL the host wait is bounded by the process group's own timeout and
-watchdog, set through ``init_process_group(timeout=...)``).
+Timeouts, groups and the collectives themselves: ``rlmetrics.collectives`` (its names
+are re-exported here).
 
 Replicas: merge over the data-parallel group only. Tensor- or pipeline-parallel copies
 of a DP rank log the same values; each computes over its own DP group and gets the same
@@ -30,9 +30,7 @@ log only on one copy (see ``is_replica_source``).
 from __future__ import annotations
 
 import json
-import numbers
 import pickle
-import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,14 +42,30 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics.agreed import HEADER, GroupLayouts, Sizes
+from rlmetrics.agreed import HEADER, GroupLayouts, Plan, logged_flags
+from rlmetrics.collectives import (  # re-exported: rlmetrics.distributed is the public home
+    MAX_TIMEOUT_S,
+    SyncTimeoutError,
+    all_gather,
+    all_reduce,
+    all_reduce_max,
+    all_reduce_sum,
+    as_timeout,
+    comm_device,
+    gather_bytes,
+    is_initialized,
+    is_replica_source,
+    rank_in,
+    resolve_group,
+    should_sync,
+    wait_for,
+    world_size,
+)
 from rlmetrics.layout import Layout
 from rlmetrics.packing import (
-    SendBuffer,
     extra_sizes,
     in_order,
     pack_extras,
-    pack_scalars,
     restore_nans,
     sum_part,
     unpack,
@@ -68,184 +82,6 @@ from rlmetrics.reduced import Reduced, python_results
 # gloo supports in every torch we support, copies each row once more). 200,000 (1.6 MB
 # per rank) stays below that crossover; a few hundred metrics need a few thousand.
 GATHER_LIMIT = 200_000
-
-# Longer waits count as no timeout: gloo adds the wait to a nanosecond clock, which
-# overflows (the wait then fails at once) from about 9e9 s.
-MAX_TIMEOUT_S = 1e9
-
-
-class SyncTimeoutError(RuntimeError):
-    """A collective did not complete within the timeout (a rank died or hangs)."""
-
-
-def should_sync(group: Any) -> bool:
-    """Whether ``compute()`` merges over a process group."""
-    if group is not None:
-        return True
-    return dist.is_available() and dist.is_initialized()
-
-
-def resolve_group(group: Any) -> Any:
-    """A ProcessGroup from None (the default group), a group, or (DeviceMesh, dim)."""
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("compute(group=None) needs torch.distributed to be initialised")
-        return dist.group.WORLD
-    if isinstance(group, tuple):
-        mesh, dim = group
-        return mesh.get_group(mesh_dim=dim)
-    get_group = getattr(group, "get_group", None)
-    if get_group is not None and hasattr(group, "mesh_dim_names"):  # a 1-D DeviceMesh
-        if group.ndim != 1:
-            raise ValueError("pass (mesh, dim_name) to sync over one dimension of a DeviceMesh")
-        return get_group()
-    return _check_group(group)
-
-
-def _check_group(group: Any) -> Any:
-    """``group`` when it is a process group this process belongs to.
-
-    Raises:
-        ValueError: this process is not a member (``dist.new_group`` returns
-            ``GroupMember.NON_GROUP_MEMBER`` on the ranks it leaves out).
-        TypeError: ``group`` is not a process group.
-    """
-    if isinstance(group, dist.ProcessGroup):
-        return group
-    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"group: this process (global rank {dist.get_rank()}) is not a member of the "
-            "process group passed (dist.new_group returns GroupMember.NON_GROUP_MEMBER on "
-            "the ranks it leaves out); call compute(group=g) only on g's ranks, or "
-            "compute(sync=False) for this process's own values"
-        )
-    raise TypeError(
-        "group must be a ProcessGroup, a DeviceMesh or a (DeviceMesh, dim name) pair, got "
-        f"{type(group).__name__} {group!r}"
-    )
-
-
-def is_initialized() -> bool:
-    """Whether torch.distributed is available and initialised in this process."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank_in(group: Any) -> int:
-    """This process's rank in ``group`` (-1 when it is not a member)."""
-    return dist.get_rank(group)
-
-
-def all_reduce_max(tensor: Tensor, group: Any, timeout: float | timedelta | None = None) -> Tensor:
-    """Max ``tensor`` in place over ``group`` (raises SyncTimeoutError rather than hang)."""
-    all_reduce(tensor, dist.ReduceOp.MAX, group, as_timeout(timeout), "all_reduce(MAX)")
-    return tensor
-
-
-def world_size(group: Any = None) -> int:
-    """The size of ``group`` (default: the world); 1 when torch.distributed is not
-    initialised, so single-process code takes the same path."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(resolve_group(group))
-
-
-def all_reduce_sum(
-    tensor: Tensor, group: Any = None, timeout: float | timedelta | None = None
-) -> Tensor:
-    """Sum ``tensor`` in place over ``group`` (a no-op on one process); returns it."""
-    if world_size(group) > 1:
-        all_reduce(
-            tensor, dist.ReduceOp.SUM, resolve_group(group), as_timeout(timeout), "all_reduce(SUM)"
-        )
-    return tensor
-
-
-def is_replica_source(mesh: Any, replica_dims: tuple[str, ...]) -> bool:
-    """True on the one copy (local rank 0 in every ``replica_dims``) that should log
-    when metrics are merged over a group containing tensor/pipeline-parallel replicas."""
-    return all(mesh.get_local_rank(dim) == 0 for dim in replica_dims)
-
-
-def comm_device(group: Any) -> torch.device:
-    """The device collectives of ``group`` run on: CUDA for NCCL, else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def as_timeout(timeout: float | timedelta | None) -> timedelta | None:
-    """A sync timeout as a timedelta, or None for the process group's own.
-
-    ``math.inf`` (or any wait beyond ``MAX_TIMEOUT_S``) means no bound of rlmetrics':
-    the backend's own timeout (``init_process_group(timeout=...)``) still bounds every
-    collective, and longer waits overflow inside gloo (it then times out at once).
-
-    Raises:
-        TypeError: ``timeout`` is not a number, a timedelta or None.
-        ValueError: ``timeout`` is zero, negative or NaN.
-    """
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(
-            f"timeout must be seconds (a number), a timedelta or None, got "
-            f"{type(timeout).__name__} {timeout!r}"
-        )
-    if not seconds > 0:  # NaN too
-        raise ValueError(
-            f"timeout must be > 0 seconds (None or math.inf: the process group's own "
-            f"timeout), got {timeout!r}"
-        )
-    if seconds > MAX_TIMEOUT_S:
-        return None
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
-
-
-def _wait(work: Any, timeout: timedelta | None, what: str) -> None:
-    start = time.monotonic()
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout)
-    except Exception as error:  # gloo raises RuntimeError/DistBackendError on timeout
-        # the backend's reason tells a timeout (hang) from a closed connection (death)
-        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        raise SyncTimeoutError(
-            f"rlmetrics sync: {what} did not complete"
-            + (f" within {timeout.total_seconds():g} s" if timeout is not None else "")
-            + f" (failed after {time.monotonic() - start:.1f} s: {cause}); "
-            "a rank may have died, hung, or not called compute()"
-        ) from error
-
-
-def all_reduce(tensor: Tensor, op: Any, group: Any, timeout: timedelta | None, what: str) -> None:
-    """An in-place all_reduce that raises SyncTimeoutError instead of hanging."""
-    _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout, what)
-
-
-def all_gather(tensor: Tensor, group: Any, timeout: timedelta | None, what: str) -> list[Tensor]:
-    """All ranks' equal-sized ``tensor``s, in rank order."""
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(out, tensor, group=group, async_op=True), timeout, what)
-    return out
-
-
-def gather_bytes(
-    payload: bytes, group: Any, device: torch.device, timeout: timedelta | None
-) -> list[bytes]:
-    """All ranks' byte strings (two all_gathers: lengths, then padded bytes)."""
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [int(n) for n in all_gather(length, group, timeout, "schema length gather")]
-    buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    pieces = all_gather(buffer, group, timeout, "schema gather")
-    return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(pieces, lengths, strict=True)]
 
 
 def agree_schema(
@@ -283,69 +119,6 @@ def agree_schema(
     return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()])
 
 
-def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list[float]:
-    """Per layout slot, 1.0 when this process logged the name this step, else 0.0."""
-    if not fits:
-        return [0.0] * len(layout.slots)
-    if len(accumulators) == len(layout.slots):
-        return [1.0] * len(layout.slots)
-    return [1.0 if name in accumulators else 0.0 for name in layout.names]
-
-
-@dataclass(eq=False)
-class _Plan:
-    """How this rank packs a step: its layout (None: it has none the group may share)
-    and accumulators in layout order (blanks included), the group's padded sizes, the
-    MAX tail of the gather ([logged per slot..., pad, schema changed, hash, -hash]) and
-    the send buffer of steps of python numbers only."""
-
-    layout: Layout | None
-    accs: list[Any]
-    sizes: Sizes
-    logged: list[float]
-    header: list[float]
-    logged_all: bool  # this rank logged every name of the layout
-    gather_tail: np.ndarray | None = None
-    send: SendBuffer | None = None
-
-    @property
-    def num_sums(self) -> int:
-        return 0 if self.layout is None else self.layout.num_sums
-
-    def tail(self, max_part: int) -> np.ndarray:
-        """The MAX part's tail that pads it to ``max_part`` floats, header last."""
-        num_maxes = 0 if self.layout is None else self.layout.num_maxes
-        tail = np.zeros(max_part - num_maxes)
-        tail[: len(self.logged)] = self.logged
-        tail[-HEADER:] = self.header
-        return tail
-
-    def pack_gather(self, device: torch.device) -> Tensor:
-        """[SUM | MAX | logged | pad | header], ``sizes.gather`` floats."""
-        layout, length = self.layout, self.sizes.gather
-        if layout is None:
-            return torch.from_numpy(self.tail(length)).to(device)
-        if self.gather_tail is None:
-            self.gather_tail = self.tail(length - layout.num_sums)
-            if not layout.extra_slots:
-                self.send = SendBuffer.make(layout, self.gather_tail)
-        return pack_scalars(self.accs, layout, device, max_tail=self.gather_tail, reuse=self.send)
-
-    def pack_pair(self, device: torch.device) -> Tensor:
-        """[SUM | NaN counts | pad | MAX | logged | pad | header]: the all_reduce(SUM)
-        part is ``sizes.sums`` floats, the all_reduce(MAX) part ``sizes.maxes``."""
-        layout, sizes = self.layout, self.sizes
-        if layout is None:
-            return torch.from_numpy(self.tail(sizes.sums + sizes.maxes)).to(device)
-        tail = self.tail(sizes.maxes)
-        packed = pack_scalars(self.accs, layout, device, max_tail=tail, nan_counts=True)
-        additive = sum_part(layout, nan_counts=True)
-        if additive == sizes.sums:
-            return packed
-        pad = packed.new_zeros(sizes.sums - additive)
-        return torch.cat((packed[:additive], pad, packed[additive:]))
-
-
 @dataclass(eq=False)
 class _GroupSync:
     """What a tracker keeps per process group between steps: its agreed layout (None
@@ -367,9 +140,9 @@ class _GroupSync:
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
     seen: list[Any] = field(default_factory=list)  # the last plan's accumulators, dict order
-    plan: _Plan | None = None
+    plan: Plan | None = None
 
-    def packing_plan(self, accumulators: Mapping[str, Any]) -> _Plan:
+    def packing_plan(self, accumulators: Mapping[str, Any]) -> Plan:
         """This step's accumulators in layout order, and what the MAX tail carries. A
         step that logged a name the layout lacks packs as empty with "changed" set, and
         a tracker with no layout the group holds packs nothing with "changed" set, so
@@ -387,12 +160,14 @@ class _GroupSync:
         if layout is None or not self.agreed.holds(layout):
             layout = self.layout = self.agreed.guess(accumulators)
         if layout is None:
-            return _Plan(None, [], sizes, [], [1.0, 0.0, 0.0], False)
+            return Plan(None, [], sizes, [], [1.0, 0.0, 0.0], False)
         fits = layout.fits(accumulators)
         header = [0.0 if fits else 1.0, layout.digest, -layout.digest]
         accs = in_order(accumulators if fits else {}, layout)
         logged_all = fits and len(accumulators) == len(layout.slots)
-        plan = _Plan(layout, accs, sizes, _logged(accumulators, layout, fits), header, logged_all)
+        plan = Plan(
+            layout, accs, sizes, logged_flags(accumulators, layout, fits), header, logged_all
+        )
         if fits:
             self.seen, self.plan = current, plan
         return plan
@@ -470,7 +245,7 @@ def sync_reduce(
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
-def _plain(plan: _Plan, sums: list[float]) -> bool:
+def _plain(plan: Plan, sums: list[float]) -> bool:
     """Whether a reduced step is the plain kind: every name logged on this rank (so in
     the group), no framework counts to report, no extras."""
     layout = plan.layout
@@ -478,7 +253,7 @@ def _plain(plan: _Plan, sums: list[float]) -> bool:
 
 
 def _reduce(
-    plan: _Plan, sync: _GroupSync, group: Any, wait: timedelta | None
+    plan: Plan, sync: _GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The packed SUM part and MAX part (padding and header included) reduced over
     ``group``, on the host (one device-to-host copy): one gather up to ``GATHER_LIMIT``
@@ -490,7 +265,7 @@ def _reduce(
         what = "all_gather of metric states"
         if packed.device.type == "cpu":  # straight into a reused host buffer
             gathered, rows = sync.gather_rows(world, packed.numel())
-            _wait(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
+            wait_for(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
         else:
             gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
         num_sums = plan.num_sums
@@ -548,3 +323,26 @@ def _finish(
             payloads = gather_bytes(pickle.dumps(local_objects), group, device, wait)
             objects = [pickle.loads(p) for p in payloads]  # only from this group's ranks
     return unpack(layout, sums, maxes, extras, objects, sizes, logged)
+
+
+__all__ = [
+    "GATHER_LIMIT",
+    "MAX_TIMEOUT_S",
+    "SyncTimeoutError",
+    "agree_schema",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "as_timeout",
+    "comm_device",
+    "gather_bytes",
+    "is_initialized",
+    "is_replica_source",
+    "rank_in",
+    "resolve_group",
+    "should_sync",
+    "sync_reduce",
+    "wait_for",
+    "world_size",
+]
