@@ -6,20 +6,20 @@ collective, however many scalar metrics exist: an ``all_gather`` of the two buff
 concatenated, reduced on the host (rows added in rank order, so every rank gets the
 same bits; max over rows). Above ``GATHER_LIMIT`` gathered floats (many ranks times a
 large layout) the gather's traffic grows with the group, and the step issues
-``all_reduce(SUM)`` and ``all_reduce(MAX)`` instead. The MAX buffer also carries a
-"schema changed" flag and the layout's hash, so ranks notice without an extra
-collective when some rank logged a name the cached schema lacks; only then do they
-agree again (one byte gather) and repeat the reduce. Kinds with an extra payload (std,
-dist) add one ``all_gather``.
+``all_reduce(SUM)`` and ``all_reduce(MAX)`` instead. The MAX buffer ends with a
+header: a "schema changed" flag and the hash of the layout this rank packed, so ranks
+notice without an extra collective when some rank logged a name its layout lacks, or
+packed another layout (or none: see ``rlmetrics.agreed``); only then do they agree again
+(one byte gather) and repeat the reduce. Every rank's buffers have its group's padded
+sizes, whatever its tracker caches. Kinds with an extra payload (std, dist) add one
+``all_gather``.
 
 Nothing here unpickles data that did not come from a rank of the same process group:
 schemas travel as JSON, extras of built-in kinds as float64 tensors; only user kinds
 whose extras cannot be packed travel pickled, and only between the group's ranks.
 
-Timeouts: every collective is issued with ``async_op=True`` and waited on with the
-timeout, so a rank that died or never arrives raises ``SyncTimeoutError`` on the others
-(with gloo; with NCCL the host wait is bounded by the process group's own timeout and
-watchdog, set through ``init_process_group(timeout=...)``).
+Timeouts, groups and the collectives themselves: ``rlmetrics.collectives`` (its names
+are re-exported here).
 
 Replicas: merge over the data-parallel group only. Tensor- or pipeline-parallel copies
 of a DP rank log the same values; each computes over its own DP group and gets the same
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,20 +42,35 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlmetrics.agreed import HEADER, GroupLayouts, Plan, logged_flags
+from rlmetrics.collectives import (  # re-exported: rlmetrics.distributed is the public home
+    MAX_TIMEOUT_S,
+    SyncTimeoutError,
+    all_gather,
+    all_reduce,
+    all_reduce_max,
+    all_reduce_sum,
+    as_timeout,
+    comm_device,
+    gather_bytes,
+    is_initialized,
+    is_replica_source,
+    rank_in,
+    resolve_group,
+    should_sync,
+    wait_for,
+    world_size,
+)
 from rlmetrics.layout import Layout
 from rlmetrics.packing import (
-    SendBuffer,
     extra_sizes,
     in_order,
     pack_extras,
-    pack_scalars,
     restore_nans,
     sum_part,
     unpack,
 )
 from rlmetrics.reduced import Reduced, python_results
-
-HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash, -layout hash]
 
 # Up to this many gathered floats per step (ranks x (SUM + MAX buffer sizes)), the two
 # buffers are reduced by one all_gather and a host reduction; above it, by
@@ -68,133 +82,6 @@ HEADER = 3  # MAX-buffer tail: [logged per slot..., schema changed, layout hash,
 # gloo supports in every torch we support, copies each row once more). 200,000 (1.6 MB
 # per rank) stays below that crossover; a few hundred metrics need a few thousand.
 GATHER_LIMIT = 200_000
-
-
-class SyncTimeoutError(RuntimeError):
-    """A collective did not complete within the timeout (a rank died or hangs)."""
-
-
-def should_sync(group: Any) -> bool:
-    """Whether ``compute()`` merges over a process group."""
-    if group is not None:
-        return True
-    return dist.is_available() and dist.is_initialized()
-
-
-def resolve_group(group: Any) -> Any:
-    """A ProcessGroup from None (the default group), a group, or (DeviceMesh, dim)."""
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("compute(group=None) needs torch.distributed to be initialised")
-        return dist.group.WORLD
-    if isinstance(group, tuple):
-        mesh, dim = group
-        return mesh.get_group(mesh_dim=dim)
-    get_group = getattr(group, "get_group", None)
-    if get_group is not None and hasattr(group, "mesh_dim_names"):  # a 1-D DeviceMesh
-        if group.ndim != 1:
-            raise ValueError("pass (mesh, dim_name) to sync over one dimension of a DeviceMesh")
-        return get_group()
-    return group
-
-
-def is_initialized() -> bool:
-    """Whether torch.distributed is available and initialised in this process."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank_in(group: Any) -> int:
-    """This process's rank in ``group`` (-1 when it is not a member)."""
-    return dist.get_rank(group)
-
-
-def all_reduce_max(tensor: Tensor, group: Any, timeout: float | timedelta | None = None) -> Tensor:
-    """Max ``tensor`` in place over ``group`` (raises SyncTimeoutError rather than hang)."""
-    all_reduce(tensor, dist.ReduceOp.MAX, group, _timeout(timeout), "all_reduce(MAX)")
-    return tensor
-
-
-def world_size(group: Any = None) -> int:
-    """The size of ``group`` (default: the world); 1 when torch.distributed is not
-    initialised, so single-process code takes the same path."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(resolve_group(group))
-
-
-def all_reduce_sum(
-    tensor: Tensor, group: Any = None, timeout: float | timedelta | None = None
-) -> Tensor:
-    """Sum ``tensor`` in place over ``group`` (a no-op on one process); returns it."""
-    if world_size(group) > 1:
-        all_reduce(
-            tensor, dist.ReduceOp.SUM, resolve_group(group), _timeout(timeout), "all_reduce(SUM)"
-        )
-    return tensor
-
-
-def is_replica_source(mesh: Any, replica_dims: tuple[str, ...]) -> bool:
-    """True on the one copy (local rank 0 in every ``replica_dims``) that should log
-    when metrics are merged over a group containing tensor/pipeline-parallel replicas."""
-    return all(mesh.get_local_rank(dim) == 0 for dim in replica_dims)
-
-
-def comm_device(group: Any) -> torch.device:
-    """The device collectives of ``group`` run on: CUDA for NCCL, else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _timeout(timeout: float | timedelta | None) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    return timedelta(seconds=float(timeout))
-
-
-def _wait(work: Any, timeout: timedelta | None, what: str) -> None:
-    start = time.monotonic()
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout)
-    except Exception as error:  # gloo raises RuntimeError/DistBackendError on timeout
-        # the backend's reason tells a timeout (hang) from a closed connection (death)
-        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        raise SyncTimeoutError(
-            f"rlmetrics sync: {what} did not complete"
-            + (f" within {timeout.total_seconds():g} s" if timeout is not None else "")
-            + f" (failed after {time.monotonic() - start:.1f} s: {cause}); "
-            "a rank may have died, hung, or not called compute()"
-        ) from error
-
-
-def all_reduce(tensor: Tensor, op: Any, group: Any, timeout: timedelta | None, what: str) -> None:
-    """An in-place all_reduce that raises SyncTimeoutError instead of hanging."""
-    _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout, what)
-
-
-def all_gather(tensor: Tensor, group: Any, timeout: timedelta | None, what: str) -> list[Tensor]:
-    """All ranks' equal-sized ``tensor``s, in rank order."""
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(out, tensor, group=group, async_op=True), timeout, what)
-    return out
-
-
-def gather_bytes(
-    payload: bytes, group: Any, device: torch.device, timeout: timedelta | None
-) -> list[bytes]:
-    """All ranks' byte strings (two all_gathers: lengths, then padded bytes)."""
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [int(n) for n in all_gather(length, group, timeout, "schema length gather")]
-    buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    pieces = all_gather(buffer, group, timeout, "schema gather")
-    return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(pieces, lengths, strict=True)]
 
 
 def agree_schema(
@@ -232,61 +119,55 @@ def agree_schema(
     return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()])
 
 
-def _logged(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list[float]:
-    """Per layout slot, 1.0 when this process logged the name this step, else 0.0."""
-    if not fits:
-        return [0.0] * len(layout.slots)
-    if len(accumulators) == len(layout.slots):
-        return [1.0] * len(layout.slots)
-    return [1.0 if name in accumulators else 0.0 for name in layout.names]
-
-
-@dataclass(eq=False)
-class _Plan:
-    """How this rank packs a step: its accumulators in layout order (blanks included),
-    the MAX tail, and the send buffer of steps of python numbers only."""
-
-    layout: Layout
-    accs: list[Any]
-    tail: np.ndarray
-    logged_all: bool  # this rank logged every name of the layout
-    send: SendBuffer | None = None
-
-
 @dataclass(eq=False)
 class _GroupSync:
-    """What a tracker keeps per process group between steps: the agreed layout, the
-    device collectives run on, the host buffer a CPU gather writes into, and the last
-    step's packing plan.
+    """What a tracker keeps per process group between steps: its agreed layout (None
+    until it has one), the group's ``GroupLayouts`` (the same on every rank), the device
+    collectives run on, the host buffer a CPU gather writes into, and the last step's
+    packing plan.
 
     The plan is reused when a step's accumulators are the same objects, in the same
-    order, as the last one's: a Tracker keeps each name's accumulator across steps
-    (while its kind stays) and never files one object under two names, so the same
-    objects mean the same names and kinds, and the layout still fits.
+    order, as the last one's and the group's padded sizes are the same object: a Tracker
+    keeps each name's accumulator across steps (while its kind stays) and never files
+    one object under two names, so the same objects mean the same names and kinds, and
+    the layout still fits.
     """
 
-    layout: Layout
+    layout: Layout | None
+    agreed: GroupLayouts
     device: torch.device
     world: int
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
     seen: list[Any] = field(default_factory=list)  # the last plan's accumulators, dict order
-    plan: _Plan | None = None
+    plan: Plan | None = None
 
-    def packing_plan(self, accumulators: Mapping[str, Any]) -> _Plan:
-        """This step's accumulators in layout order, and the MAX buffer's tail: [logged
-        per slot..., schema changed, hash, -hash]. A step that logged a name the layout
-        lacks packs as empty with "changed" set, so every rank agrees again."""
-        layout = self.layout
+    def packing_plan(self, accumulators: Mapping[str, Any]) -> Plan:
+        """This step's accumulators in layout order, and what the MAX tail carries. A
+        step that logged a name the layout lacks packs as empty with "changed" set, and
+        a tracker with no layout the group holds packs nothing with "changed" set, so
+        every rank agrees again."""
         current = list(accumulators.values())
-        plan = self.plan
-        if plan is not None and plan.layout is layout and current == self.seen:  # identity
+        plan, sizes = self.plan, self.agreed.sizes
+        if (
+            plan is not None
+            and plan.layout is self.layout
+            and plan.sizes is sizes
+            and current == self.seen  # identity
+        ):
             return plan
+        layout = self.layout
+        if layout is None or not self.agreed.holds(layout):
+            layout = self.layout = self.agreed.guess(accumulators)
+        if layout is None:
+            return Plan(None, [], sizes, [], [1.0, 0.0, 0.0], False)
         fits = layout.fits(accumulators)
-        logged = _logged(accumulators, layout, fits)
-        tail = np.array([*logged, 0.0 if fits else 1.0, layout.digest, -layout.digest])
+        header = [0.0 if fits else 1.0, layout.digest, -layout.digest]
         accs = in_order(accumulators if fits else {}, layout)
-        plan = _Plan(layout, accs, tail, fits and len(accumulators) == len(layout.slots))
+        logged_all = fits and len(accumulators) == len(layout.slots)
+        plan = Plan(
+            layout, accs, sizes, logged_flags(accumulators, layout, fits), header, logged_all
+        )
         if fits:
             self.seen, self.plan = current, plan
         return plan
@@ -299,6 +180,33 @@ class _GroupSync:
         return self.gathered, self.rows
 
 
+# Per process group, the layouts agreed over it (keyed by the group object, weakly):
+# the same on every rank of the group, unlike each tracker's own cache.
+_GROUP_LAYOUTS: weakref.WeakKeyDictionary[Any, GroupLayouts] = weakref.WeakKeyDictionary()
+
+
+def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> _GroupSync:
+    """The tracker's sync state for ``group``; on the group's first sync in this
+    process (so on every rank's), the schema agreed first."""
+    cache = tracker.sync_cache
+    if not isinstance(cache, weakref.WeakKeyDictionary):
+        cache = tracker.sync_cache = weakref.WeakKeyDictionary()
+    # keyed by the group object (weakly), never by id(): a group created after another
+    # was destroyed may reuse its id on some ranks only
+    sync = cache.get(group)
+    if sync is not None:
+        return sync
+    device, layout = comm_device(group), None
+    agreed = _GROUP_LAYOUTS.get(group)
+    if agreed is None:  # no tracker synced over this group yet, on any rank
+        agreed = _GROUP_LAYOUTS[group] = GroupLayouts()
+        layout = agree_schema(tracker, group, device, wait)
+        agreed.use(layout)
+    # else the step itself tells whether this rank's guess is its peers' layout
+    sync = cache[group] = _GroupSync(layout, agreed, device, dist.get_world_size(group))
+    return sync
+
+
 def sync_reduce(
     tracker: Any, *, group: Any = None, timeout: float | timedelta | None = None
 ) -> Reduced:
@@ -308,30 +216,21 @@ def sync_reduce(
     result, as a single process would leave them out.
     """
     pg = resolve_group(group)
-    wait = _timeout(timeout)
-    cache = tracker.sync_cache
-    if not isinstance(cache, weakref.WeakKeyDictionary):
-        cache = tracker.sync_cache = weakref.WeakKeyDictionary()
-    # keyed by the group object (weakly), never by id(): a group created after another
-    # was destroyed may reuse its id on some ranks only, which would send those ranks
-    # straight to the reduce with a stale layout while the others agree again
-    sync = cache.get(pg)
-    if sync is None:
-        device = comm_device(pg)
-        layout = agree_schema(tracker, pg, device, wait)
-        sync = cache[pg] = _GroupSync(layout, device, dist.get_world_size(pg))
+    wait = as_timeout(timeout)
+    sync = _group_sync(tracker, pg, wait)
     accumulators = tracker.accumulators
     for _ in range(2):
-        layout = sync.layout
         plan = sync.packing_plan(accumulators)
         sums, maxes = _reduce(plan, sync, pg, wait)
-        if python_results(layout):  # read the buffers as lists once, for the results
+        layout = plan.layout
+        if layout is not None and python_results(layout):  # read the buffers once
             sums_list, maxes_list = sums.tolist(), maxes.tolist()
             changed, high, neg_low = maxes_list[-HEADER:]
         else:
             sums_list = maxes_list = None
             changed, high, neg_low = maxes[-HEADER:].tolist()
-        if changed == 0 and high == -neg_low:
+        if layout is not None and changed == 0 and high == -neg_low:
+            sync.agreed.use(layout)  # every rank packed this layout
             size = layout.num_maxes
             if sums_list is not None and _plain(plan, sums_list):
                 scalars = (sums_list, maxes_list[:size])
@@ -342,10 +241,11 @@ def sync_reduce(
             logged = None if plan.logged_all else maxes[size : size + len(layout.slots)]
             return _finish(accumulators, layout, sums, maxes[:size], logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
+        sync.agreed.use(sync.layout)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
-def _plain(plan: _Plan, sums: list[float]) -> bool:
+def _plain(plan: Plan, sums: list[float]) -> bool:
     """Whether a reduced step is the plain kind: every name logged on this rank (so in
     the group), no framework counts to report, no extras."""
     layout = plan.layout
@@ -353,35 +253,33 @@ def _plain(plan: _Plan, sums: list[float]) -> bool:
 
 
 def _reduce(
-    plan: _Plan, sync: _GroupSync, group: Any, wait: timedelta | None
+    plan: Plan, sync: _GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The packed SUM part and MAX part (tail included) reduced over ``group``, on the
-    host (one device-to-host copy): one gather up to ``GATHER_LIMIT`` gathered floats,
-    else two all_reduces."""
-    world, layout, accs, tail = sync.world, plan.layout, plan.accs, plan.tail
-    num_sums = layout.num_sums
-    if world * (num_sums + layout.num_maxes + len(tail)) <= GATHER_LIMIT:
-        if plan.send is None and not layout.extra_slots:
-            plan.send = SendBuffer.make(layout, tail)
-        packed = pack_scalars(accs, layout, sync.device, max_tail=tail, reuse=plan.send)
+    """The packed SUM part and MAX part (padding and header included) reduced over
+    ``group``, on the host (one device-to-host copy): one gather up to ``GATHER_LIMIT``
+    gathered floats, else two all_reduces. Every rank's buffers have the group's padded
+    sizes, whatever layout (or none) it packed."""
+    world, sizes = sync.world, plan.sizes
+    if world * sizes.gather <= GATHER_LIMIT:
+        packed = plan.pack_gather(sync.device)
         what = "all_gather of metric states"
         if packed.device.type == "cpu":  # straight into a reused host buffer
             gathered, rows = sync.gather_rows(world, packed.numel())
-            _wait(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
+            wait_for(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
         else:
             gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
+        num_sums = plan.num_sums
         return _add_rows(gathered[:, :num_sums]), _max_rows(gathered[:, num_sums:])
-    packed = pack_scalars(accs, layout, sync.device, max_tail=tail, nan_counts=True)
-    additive = sum_part(layout, nan_counts=True)
-    all_reduce(
-        packed[:additive], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states"
-    )
-    all_reduce(
-        packed[additive:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states"
-    )
+    packed = plan.pack_pair(sync.device)
+    split = sizes.sums
+    all_reduce(packed[:split], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
+    all_reduce(packed[split:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states")
     host = packed.cpu().numpy()
-    sums = host[:additive]
-    return sums[:num_sums], restore_nans(sums, host[additive:], layout)
+    layout = plan.layout
+    if layout is None:  # only the header matters
+        return host[:0], host[split:]
+    sums = host[: sum_part(layout, nan_counts=True)]
+    return sums[: layout.num_sums], restore_nans(sums, host[split:], layout)
 
 
 def _add_rows(rows: np.ndarray) -> np.ndarray:
@@ -425,3 +323,26 @@ def _finish(
             payloads = gather_bytes(pickle.dumps(local_objects), group, device, wait)
             objects = [pickle.loads(p) for p in payloads]  # only from this group's ranks
     return unpack(layout, sums, maxes, extras, objects, sizes, logged)
+
+
+__all__ = [
+    "GATHER_LIMIT",
+    "MAX_TIMEOUT_S",
+    "SyncTimeoutError",
+    "agree_schema",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "as_timeout",
+    "comm_device",
+    "gather_bytes",
+    "is_initialized",
+    "is_replica_source",
+    "rank_in",
+    "resolve_group",
+    "should_sync",
+    "sync_reduce",
+    "wait_for",
+    "world_size",
+]

@@ -51,7 +51,7 @@ def as_number(name: str, value: object, what: str = "value") -> float | None:
 def as_tensor(name: str, value: object, what: str = "value") -> Tensor:
     """``value`` (array, tensor, sequence) as a detached float64 tensor, same device."""
     if isinstance(value, Tensor):
-        _check_real(name, value, what)
+        _check_tensor(name, value, what)
         tensor = value.detach()
         return tensor if tensor.dtype is torch.float64 else tensor.to(torch.float64)
     return torch.from_numpy(numeric_array(name, value, what))
@@ -64,7 +64,13 @@ def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
             f"metric {name!r}: {what} must be a number, numpy array or tensor, "
             f"got {type(value).__name__}"
         )
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except ValueError as error:  # numpy's message does not say which metric
+        raise ValueError(
+            f"metric {name!r}: {what} is a ragged sequence (rows of different lengths, "
+            f"or numbers mixed with sequences); pass equal-length rows or a flat list ({error})"
+        ) from error
     if array.dtype.kind not in "biuf":
         raise TypeError(
             f"metric {name!r}: {what} must be numeric, got an array of dtype {array.dtype}"
@@ -114,7 +120,7 @@ def host_array(name: str, value: object, what: str = "value") -> np.ndarray:
     float64 numpy array; a float64 CPU tensor is viewed, not copied."""
     if not isinstance(value, Tensor):
         return numeric_array(name, value, what)
-    _check_real(name, value, what)
+    _check_tensor(name, value, what)
     tensor = value.detach() if value.requires_grad else value
     if tensor.dtype not in NUMPY_DTYPES:  # bfloat16 and friends have no numpy twin
         tensor = tensor.to(torch.float64)
@@ -137,9 +143,18 @@ def host_weights(name: str, weight: object, values: np.ndarray) -> np.ndarray | 
     return weights
 
 
-def _check_real(name: str, tensor: Tensor, what: str) -> None:
+def _check_tensor(name: str, tensor: Tensor, what: str) -> None:
+    """A tensor must be real, dense (strided), not nested and hold data (not meta)."""
     if tensor.is_complex():
         raise TypeError(f"metric {name!r}: {what} must be real, got complex dtype {tensor.dtype}")
+    if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_meta:
+        if tensor.is_nested:
+            problem = "a nested tensor; pass its flat values (for example torch.cat(t.unbind()))"
+        elif tensor.is_meta:
+            problem = "a meta tensor, which holds no data"
+        else:
+            problem = f"a {tensor.layout} tensor; pass a dense one (tensor.to_dense())"
+        raise TypeError(f"metric {name!r}: {what} must be a dense tensor with data, got {problem}")
 
 
 def _check_shapes(name: str, weight_shape: tuple[int, ...], value_shape: tuple[int, ...]) -> None:

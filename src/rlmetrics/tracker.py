@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from rlmetrics.accumulate import Prepared, add_number, add_prepared, prepare
-from rlmetrics.distributed import should_sync, sync_reduce
+from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
 from rlmetrics.kinds.base import NUM_FLAGS, REJECTED_SLOT
@@ -21,6 +23,20 @@ from rlmetrics.state import TrackerState, check_metric
 
 EMPTY_POLICIES = ("omit", "nan")
 NONFINITE_POLICIES = ("propagate", "skip", "error")
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _locked(method: _Method) -> _Method:
+    """A Tracker method that holds the tracker's lock while it runs (see "Threads" in
+    ``Tracker``); the log calls take the lock inline, which costs less."""
+
+    @functools.wraps(method)
+    def locked(self: Tracker, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 class LogMethods:
@@ -135,6 +151,13 @@ class Tracker(LogMethods):
             already); device tensors always take the tensor path. False sends host data
             down the tensor path too (tests use it to run that path on the CPU).
 
+    Threads: a tracker may be shared by threads. Each log call holds the tracker's lock
+    (uncontended, a fraction of the call's cost), and ``compute()``, ``state()``,
+    ``merge()`` and ``reset()`` hold it throughout: every call lands whole in one step,
+    and a call made while ``compute()`` runs waits and lands in the next step. Several
+    threads then contend for one lock; a tracker per thread, merged at step end
+    (``merge``), avoids that.
+
     Example:
         >>> t = Tracker()
         >>> actor = t.prefixed("actor/")
@@ -167,6 +190,7 @@ class Tracker(LogMethods):
         self._pool: dict[str, Accumulator] = {}
         self.sync_cache: Any = None  # owned by rlmetrics.distributed
         self._local_layout: Layout | None = None
+        self._lock = threading.RLock()  # see "Threads" above
 
     host_arrays: bool = True
 
@@ -178,20 +202,25 @@ class Tracker(LogMethods):
         return self._own_kinds.get(kind_name) or get_kind(kind_name)
 
     def _log(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
+        lock = self._lock  # acquire/release: cheaper than a with block
+        lock.acquire()
         try:
-            acc = self._accumulators.get(name)
-        except TypeError:  # an unhashable name
-            check_name(name)
-            raise
-        if acc is None or acc.kind.name != kind_name:
-            acc = self._accumulator(name, self.kind(kind_name))
             try:
-                self._log_value(acc, name, value, weight)
-            except BaseException:
-                del self._accumulators[name]  # a failed first call leaves no empty metric
+                acc = self._accumulators.get(name)
+            except TypeError:  # an unhashable name
+                check_name(name)
                 raise
-            return
-        self._log_value(acc, name, value, weight)
+            if acc is None or acc.kind.name != kind_name:
+                acc = self._accumulator(name, self.kind(kind_name))
+                try:
+                    self._log_value(acc, name, value, weight)
+                except BaseException:
+                    del self._accumulators[name]  # a failed first call leaves no empty metric
+                    raise
+                return
+            self._log_value(acc, name, value, weight)
+        finally:
+            lock.release()
 
     def _log_value(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
         """Python numbers take the fast path; everything else is prepared first (unless
@@ -246,8 +275,10 @@ class Tracker(LogMethods):
         return len(self._accumulators)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._accumulators)
+        with self._lock:  # a snapshot: another thread may log a new name meanwhile
+            return iter(list(self._accumulators))
 
+    @_locked
     def schema(self) -> dict[str, str]:
         """The names logged since the last reset, with their kind names."""
         return {name: acc.kind.name for name, acc in self._accumulators.items()}
@@ -257,6 +288,7 @@ class Tracker(LogMethods):
         """The live accumulators (read-only view, for the sync code)."""
         return self._accumulators
 
+    @_locked
     def device(self) -> torch.device:
         """Where this tracker's tensors live (the CPU when it holds none)."""
         for acc in self._accumulators.values():
@@ -265,6 +297,7 @@ class Tracker(LogMethods):
                 return device
         return torch.device("cpu")
 
+    @_locked
     def state(self) -> TrackerState:
         """A small picklable snapshot of this process's metrics (one host transfer).
 
@@ -309,6 +342,7 @@ class Tracker(LogMethods):
             if acc.dev_sums is not None:
                 acc.dev_sums = torch.cat((acc.dev_sums[:REJECTED_SLOT], acc.dev_sums.new_zeros(1)))
 
+    @_locked
     def merge(self, other: Tracker | TrackerState) -> Tracker:
         """Merge another tracker's metrics (or a state) into this one; returns self.
 
@@ -348,16 +382,34 @@ class Tracker(LogMethods):
             acc.load(metric)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the caches: the sync cache holds this process's groups (weakly)."""
-        state = {**self.__dict__, "sync_cache": None, "_local_layout": None}
-        return {**state, "_pool": dict(self._accumulators)}
+        """Pickle without the caches (the sync cache holds this process's groups, weakly)
+        and the lock."""
+        with self._lock:
+            state = {**self.__dict__, "sync_cache": None, "_local_layout": None}
+            del state["_lock"]
+            return {**state, "_pool": dict(self._accumulators)}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle with a new lock, and each metric on this process's kind object (a
+        pickled kind arrives as a copy, which an agreed layout would not recognise)."""
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+        for acc in self._accumulators.values():
+            try:
+                kind = self.kind(acc.kind.name)
+            except ValueError:  # a user kind not registered in this process: keep the copy
+                continue
+            if kind is not acc.kind and kind.fingerprint() == acc.kind.fingerprint():
+                acc.kind = kind
+
+    @_locked
     def reset(self) -> None:
         """Forget every metric (a new step begins)."""
         if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
             self._pool = dict(self._accumulators)
         self._accumulators = {}
 
+    @_locked
     def compute(
         self,
         reset: bool = True,
@@ -383,6 +435,7 @@ class Tracker(LogMethods):
             ValueError: a tensor log call was rejected (see ``state``); nothing is reset,
                 and calling ``compute()`` again returns every other call's metrics.
         """
+        as_timeout(timeout)  # a bad timeout raises even where nothing syncs
         if sync and should_sync(group):
             try:
                 reduced = sync_reduce(self, group=group, timeout=timeout)
@@ -401,8 +454,14 @@ class Tracker(LogMethods):
         """A checkpointable dict (plain python and numpy) of the current step's metrics."""
         return self.state().to_dict()
 
+    @_locked
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Replace this tracker's metrics with a ``state_dict()``'s."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                "load_state_dict(state_dict): expected the dict that state_dict() returns, "
+                f"got {type(state_dict).__name__}"
+            )
         state = TrackerState.from_dict(state_dict)
         kinds = self._checked_kinds(state, {})  # a state that fails changes nothing
         self.reset()

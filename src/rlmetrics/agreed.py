@@ -1,0 +1,158 @@
+"""What every rank of a process group knows alike (the layouts agreed over it), and how
+one rank packs a step into buffers of the group's padded sizes (``Plan``).
+
+A step's collective must have the same size on every rank, or the backend pairs the
+wrong messages (gloo aborts the process). A tracker's own cache (the layout it last
+agreed over a group) cannot decide that size: a tracker created or unpickled on one rank
+only has none, and one rank's tracker may cache another layout than its peers'.
+
+``GroupLayouts`` holds, per process group and process (not per tracker), the layouts
+agreed over the group most recently. Every rank changes it at the same points of the
+same collective sequence (an agreement, whose union every rank computes alike, and a
+step whose reduced header every rank reads alike), so it is the same on every rank of
+the group whatever their trackers cache. A step's buffers are padded to the largest
+of these layouts, and the layout each rank packed travels in the buffer's last
+``HEADER`` floats: a rank without a usable layout packs none and marks its buffer, so
+every rank sees the mismatch in the reduced header and agrees again, together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlmetrics.kinds.base import Accumulator
+from rlmetrics.layout import Layout
+from rlmetrics.packing import SendBuffer, pack_scalars, sum_part
+
+HEADER = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
+RECENT = 8  # layouts kept per group: trackers that share a group keep their own
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A group's padded buffer sizes (the largest of its recent layouts').
+
+    Attributes:
+        gather: the length of the one-gather buffer, [SUM | MAX | logged | pad | header].
+        sums: the length of the pair's all_reduce(SUM) part, [SUM | NaN counts | pad].
+        maxes: the length of the pair's all_reduce(MAX) part, [MAX | logged | pad | header].
+    """
+
+    gather: int = HEADER
+    sums: int = 0
+    maxes: int = HEADER
+
+
+def layout_sizes(layout: Layout) -> Sizes:
+    """The unpadded sizes of ``layout``'s buffers."""
+    sums, maxes, slots = layout.num_sums, layout.num_maxes, len(layout.slots)
+    return Sizes(sums + maxes + slots + HEADER, sums + maxes, maxes + slots + HEADER)
+
+
+class GroupLayouts:
+    """The layouts this process agreed over one group, newest first (at most
+    ``RECENT``), and the padded buffer sizes every rank of the group uses."""
+
+    def __init__(self) -> None:
+        self.layouts: list[Layout] = []
+        self.sizes = Sizes()
+
+    def use(self, layout: Layout) -> None:
+        """Record that every rank of the group agreed on (or reduced a step in)
+        ``layout``: it moves to the front; the oldest layout beyond ``RECENT`` drops.
+
+        ``sizes`` is replaced only when the set of layouts changes, so a packing plan
+        can tell whether its padding still holds by identity.
+        """
+        layouts = self.layouts
+        if layouts and layouts[0] is layout:
+            return
+        digest = layout.digest
+        others = [known for known in layouts if known.digest != digest]
+        self.layouts = [layout, *others][:RECENT]
+        if len(others) == len(layouts):  # a new member (the oldest may have dropped)
+            every = [layout_sizes(known) for known in self.layouts]
+            self.sizes = Sizes(
+                max(s.gather for s in every),
+                max(s.sums for s in every),
+                max(s.maxes for s in every),
+            )
+
+    def holds(self, layout: Layout) -> bool:
+        """Whether ``layout``'s buffers fit the group's padded sizes."""
+        own, padded = layout_sizes(layout), self.sizes
+        return own.gather <= padded.gather and own.sums <= padded.sums and own.maxes <= padded.maxes
+
+    def guess(self, accumulators: Mapping[str, Accumulator]) -> Layout | None:
+        """For a tracker with no layout of its own: the newest recent layout that fits
+        its metrics (the peers' likely one; a wrong guess costs one agreement), or None."""
+        return next((layout for layout in self.layouts if layout.fits(accumulators)), None)
+
+
+def logged_flags(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list[float]:
+    """Per layout slot, 1.0 when this process logged the name this step, else 0.0."""
+    if not fits:
+        return [0.0] * len(layout.slots)
+    if len(accumulators) == len(layout.slots):
+        return [1.0] * len(layout.slots)
+    return [1.0 if name in accumulators else 0.0 for name in layout.names]
+
+
+@dataclass(eq=False)
+class Plan:
+    """How this rank packs a step: its layout (None: it has none the group may share)
+    and accumulators in layout order (blanks included), the group's padded sizes, the
+    MAX tail of the gather ([logged per slot..., pad, schema changed, hash, -hash]) and
+    the send buffer of steps of python numbers only."""
+
+    layout: Layout | None
+    accs: list[Any]
+    sizes: Sizes
+    logged: list[float]
+    header: list[float]
+    logged_all: bool  # this rank logged every name of the layout
+    gather_tail: np.ndarray | None = None
+    send: SendBuffer | None = None
+
+    @property
+    def num_sums(self) -> int:
+        return 0 if self.layout is None else self.layout.num_sums
+
+    def tail(self, max_part: int) -> np.ndarray:
+        """The MAX part's tail that pads it to ``max_part`` floats, header last."""
+        num_maxes = 0 if self.layout is None else self.layout.num_maxes
+        tail = np.zeros(max_part - num_maxes)
+        tail[: len(self.logged)] = self.logged
+        tail[-HEADER:] = self.header
+        return tail
+
+    def pack_gather(self, device: torch.device) -> Tensor:
+        """[SUM | MAX | logged | pad | header], ``sizes.gather`` floats."""
+        layout, length = self.layout, self.sizes.gather
+        if layout is None:
+            return torch.from_numpy(self.tail(length)).to(device)
+        if self.gather_tail is None:
+            self.gather_tail = self.tail(length - layout.num_sums)
+            if not layout.extra_slots:
+                self.send = SendBuffer.make(layout, self.gather_tail)
+        return pack_scalars(self.accs, layout, device, max_tail=self.gather_tail, reuse=self.send)
+
+    def pack_pair(self, device: torch.device) -> Tensor:
+        """[SUM | NaN counts | pad | MAX | logged | pad | header]: the all_reduce(SUM)
+        part is ``sizes.sums`` floats, the all_reduce(MAX) part ``sizes.maxes``."""
+        layout, sizes = self.layout, self.sizes
+        if layout is None:
+            return torch.from_numpy(self.tail(sizes.sums + sizes.maxes)).to(device)
+        tail = self.tail(sizes.maxes)
+        packed = pack_scalars(self.accs, layout, device, max_tail=tail, nan_counts=True)
+        additive = sum_part(layout, nan_counts=True)
+        if additive == sizes.sums:
+            return packed
+        pad = packed.new_zeros(sizes.sums - additive)
+        return torch.cat((packed[:additive], pad, packed[additive:]))

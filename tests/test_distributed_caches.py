@@ -1,0 +1,175 @@
+"""Ranks whose trackers cache different layouts (or none) still sync, over real gloo ranks.
+
+A tracker created or unpickled on one rank only has no cached layout while its peers
+have one; a tracker swapped for another caches another layout. Every mix must pair the
+same collectives on every rank and give the single-process result.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from rlmetrics import Tracker
+from rlmetrics import distributed as rd
+from rlmetrics.agreed import RECENT
+
+from multiprocess import ok_results, run_ranks
+
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
+Calls = list[tuple[str, str, float]]
+
+# One step: per rank, (tracker key, what happens to it, calls). "keep" logs into the
+# rank's tracker of that key; "new" replaces it by a fresh Tracker first; "pickle" logs,
+# then replaces it by a pickled-and-loaded copy (no sync cache, same metrics).
+Step = tuple[tuple[str, str, Calls], tuple[str, str, Calls]]
+AB: Calls = [("a", "mean", 1.0), ("b", "max", 2.0)]
+AB1: Calls = [("a", "mean", 3.0), ("b", "max", -1.0)]
+C: Calls = [("c", "sum", 5.0)]
+STEPS: list[tuple[str, Step]] = [
+    ("first step", (("A", "keep", AB), ("A", "keep", AB1))),
+    ("steady", (("A", "keep", AB), ("A", "keep", AB1))),
+    ("another tracker, another layout", (("B", "keep", C), ("B", "keep", C))),
+    ("alternating trackers, steady", (("A", "keep", AB), ("A", "keep", AB1))),
+    ("rank 1 fresh, same names", (("A", "keep", AB), ("A", "new", AB1))),
+    ("rank 0 fresh, same names", (("A", "new", AB), ("A", "keep", AB1))),
+    ("rank 1 unpickled", (("A", "keep", AB), ("A", "pickle", AB1))),
+    ("rank 0 unpickled", (("A", "pickle", AB), ("A", "keep", AB1))),
+    ("both unpickled", (("A", "pickle", AB), ("A", "pickle", AB1))),
+    ("rank 1 fresh, a new name", (("A", "keep", AB), ("A", "new", [("z", "min", 4.0)]))),
+    ("rank 0 fresh, nothing logged", (("A", "new", []), ("A", "keep", AB1))),
+    ("rank 1 cache of another layout", (("A", "keep", AB), ("B", "keep", C))),
+    ("rank 1 schema changed", (("A", "keep", AB), ("A", "keep", [*AB1, ("d", "sum", 1.0)]))),
+    ("rank 0 other tracker, new name", (("B", "keep", [("e", "max", 7.0)]), ("A", "keep", AB))),
+    ("after the changes", (("A", "keep", AB), ("A", "keep", AB1))),  # caches differ: agree
+    ("after the changes, steady", (("A", "keep", AB), ("A", "keep", AB1))),
+]
+# steps whose collective count is pinned on the one-gather path
+COUNTS = {
+    "first step": 3,  # agreement (2 byte gathers), then the gather
+    "steady": 1,
+    "alternating trackers, steady": 1,
+    "rank 1 fresh, same names": 1,  # its guess is its peers' layout
+    "rank 1 unpickled": 1,
+    "rank 1 fresh, a new name": 4,  # the gather says "changed", agreement, gather again
+    "after the changes, steady": 1,
+    "steady again": 1,
+}
+
+
+def log_calls(tracker: Tracker, calls: Calls) -> None:
+    for name, kind, value in calls:
+        tracker.log(name, value, kind=kind)
+
+
+def count_collectives() -> dict[str, int]:
+    """Count this rank's all_gather and all_reduce calls from now on."""
+    counts = {"n": 0}
+    for name in ("all_gather", "all_reduce"):
+        original = getattr(dist, name)
+
+        def wrapped(*args, _original: Callable = original, **kwargs):
+            counts["n"] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    return counts
+
+
+def schedule() -> list[tuple[str, Step]]:
+    """STEPS, then more trackers than a group keeps layouts for, then tracker A again
+    (its layout dropped from the group's recent ones), fresh on rank 1."""
+    evicting = [
+        ("evicting", ((f"T{i}", "keep", [(f"t{i}", "sum", 1.0)]),) * 2) for i in range(RECENT + 1)
+    ]
+    again = [
+        ("evicted, rank 1 fresh", (("A", "keep", AB), ("A", "new", AB1))),
+        ("steady again", (("A", "keep", AB), ("A", "keep", AB1))),
+    ]
+    return STEPS + evicting + again
+
+
+def mixed_caches(rank: int, world: int, limit: int | None) -> list[tuple[dict, int]]:
+    """Run ``schedule()`` on this rank: (result, collectives) per step."""
+    if limit is not None:
+        rd.GATHER_LIMIT = limit
+    counts = count_collectives()
+    trackers: dict[str, Tracker] = {}
+    out = []
+    for _, step in schedule():
+        key, action, calls = step[rank]
+        if action == "new" or key not in trackers:
+            trackers[key] = Tracker()
+        log_calls(trackers[key], calls)
+        if action == "pickle":
+            trackers[key] = pickle.loads(pickle.dumps(trackers[key]))
+        before = counts["n"]
+        result = trackers[key].compute(timeout=30)
+        out.append((result, counts["n"] - before))
+    return out
+
+
+def single_process(step: Step) -> dict:
+    tracker = Tracker()
+    for _, _, calls in step:
+        log_calls(tracker, calls)
+    return tracker.compute()
+
+
+@pytest.mark.parametrize("limit", [None, 0], ids=["one_gather", "all_reduce_pair"])
+def test_ranks_with_different_or_no_cached_layouts_sync(limit: int | None) -> None:
+    """Each step equals one process logging both ranks' calls, on both ranks, whatever
+    each rank's tracker caches; the steady state stays one collective."""
+    rank0, rank1 = ok_results(run_ranks(mixed_caches, 2, limit, timeout=300))
+    for (label, step), (got0, count0), (got1, count1) in zip(schedule(), rank0, rank1, strict=True):
+        assert got0 == got1 == single_process(step), label
+        assert count0 == count1, label
+        if limit is None and label in COUNTS:
+            assert count0 == COUNTS[label], label
+
+
+def misuse(rank: int, world: int) -> dict[str, str]:
+    """compute() over a group this rank is not in, and with edge-case timeouts."""
+    out = {}
+    outside = dist.new_group([0])  # rank 1 is not a member
+    tracker = Tracker()
+    tracker.mean("x", float(rank))
+    if rank == 1:
+        try:
+            tracker.compute(group=outside)
+        except ValueError as error:
+            out["outside"] = str(error)
+        assert "x" in tracker  # nothing was reset
+    else:
+        out["outside"] = repr(tracker.compute(group=outside, reset=False))
+    out["inf"] = repr(tracker.compute(timeout=math.inf))
+    tracker.mean("x", 1.0)
+    out["huge"] = repr(tracker.compute(timeout=timedelta(days=999_999_999)))
+    for bad in (0, -1.0, math.nan, timedelta(0)):
+        tracker.mean("x", 1.0)
+        try:
+            tracker.compute(timeout=bad)
+        except ValueError as error:
+            out[repr(bad)] = str(error)
+    return out
+
+
+def test_group_non_member_and_timeouts() -> None:
+    """A rank outside the group gets a ValueError that says so (its peers are not left
+    waiting: torch issues nothing for non-members); ``math.inf`` and huge timeouts mean
+    no bound of rlmetrics', and zero, negative or NaN ones are rejected."""
+    rank0, rank1 = ok_results(run_ranks(misuse, 2, timeout=180))
+    assert rank0["outside"] == "{'x': 0.0}"
+    assert "not a member of the process group" in rank1["outside"]
+    assert "GroupMember.NON_GROUP_MEMBER" in rank1["outside"]
+    for out in (rank0, rank1):
+        assert out["inf"] == "{'x': 0.5}"
+        assert out["huge"] == "{'x': 1.0}"
+        for bad in ("0", "-1.0", "nan", "datetime.timedelta(0)"):
+            assert out[bad].startswith("timeout must be > 0 seconds"), bad
