@@ -6,9 +6,9 @@ Metrics are drawn in pages of at most ``PAGE_SIZE`` subplots, one page per prefi
 (``actor/...``, ``critic/...``; a large group takes several pages). One page goes to
 ``out``; several pages go to one multi-page file when ``out`` is a PDF, else to one
 file per page, ``<out stem>-<NN>-<group><suffix>``. Every page has the same bounded
-number of subplots and no automatic layout solver, so the time grows linearly with
-the number of metrics (one figure of hundreds of shared-axis, constrained-layout
-subplots does not).
+number of subplots, drawn on one reused figure with fixed margins (no layout solver,
+no shared axes), so the time grows linearly with the number of metrics; one figure of
+hundreds of shared-axis, constrained-layout subplots grows much faster.
 """
 
 from __future__ import annotations
@@ -103,34 +103,59 @@ def page_paths(out: Path, page_groups: Sequence[str]) -> list[Path]:
     ]
 
 
-def draw_page(fig: Any, series: Series, names: Sequence[str], title: str) -> None:
-    """Clear ``fig`` and draw one subplot per name in a grid, x limits shared by hand."""
-    cols = 1 if len(names) <= SINGLE_COLUMN else COLUMNS
-    rows = math.ceil(len(names) / cols)
-    width = MARGINS["left"] + MARGINS["right"] + cols * PANEL_INCHES[0]
-    height = MARGINS["top"] + MARGINS["bottom"] + rows * PANEL_INCHES[1]
-    fig.clear()
-    fig.set_size_inches(width, height)
-    fig.subplots_adjust(
-        left=MARGINS["left"] / width, right=1 - MARGINS["right"] / width,
-        bottom=MARGINS["bottom"] / height, top=1 - MARGINS["top"] / height,
-        hspace=0.45, wspace=0.3,
-    )  # fmt: skip
-    axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    all_steps = list(itertools.chain.from_iterable(series[n][0] for n in names))
-    lo, hi = min(all_steps), max(all_steps)
-    for ax, name in zip(axes, names, strict=False):
-        steps, values = series[name]
-        ax.plot(steps, values, marker="." if len(steps) < 50 else None, linewidth=1.2)
-        ax.set_title(name, fontsize=9, loc="left")
-        ax.set_xlim(lo - 0.5, hi + 0.5) if lo == hi else ax.set_xlim(lo, hi)
-        ax.grid(True, alpha=0.3)
-    for ax in axes[len(names) :]:
-        ax.set_visible(False)
-    for ax in axes[len(names) - cols : len(names)]:
-        ax.set_xlabel("step")
-    if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+def grid(count: int) -> tuple[int, int]:
+    """(rows, columns) of a page of ``count`` subplots."""
+    cols = 1 if count <= SINGLE_COLUMN else COLUMNS
+    return math.ceil(count / cols), cols
+
+
+class PageFigure:
+    """One figure with one grid of subplots, reused for every page of a plot.
+
+    Creating subplots costs more than drawing them, so each page only changes the
+    lines' data, the titles and the limits, and hides the cells it does not use.
+    Titles and axis labels sit at fixed positions (matplotlib's automatic placement
+    measures every tick label of the neighbouring subplots on each draw).
+    """
+
+    def __init__(self, rows: int, cols: int) -> None:
+        from matplotlib.figure import Figure
+
+        width = MARGINS["left"] + MARGINS["right"] + cols * PANEL_INCHES[0]
+        height = MARGINS["top"] + MARGINS["bottom"] + rows * PANEL_INCHES[1]
+        self.fig = Figure(figsize=(width, height))
+        self.fig.subplots_adjust(
+            left=MARGINS["left"] / width, right=1 - MARGINS["right"] / width,
+            bottom=MARGINS["bottom"] / height, top=1 - MARGINS["top"] / height,
+            hspace=0.45, wspace=0.3,
+        )  # fmt: skip
+        self.cols = cols
+        self.axes = list(self.fig.subplots(rows, cols, squeeze=False).ravel())
+        self.lines = [ax.plot([], [], linewidth=1.2)[0] for ax in self.axes]
+        for ax in self.axes:
+            ax.grid(True, alpha=0.3)
+            ax.locator_params(nbins=5)
+            ax.xaxis.set_label_coords(0.5, -0.16)
+        self.title = self.fig.suptitle("", x=0.01, ha="left", fontsize=11)
+
+    def draw(self, series: Series, names: Sequence[str], title: str) -> None:
+        """Show ``names`` in the first cells (x limits shared by hand), hide the rest."""
+        all_steps = list(itertools.chain.from_iterable(series[n][0] for n in names))
+        lo, hi = min(all_steps), max(all_steps)
+        last_row = {i % self.cols: i for i in range(len(names))}  # bottom cell per column
+        for i, (ax, line) in enumerate(zip(self.axes, self.lines, strict=True)):
+            ax.set_visible(i < len(names))
+            if i >= len(names):
+                continue
+            steps, values = series[names[i]]
+            line.set_data(steps, values)
+            line.set_marker("." if len(steps) < 50 else "None")
+            ax.set_title(names[i], loc="left", fontsize=9, y=1.0, pad=3)
+            ax.relim()
+            ax.autoscale_view(scalex=False)
+            ax.set_xlim(lo - 0.5, hi + 0.5) if lo == hi else ax.set_xlim(lo, hi)
+            ax.set_xlabel("step" if last_row[i % self.cols] == i else "")
+        self.title.set_text(title)
 
 
 def plot_jsonl(
@@ -149,26 +174,24 @@ def plot_jsonl(
         ImportError: matplotlib is missing (``pip install 'rlmetrics[plot]'``).
     """
     require("matplotlib", "plot", "plotting")
-    from matplotlib.figure import Figure
-
     series = read_jsonl(path)
     names = select(series, metrics, path)
     out_path = Path(out) if out else Path(path).with_suffix(".png")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     layout = pages(names)
-    fig = Figure()  # one figure, cleared and redrawn per page
+    page = PageFigure(*grid(max(len(members) for _, members in layout)))
     if len(layout) > 1 and out_path.suffix.lower() == ".pdf":
         from matplotlib.backends.backend_pdf import PdfPages
 
         with PdfPages(out_path) as pdf:
             for group, members in layout:
-                draw_page(fig, series, members, group)
-                pdf.savefig(fig)
+                page.draw(series, members, group)
+                pdf.savefig(page.fig)
         return [out_path]
     paths = page_paths(out_path, [group for group, _ in layout])
     for (group, members), target in zip(layout, paths, strict=True):
-        draw_page(fig, series, members, group)
-        fig.savefig(target, dpi=100)
+        page.draw(series, members, group)
+        page.fig.savefig(target, dpi=100)
     return paths
 
 
