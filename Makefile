@@ -49,14 +49,16 @@ test-fast: lint
 	$(PY) -m pytest -q -x -m "not slow" tests --ignore=tests/integrations
 
 # What a plain `pip install rlmetrics` user runs first: no optional package may be
-# present; the demo (plain-text tables) and the audit exit 0; `audit --plot` stops at
-# once naming rlmetrics[plot]. Run in a temp folder (HOME, TMPDIR too), not the repo.
+# present; the demo (2 spawned ranks, plain-text tables; a smaller batch and model to
+# keep it short) and the audit exit 0; `audit --plot` stops at once naming
+# rlmetrics[plot]. Run in a temp folder (HOME and TMPDIR too), not in the repository.
 test-plain: .venv-plain/.ready
 	.venv-plain/bin/python -c "import importlib.util as u, sys; \
 	  extra = [m for m in ('rich', 'tqdm', 'matplotlib') if u.find_spec(m)]; \
 	  sys.exit(f'not a plain install: {extra}' if extra else 0)"
 	set -e; dir=$$(mktemp -d); cd $$dir; export HOME=$$dir TMPDIR=$$dir; \
-	  $(CURDIR)/.venv-plain/bin/rlmetrics demo --steps 3 --log-every 1; \
+	  $(CURDIR)/.venv-plain/bin/rlmetrics demo --steps 3 --log-every 1 --num-prompts 8 \
+	    --samples-per-prompt 4 --n-embd 64; \
 	  $(CURDIR)/.venv-plain/bin/rlmetrics audit; \
 	  if $(CURDIR)/.venv-plain/bin/rlmetrics audit --plot a.png 2>err.txt; then exit 1; fi; \
 	  grep -q "rlmetrics\[plot\]" err.txt; cd /; rm -rf $$dir
