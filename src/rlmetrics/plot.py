@@ -139,7 +139,8 @@ class PageFigure:
         self.title = self.fig.suptitle("", x=0.01, ha="left", fontsize=11)
 
     def draw(self, series: Series, names: Sequence[str], title: str) -> None:
-        """Show ``names`` in the first cells (x limits shared by hand), hide the rest."""
+        """Show ``names`` in the first cells, hide the rest. Every cell gets the same x
+        limits, so only the bottom cell of each column labels its x ticks."""
         all_steps = list(itertools.chain.from_iterable(series[n][0] for n in names))
         lo, hi = min(all_steps), max(all_steps)
         last_row = {i % self.cols: i for i in range(len(names))}  # bottom cell per column
@@ -154,7 +155,9 @@ class PageFigure:
             ax.relim()
             ax.autoscale_view(scalex=False)
             ax.set_xlim(lo - 0.5, hi + 0.5) if lo == hi else ax.set_xlim(lo, hi)
-            ax.set_xlabel("step" if last_row[i % self.cols] == i else "")
+            bottom = last_row[i % self.cols] == i  # x ticks are equal down a column
+            ax.tick_params(axis="x", labelbottom=bottom)
+            ax.set_xlabel("step" if bottom else "")
         self.title.set_text(title)
 
 
