@@ -112,6 +112,21 @@ def test_audit_plot_without_matplotlib_fails_before_any_work(monkeypatch, tmp_pa
     assert "rlmetrics audit --plot needs the 'matplotlib' package" in str(exit_info.value)
 
 
+@pytest.mark.parametrize("backend", ["tensorboard", "wandb", "mlflow"])
+def test_demo_checks_the_loggers_extras_before_spawning(backend, monkeypatch, capsys) -> None:
+    from rlmetrics.trainer import launch
+
+    def no_spawn(cfg):
+        raise AssertionError("ranks were spawned")
+
+    monkeypatch.setattr(launch, "spawn", no_spawn)
+    hide(monkeypatch, backend)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--loggers", f"jsonl,{backend}"])
+    assert exit_info.value.code == 2
+    assert f"pip install 'rlmetrics[{backend}]'" in capsys.readouterr().err
+
+
 def test_audit_table_shows_names_literally(capsys) -> None:
     pytest.importorskip("rich")
     from rich.console import Console

@@ -151,7 +151,7 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rlmetrics.trainer.launch import spawn
 
     cfg = _config(args, parser)
-    _check_resume(cfg, parser)
+    _check_before_start(cfg, parser)
     start = time.perf_counter()
     history = _launch_ray(args, parser, cfg) if args.launcher == "ray" else spawn(cfg)
     run = cfg.run
@@ -163,15 +163,19 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _check_resume(cfg: Any, parser: argparse.ArgumentParser) -> None:
-    """Before any rank starts: the checkpoint to resume from exists and is readable."""
+def _check_before_start(cfg: Any, parser: argparse.ArgumentParser) -> None:
+    """Before any rank starts: the loggers' extras are installed, and the checkpoint to
+    resume from exists, is readable and matches the config."""
+    from rlmetrics.extras import require_loggers
+    from rlmetrics.loggers import parse_backends
     from rlmetrics.trainer import checkpoint
 
     try:
+        require_loggers(parse_backends(cfg.run.loggers), f"--loggers {cfg.run.loggers}")
         path = checkpoint.resume_path(cfg.run)
         if path is not None:
             checkpoint.check_config(cfg, checkpoint.load(path)["config"], path)
-    except (OSError, ValueError) as err:
+    except (ImportError, OSError, ValueError) as err:
         parser.error(str(err))
 
 
@@ -200,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rlmetrics.trainer.launch import from_env
 
         cfg = _config(args, parser)
-        _check_resume(cfg, parser)
+        _check_before_start(cfg, parser)
         from_env(cfg)
         return 0
     if args.command == "plot":

@@ -8,6 +8,10 @@ so it fails in a second with the install line instead of after minutes of work.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+
+# The package each optional logger backend needs; its extra has the backend's name.
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 def missing(module: str, extra: str, purpose: str, error: BaseException | None = None) -> str:
@@ -43,3 +47,19 @@ def available(module: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` is installed, without importing it (cheap: for up-front checks)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_loggers(backends: list[str], purpose: str) -> None:
+    """Raise ImportError naming the extra of the first backend whose package is missing."""
+    for backend in backends:
+        package = LOGGER_PACKAGES.get(backend)
+        if package is not None and not installed(package):
+            raise ImportError(missing(package, backend, purpose), name=package)
