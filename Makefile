@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS := requirements/constraints.txt
 PIP_INSTALL = -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test test-core test-fast test-verl test-trl lint format bench clean
+.PHONY: demo test test-core test-fast test-plain test-verl test-trl lint format bench clean
 
 $(VENV)/.core: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,18 @@ $(VENV)/.dev: $(VENV)/.core
 	.venv-$*/bin/python $(PIP_INSTALL) --no-deps -e .
 	touch $@
 
+# A plain install: torch, numpy and the package, no extras, not editable (an explicit
+# rule, so the .venv-%/.ready pattern above does not apply). Rebuilt when a source changes.
+.venv-plain/.ready: pyproject.toml $(CONSTRAINTS) $(shell find src -name '*.py')
+	test -x .venv-plain/bin/python || $(PYTHON) -m venv .venv-plain
+	.venv-plain/bin/python $(PIP_INSTALL) .
+	touch $@
+
 demo: $(VENV)/.core
 	$(VENV)/bin/rlmetrics demo
 
-# Everything: lint, the core suite, then the verl and TRL integration suites.
-test: test-core test-verl test-trl
+# Everything: lint, the core suite, a plain install, then the verl and TRL suites.
+test: test-core test-plain test-verl test-trl
 
 test-core: lint
 	$(PY) -m pytest -q --durations=15 tests --ignore=tests/integrations
@@ -40,6 +47,21 @@ test-core: lint
 # The inner loop: the core suite without the slow (multi-process, trainer) tests.
 test-fast: lint
 	$(PY) -m pytest -q -x -m "not slow" tests --ignore=tests/integrations
+
+# What a plain `pip install rlmetrics` user runs first: no optional package may be
+# present; the demo (2 spawned ranks, plain-text tables; a smaller batch and model to
+# keep it short) and the audit exit 0; `audit --plot` stops at once naming
+# rlmetrics[plot]. Run in a temp folder (HOME and TMPDIR too), not in the repository.
+test-plain: .venv-plain/.ready
+	.venv-plain/bin/python -c "import importlib.util as u, sys; \
+	  extra = [m for m in ('rich', 'tqdm', 'matplotlib') if u.find_spec(m)]; \
+	  sys.exit(f'not a plain install: {extra}' if extra else 0)"
+	set -e; dir=$$(mktemp -d); cd $$dir; export HOME=$$dir TMPDIR=$$dir; \
+	  $(CURDIR)/.venv-plain/bin/rlmetrics demo --steps 3 --log-every 1 --num-prompts 8 \
+	    --samples-per-prompt 4 --n-embd 64; \
+	  $(CURDIR)/.venv-plain/bin/rlmetrics audit; \
+	  if $(CURDIR)/.venv-plain/bin/rlmetrics audit --plot a.png 2>err.txt; then exit 1; fi; \
+	  grep -q "rlmetrics\[plot\]" err.txt; cd /; rm -rf $$dir
 
 test-verl: .venv-verl/.ready
 	.venv-verl/bin/python -m pytest -q --durations=10 -p no:cacheprovider tests/integrations/verl
@@ -60,4 +82,4 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/sync_bench.py
 
 clean:
-	rm -rf $(VENV) .venv-verl .venv-trl build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .venv-verl .venv-trl .venv-plain build *.egg-info src/*.egg-info

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -150,10 +151,16 @@ def test_jsonl_drops_a_torn_last_line(tmp_path):
 
 def test_jsonl_metric_named_step_is_dropped_with_a_warning(tmp_path):
     logger = JsonlLogger(tmp_path / "m.jsonl")
-    with pytest.warns(LoggerWarning, match="may not be named 'step'"):
+    with pytest.warns(LoggerWarning, match="may not be named 'step'") as record:
         logger.log(5, {"step": 99.0, "x": 1.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logger.log(6, {"step": 99.0, "x": 2.0})  # warned once
     logger.close()
-    assert read_lines(tmp_path / "m.jsonl") == [{"step": 5, "x": 1.0}]
+    assert read_lines(tmp_path / "m.jsonl") == [{"step": 5, "x": 1.0}, {"step": 6, "x": 2.0}]
+    # the line is written: the warning says the metric is left out, not that writing failed
+    (message,) = [str(w.message) for w in record]
+    assert "failed" not in message and "leaves out the metric named 'step'" in message
 
 
 def test_jsonl_write_failure_warns_once_and_never_raises(tmp_path):
@@ -194,6 +201,39 @@ def test_console_table_grouped_by_prefix_every_k(tmp_path):
     assert "0.25" in lines[row["pg_loss"]] and "1.5" in lines[row["vf_loss"]]
     with pytest.raises(ValueError, match="every"):
         ConsoleLogger(every=0)
+
+
+def test_console_shows_names_literally_not_as_rich_markup():
+    from rich.console import Console
+
+    console = Console(record=True, width=100, file=io.StringIO())
+    logger = ConsoleLogger(console=console)
+    logger.log(1, {"acc[top1]": 0.5, "eval/[bold]x[/bold]": 1.0, "[red]": 2.0})
+    text = console.export_text()
+    assert "acc[top1]" in text and "[bold]x[/bold]" in text and "[red]" in text
+
+
+def test_console_without_rich_prints_plain_text(monkeypatch):
+    for name in [m for m in sys.modules if m == "rich" or m.startswith("rich.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "rich", None)
+    out = io.StringIO()
+    logger = ConsoleLogger(every=2, file=out)  # rich missing: plain text, not ImportError
+    assert logger.plain
+    logger.log(1, STEPS[1])
+    logger.log(2, {**STEPS[2], "acc[top1]": 0.125})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 2" and lines[1].split() == ["group", "metric", "value"]
+    rows = [line.split() for line in lines[2:]]
+    assert rows == [
+        ["acc[top1]", "0.125"],
+        ["lr", "0.001"],
+        ["actor", "entropy", "1"],
+        ["pg_loss", "0.25"],
+        ["critic", "vf_loss", "1.5"],
+    ]
+    with pytest.raises(ValueError, match="plain=True"):
+        ConsoleLogger(plain=True, console=object())
 
 
 # -- TensorBoard -----------------------------------------------------------------------
@@ -327,6 +367,41 @@ def test_mlflow_names_sanitised_once_and_kept_inside_the_store(tmp_path):
     assert_inside(tmp_path / "run", files_under(tmp_path))
 
 
+def test_mlflow_name_sanitised_to_a_leading_dotdot_costs_nothing(tmp_path):
+    pytest.importorskip("mlflow")
+    logger = MlflowLogger(run_dir=tmp_path / "run")
+    metrics = {"ok": 1.0, "...x": 2.0, "..": 3.0, ".../y": 4.0, "a/..b": 5.0}
+    with pytest.warns(LoggerWarning):
+        for step in (1, 2, 3):
+            logger.log(step, metrics)
+    logger.close()
+    assert mlflow_history(logger, "ok") == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    assert mlflow_history(logger, "___x") == [(1, 2.0), (2, 2.0), (3, 2.0)]
+    assert mlflow_history(logger, "__") == [(1, 3.0), (2, 3.0), (3, 3.0)]
+    assert mlflow_history(logger, "___/y") == [(1, 4.0), (2, 4.0), (3, 4.0)]
+    assert mlflow_history(logger, "a/__b") == [(1, 5.0), (2, 5.0), (3, 5.0)]
+
+
+def test_mlflow_one_refused_name_never_costs_the_others(tmp_path):
+    """Whatever MLflow refuses (here a name map that passes names through unchanged, so
+    MLflow sees '..x'), the other metrics of the batch are logged every step."""
+    pytest.importorskip("mlflow")
+
+    class Unchanged:
+        def map_all(self, names):
+            return {name: name for name in names}
+
+    logger = MlflowLogger(run_dir=tmp_path / "run")
+    logger.names = Unchanged()
+    with pytest.warns(LoggerWarning, match=r"MLflow rejected the metric '\.\.x'") as record:
+        for step in (1, 2, 3):
+            logger.log(step, {"a": float(step), "..x": 1.0, "b": 2.0})
+    logger.close()
+    assert len(record) == 1
+    assert mlflow_history(logger, "a") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert mlflow_history(logger, "b") == [(1, 2.0), (2, 2.0), (3, 2.0)]
+
+
 def test_mlflow_resume_continues_the_checkpointed_run(tmp_path):
     pytest.importorskip("mlflow")
     first = MlflowLogger(run_dir=tmp_path)
@@ -350,6 +425,12 @@ def test_mlflow_resume_continues_the_checkpointed_run(tmp_path):
         ("a/../../b", "a/__/__/b"),
         ("x" * 300, None),
         ("ünïcode", "_n_code"),
+        ("...", "___"),
+        ("..x/y", "__x/y"),
+        ("./../.../z", "__/___/z"),
+        ("a/..b/c", "a/__b/c"),
+        (".hidden/..", ".hidden/__"),
+        ("." * 300, None),
     ],
 )
 def test_sanitize_name(name, expected):
@@ -358,6 +439,10 @@ def test_sanitize_name(name, expected):
         assert clean == expected
     assert len(clean) <= 250
     assert os.path.normpath(clean) == clean and not clean.startswith(("/", ".."))
+    if importlib.util.find_spec("mlflow") is not None:
+        from mlflow.utils.validation import _validate_metric_name
+
+        _validate_metric_name(clean)  # MLflow's own check accepts it
 
 
 # -- fan-out, extras, failure policy ---------------------------------------------------
@@ -424,7 +509,6 @@ def test_multilogger_isolates_a_failing_backend(tmp_path):
 @pytest.mark.parametrize(
     ("factory", "module", "extra"),
     [
-        (lambda d: ConsoleLogger(), "rich", "console"),
         (lambda d: TensorBoardLogger(d), "torch.utils.tensorboard", "tensorboard"),
         (lambda d: WandbLogger(dir=d), "wandb", "wandb"),
         (lambda d: MlflowLogger(run_dir=d), "mlflow", "mlflow"),

@@ -11,7 +11,16 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from rlmetrics.loggers import JsonlLogger
-from rlmetrics.plot import add_plot_arguments, main, plot_jsonl, read_jsonl, run_plot
+from rlmetrics.plot import (
+    PAGE_SIZE,
+    PlotWarning,
+    add_plot_arguments,
+    main,
+    pages,
+    plot_jsonl,
+    read_jsonl,
+    run_plot,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -58,13 +67,13 @@ def test_plot_selected_metrics(run_file, tmp_path, monkeypatch):
         return real_savefig(fig, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", spy)
-    out = plot_jsonl(run_file, ["eval/acc", "actor/pg_loss"], tmp_path / "figs" / "f.png")
+    (out,) = plot_jsonl(run_file, ["eval/acc", "actor/pg_loss"], tmp_path / "figs" / "f.png")
     assert out.read_bytes()[:8] == PNG_MAGIC
     assert titles == ["eval/acc", "actor/pg_loss"]
 
 
 def test_plot_all_metrics_default_output(run_file):
-    out = plot_jsonl(run_file)
+    (out,) = plot_jsonl(run_file)
     assert out == run_file.with_suffix(".png")
     assert out.read_bytes()[:8] == PNG_MAGIC
 
@@ -100,3 +109,87 @@ def test_main(run_file, tmp_path, capsys):
     assert "['missing'] are not in" in capsys.readouterr().err
     assert main([str(tmp_path / "absent.jsonl")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+# -- many metrics: pages, not one giant figure ----------------------------------------
+def write_run(path, names, steps=20):
+    with open(path, "w") as f:
+        for step in range(1, steps + 1):
+            f.write(json.dumps({"step": step, **{n: step * (i + 1) for i, n in enumerate(names)}}))
+            f.write("\n")
+    return path
+
+
+def test_pages_group_by_prefix_and_split_large_groups():
+    names = [f"actor/m{i}" for i in range(30)] + ["lr", "critic/a"]
+    assert pages(names[:5]) == [("", names[:5])]  # fits on one page: one page
+    got = pages(names)
+    assert [(g, len(m)) for g, m in got] == [("actor", 24), ("actor", 6), ("other", 1),
+                                              ("critic", 1)]  # fmt: skip
+    assert [n for _, members in got for n in members] == names  # every name once, in order
+
+
+def test_plot_all_of_many_metrics_one_file_per_page(tmp_path, monkeypatch):
+    """Without --metrics, 27 metrics in 3 groups: pages of at most PAGE_SIZE subplots,
+    every metric drawn once with its own title (no figure holds them all)."""
+    from matplotlib.figure import Figure
+
+    names = [f"{g}/m{i:02d}" for g in ("actor", "critic", "perf") for i in range(9)]
+    run = write_run(tmp_path / "run.jsonl", names)
+    drawn: list[list[str]] = []
+    real_savefig = Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        drawn.append([ax.get_title(loc="left") for ax in fig.axes if ax.get_visible()])
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    paths = plot_jsonl(run, None, tmp_path / "out" / "fig.png")
+    assert [p.name for p in paths] == ["fig-01-actor.png", "fig-02-critic.png", "fig-03-perf.png"]
+    assert not (tmp_path / "out" / "fig.png").exists()
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in paths)
+    assert all(len(titles) <= PAGE_SIZE for titles in drawn)
+    assert sorted(t for titles in drawn for t in titles) == sorted(names)
+
+
+def test_plot_many_metrics_to_one_multi_page_pdf(tmp_path):
+    names = [f"g{i % 3}/m{i:02d}" for i in range(27)]
+    run = write_run(tmp_path / "run.jsonl", names, steps=5)
+    (out,) = plot_jsonl(run, None, tmp_path / "all.pdf")
+    data = out.read_bytes()
+    assert data[:5] == b"%PDF-"
+    assert data.count(b"/Type /Page") - data.count(b"/Type /Pages") == 3
+
+
+# -- bad lines are skipped, never a crash -----------------------------------------------
+def test_bad_lines_are_skipped_with_one_warning(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = [{"step": 1, "x": 1.0}, {"step": 4, "x": 4.0, "s": "text", "b": True}]
+    bad = [
+        '{"step": 2, "x": ' + "9" * 400 + "}",  # an integer beyond float range
+        '{"step": 3, "x": 1, "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",  # too deep
+        '{"step": true, "x": 9.0}',  # a bool is not a step
+        '{"step": 2.5, "x": 9.0}',  # nor is a fraction
+        '{"step": "3", "x": 9.0}',
+        "[1, 2]",
+        "null",
+        '{"x": 9.0}',
+        '{"step": 5, "x"',  # torn
+    ]
+    path.write_text("\n".join([json.dumps(good[0]), *bad[:4], json.dumps(good[1]), *bad[4:]]))
+    with pytest.warns(PlotWarning, match=f"skipped {len(bad)} line"):
+        series = read_jsonl(path)
+    assert series == {"x": ([1, 4], [1.0, 4.0])}
+    with pytest.warns(PlotWarning):
+        (out,) = plot_jsonl(path, None, tmp_path / "bad.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_without_matplotlib_names_the_extra_before_reading(tmp_path, monkeypatch, capsys):
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main([str(tmp_path / "absent.jsonl")]) == 2  # the extra, not the missing file
+    assert "pip install 'rlmetrics[plot]'" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -167,7 +168,7 @@ def test_tracker_state_survives_the_checkpoint_file_mid_step(tmp_path) -> None:
     checkpoint.save({"version": checkpoint.VERSION, "tracker": first.state_dict()},
                     tmp_path / FILE_NAME)  # fmt: skip
     resumed = Tracker()
-    resumed.load_state_dict(checkpoint.load(tmp_path / FILE_NAME)["tracker"])
+    resumed.load_state_dict(torch.load(tmp_path / FILE_NAME, weights_only=True)["tracker"])
     for t in (whole, resumed):
         fill(t, 3.0)
     got, want = resumed.compute(), whole.compute()
@@ -188,5 +189,87 @@ def test_save_is_atomic(tmp_path, monkeypatch) -> None:
     with pytest.raises(OSError, match="disk full"):
         checkpoint.save({"version": checkpoint.VERSION, "step": 4}, path)
     monkeypatch.undo()
-    assert checkpoint.load(path)["step"] == 2
+    assert torch.load(path, weights_only=True)["step"] == 2
     assert [p.name for p in tmp_path.iterdir()] == [FILE_NAME]
+
+
+# -- corrupted checkpoints: a clear error naming the file and the problem ---------------
+def corrupt(state: dict, how: str, path) -> None:
+    """Write a damaged copy of a real checkpoint ``state`` to ``path``."""
+    good = path.with_name("good.pt")
+    checkpoint.save(state, good)
+    data = good.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "garbage":
+        path.write_bytes(b"\x00not a checkpoint\xff" * 64)
+    elif how == "not a dict":
+        torch.save([1, 2, 3], path)
+    elif how == "missing keys":
+        checkpoint.save({k: v for k, v in state.items() if k not in ("optimizers", "rng")}, path)
+    elif how == "negative step":
+        checkpoint.save({**state, "step": -3}, path)
+    elif how == "bool step":
+        checkpoint.save({**state, "step": True}, path)
+    elif how == "missing learner":
+        checkpoint.save({**state, "schedulers": {}}, path)
+
+
+CORRUPTIONS = {  # how: what the error says
+    "truncated": "not a readable checkpoint",
+    "empty": "not a readable checkpoint",
+    "garbage": "not a readable checkpoint",
+    "not a dict": "expected a dict of checkpoint parts, got list",
+    "missing keys": r"missing parts \['optimizers', 'rng'\]",
+    "negative step": "step must be an integer >= 0, got -3",
+    "bool step": "step must be an integer >= 0, got True",
+    "missing learner": r"schedulers must hold one state per trained model \['actor', 'critic'\]",
+}
+
+
+@pytest.fixture(scope="module")
+def real_state(tmp_path_factory) -> dict:
+    """The checkpoint of a 1-step in-process PPO run (actor, critic, reference)."""
+    run_dir = tmp_path_factory.mktemp("real")
+    train(tiny(run_dir, steps=1, checkpoint_every=1))
+    return torch.load(run_dir / FILE_NAME, weights_only=True)
+
+
+@pytest.mark.parametrize("how", list(CORRUPTIONS))
+def test_corrupted_checkpoint_names_the_file_and_the_problem(tmp_path, real_state, how) -> None:
+    path = tmp_path / FILE_NAME
+    corrupt(real_state, how, path)
+    with pytest.raises(checkpoint.CheckpointError, match=CORRUPTIONS[how]) as err:
+        checkpoint.load(path)
+    assert str(err.value).startswith(str(path))
+    with pytest.raises(checkpoint.CheckpointError, match=CORRUPTIONS[how]):  # the trainer too
+        train(tiny(tmp_path / "run", steps=2, resume_from=str(path)))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_jsonl(
+        tmp_path / "run" / "metrics.jsonl"
+    )
+
+
+def test_demo_rejects_a_bad_checkpoint_before_spawning(tmp_path, real_state, monkeypatch,
+                                                       capsys) -> None:  # fmt: skip
+    """--resume-from a missing or corrupted checkpoint: a usage error naming it, no rank
+    started (was a rank's traceback, after spawning)."""
+    from rlmetrics.trainer import launch
+
+    def no_spawn(cfg):
+        raise AssertionError("ranks were spawned")
+
+    monkeypatch.setattr(launch, "spawn", no_spawn)
+    negative = tmp_path / "neg.pt"
+    corrupt(real_state, "negative step", negative)
+    cases = {
+        str(tmp_path / "nowhere"): "resume_from: no checkpoint at",
+        str(tmp_path): "resume_from: no checkpoint at .*checkpoint.pt",  # a dir without one
+        str(negative): "step must be an integer >= 0, got -3",
+    }
+    for target, message in cases.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main(["demo", *FLAGS, "--run-dir", str(tmp_path / "b"), "--resume-from", target])
+        assert exit_info.value.code == 2
+        assert re.search(message, capsys.readouterr().err), target

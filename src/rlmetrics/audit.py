@@ -294,6 +294,7 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_audit(args: argparse.Namespace) -> int:
     """``rlmetrics audit``: 0 when every metric is invariant, 1 when one drifts."""
+    check_plot_extra(args.plot)
     if args.fn or args.batch or args.ranks or args.micro_batch_sizes:
         return run_fn_audit(args)
     try:
@@ -315,6 +316,18 @@ def run_audit(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {plot(report, args.plot)}")
     return 1 if report.drifting else 0
+
+
+def check_plot_extra(plot_path: str | None) -> None:
+    """Before any work: ``--plot`` needs matplotlib (exit naming the extra if missing)."""
+    if not plot_path:
+        return
+    from rlmetrics.extras import require
+
+    try:
+        require("matplotlib", "plot", "rlmetrics audit --plot")
+    except ImportError as err:
+        raise SystemExit(f"rlmetrics audit: error: {err}") from err
 
 
 def describe(cfg: TrainConfig, parts: list[Partition]) -> str:

@@ -121,31 +121,56 @@ def _num(x: float) -> str:
     return f"{x:.3g}" if x else "0"
 
 
+def table_rows(report: AuditReport) -> tuple[list[str], list[list[tuple[str, str]]]]:
+    """The table's header and rows, each cell (text, rich style), sorted by drift."""
+    header = ["metric", "value", "max |Δ|", "rel Δ", ""]
+    if report.naive is not None:
+        header += ["naive value", "naive |Δ|", "naive rel Δ", "worst (naive)"]
+    rows = []
+    for name in report.order():
+        e = report.exact[name]
+        verdict_cell = ("ok", "") if e.ok else (f"DRIFT ({e.worst})", "red")
+        row = [(name, ""), (f"{e.value:.6g}", ""), (_num(e.abs_diff), ""),
+               (_num(e.rel_diff), ""), verdict_cell]  # fmt: skip
+        if report.naive is not None:
+            n = report.naive[name]
+            style = "" if n.ok else "yellow"
+            row += [(f"{n.value:.6g}", ""), (_num(n.abs_diff), style),
+                    (_num(n.rel_diff), style), ("" if n.ok else n.worst, "")]  # fmt: skip
+        rows.append(row)
+    return header, rows
+
+
 def render(report: AuditReport, console: Any = None) -> None:
-    """Print the table (rich), sorted by drift, and the verdict line."""
+    """Print the table, sorted by drift, and the verdict line.
+
+    A rich table when rich is installed (or ``console`` is given), plain text otherwise;
+    metric names are shown literally either way.
+    """
+    from rlmetrics.extras import available
+    from rlmetrics.text_table import format_table
+
+    title = f"metric spread across partitions (vs {report.partitions[0]})"
+    header, rows = table_rows(report)
+    if console is None and not available("rich"):
+        plain = [[text for text, _ in row] for row in rows]
+        print(format_table(title, header, plain, right=range(1, len(header))))
+        print(verdict(report))
+        return
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     if console is None:  # piped output: wide enough for every column
         console = Console(width=None if Console().is_terminal else 150)
-    table = Table(title=f"metric spread across partitions (vs {report.partitions[0]})")
-    for col in ("metric", "value", "max |Δ|", "rel Δ", ""):
-        table.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
-    if report.naive is not None:
-        for col in ("naive value", "naive |Δ|", "naive rel Δ", "worst (naive)"):
-            table.add_column(col, justify="right")
-    for name in report.order():
-        e = report.exact[name]
-        row = [name, f"{e.value:.6g}", _num(e.abs_diff), _num(e.rel_diff),
-               "ok" if e.ok else f"[red]DRIFT ({e.worst})[/]"]  # fmt: skip
-        if report.naive is not None:
-            n = report.naive[name]
-            style = "" if n.ok else "[yellow]"
-            row += [f"{n.value:.6g}", f"{style}{_num(n.abs_diff)}", f"{style}{_num(n.rel_diff)}",
-                    "" if n.ok else n.worst]  # fmt: skip
-        table.add_row(*row)
+    table = Table(title=title)
+    for col in header:
+        table.add_column(col, justify="left" if col == "metric" else "right",
+                         no_wrap=col in header[:5])  # fmt: skip
+    for row in rows:
+        table.add_row(*(Text(text, style=style) for text, style in row))
     console.print(table)
-    console.print(verdict(report), soft_wrap=True, highlight=False)
+    console.print(verdict(report), soft_wrap=True, highlight=False, markup=False)
 
 
 def plot(report: AuditReport, path: str | Path) -> Path:

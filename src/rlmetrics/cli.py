@@ -20,11 +20,16 @@ from typing import Any
 METAVARS = {int: "N", float: "X", str: "S"}
 EXCLUSIVE = ("micro_batch_size", "max_tokens_per_micro_batch")
 DEMO_EXAMPLES = """examples:
-  rlmetrics demo                                  # 2 ranks, GRPO, about two minutes
+  rlmetrics demo                                  # 2 ranks, GRPO, about a minute
   rlmetrics demo --dp 4 --micro-batch-size 3 --dtype float64
   rlmetrics demo --algo ppo --mini-batches 2 --epochs 2 --max-tokens-per-micro-batch 200
   torchrun --nproc-per-node 2 -m rlmetrics.trainer --steps 50   # the same, under torchrun
 """
+
+NEXT_STEP = (
+    "these metrics are exact for any number of ranks and micro-batches; "
+    "`rlmetrics audit --naive` shows them next to a naive (verl-style) aggregation"
+)
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -146,6 +151,7 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rlmetrics.trainer.launch import spawn
 
     cfg = _config(args, parser)
+    _check_before_start(cfg, parser)
     start = time.perf_counter()
     history = _launch_ray(args, parser, cfg) if args.launcher == "ray" else spawn(cfg)
     run = cfg.run
@@ -153,7 +159,24 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if "jsonl" in run.loggers:
         jsonl = Path(run.metrics_jsonl or Path(run.run_dir) / "metrics.jsonl")
     print(summarize(history, time.perf_counter() - start, jsonl))
+    print(NEXT_STEP)
     return 0
+
+
+def _check_before_start(cfg: Any, parser: argparse.ArgumentParser) -> None:
+    """Before any rank starts: the loggers' extras are installed, and the checkpoint to
+    resume from exists, is readable and matches the config."""
+    from rlmetrics.extras import require_loggers
+    from rlmetrics.loggers import parse_backends
+    from rlmetrics.trainer import checkpoint
+
+    try:
+        require_loggers(parse_backends(cfg.run.loggers), f"--loggers {cfg.run.loggers}")
+        path = checkpoint.resume_path(cfg.run)
+        if path is not None:
+            checkpoint.check_config(cfg, checkpoint.load(path)["config"], path)
+    except (ImportError, OSError, ValueError) as err:
+        parser.error(str(err))
 
 
 def _launch_ray(args: argparse.Namespace, parser: argparse.ArgumentParser, cfg: Any) -> Any:
@@ -180,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         from rlmetrics.trainer.launch import from_env
 
-        from_env(_config(args, parser))
+        cfg = _config(args, parser)
+        _check_before_start(cfg, parser)
+        from_env(cfg)
         return 0
     if args.command == "plot":
         return _run_plot(args)

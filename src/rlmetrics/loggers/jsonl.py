@@ -40,6 +40,43 @@ def encode_line(step: int, metrics: Mapping[str, Any]) -> str:
     return json.dumps(row, allow_nan=False) + "\n"
 
 
+def step_of(row: Any) -> int:
+    """The step of a parsed line: an integer (not a bool), or a float with an integral value.
+
+    Raises:
+        TypeError, ValueError: ``row`` is not an object with such a step.
+    """
+    step = row[STEP_KEY]
+    if isinstance(step, bool) or not isinstance(step, int | float):
+        raise TypeError(f"step must be an integer, got {step!r}")
+    if isinstance(step, float) and not step.is_integer():
+        raise ValueError(f"step must be an integer, got {step!r}")
+    return int(step)
+
+
+def parse_row(line: str) -> tuple[int, dict[str, float]] | None:
+    """A line's step and numeric values (null as NaN), or None when the line is bad.
+
+    Bad: not JSON (a torn line), nested too deeply to parse, not an object, no integer
+    step, or a number beyond the float range. Non-numeric values are left out.
+    """
+    try:
+        row = json.loads(line)
+        step = step_of(row)
+        values = {
+            name: math.nan if value is None else float(value)
+            for name, value in row.items()
+            if name != STEP_KEY and (value is None or _is_number(value))
+        }
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        return None
+    return step, values
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def read_steps(path: str | os.PathLike) -> list[tuple[int, str]]:
     """The (step, line) pairs of complete, parsable lines of a JSONL metrics file."""
     text = Path(path).read_text(encoding="utf-8")
@@ -49,9 +86,8 @@ def read_steps(path: str | os.PathLike) -> list[tuple[int, str]]:
     out = []
     for line in lines:
         try:
-            row = json.loads(line)
-            out.append((int(row[STEP_KEY]), line))
-        except (ValueError, KeyError, TypeError):
+            out.append((step_of(json.loads(line)), line))
+        except (ValueError, KeyError, TypeError, RecursionError):
             continue
     return out
 
@@ -80,6 +116,7 @@ class JsonlLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._failures = FailureReporter(self.name)
         self._warned_skip = False
+        self._warned_step_metric = False
         self.last_step: int | None = None
         self.resumed_step: int | None = None
         self._file: Any = None
@@ -112,11 +149,23 @@ class JsonlLogger:
             return
         if STEP_KEY in metrics:
             metrics = {k: v for k, v in metrics.items() if k != STEP_KEY}
-            self._failures.report("write", ValueError(f"a metric may not be named {STEP_KEY!r}"))
+            self._warn_step_metric()
         with self._failures.guard("write"):
             self._file.write(encode_line(step, metrics))
             self._file.flush()
             self.last_step = step if self.last_step is None else max(step, self.last_step)
+
+    def _warn_step_metric(self) -> None:
+        if self._warned_step_metric:
+            return
+        self._warned_step_metric = True
+        warnings.warn(
+            f"rlmetrics: the jsonl logger leaves out the metric named {STEP_KEY!r} (a metric "
+            f"may not be named {STEP_KEY!r}: it would clash with the line's step key); the "
+            "other metrics are written. Further steps drop it without a warning.",
+            LoggerWarning,
+            stacklevel=3,
+        )
 
     def _warn_skip(self, step: int) -> None:
         if self._warned_skip:

@@ -22,6 +22,7 @@ from rlmetrics.loggers.base import FailureReporter, LoggerWarning, as_float, mis
 
 MAX_NAME_LENGTH = 250
 BATCH_SIZE = 1000  # MLflow's limit of metrics per log_batch call
+INVALID_INPUT = "INVALID_PARAMETER_VALUE"  # MLflow's error code for a refused name or value
 _BAD_CHARACTERS = re.compile(r"[^\w./\- ]", flags=re.ASCII)
 
 
@@ -29,16 +30,24 @@ def sanitize_name(name: str) -> str:
     """A name MLflow accepts on every platform, as close to ``name`` as possible.
 
     Characters outside ``[A-Za-z0-9_./ -]`` become "_" (colons too: Windows rejects
-    them); empty and "." segments are dropped and ".." becomes "__", so the name is a
-    normalised relative path; names longer than 250 characters are cut and end in a
-    short hash of the original.
+    them); empty and "." segments are dropped, and the leading dots of a segment that
+    starts with ".." become "_" (``..`` -> ``__``, ``...x`` -> ``___x``), so the name is
+    a normalised relative path that does not start with ".." (MLflow rejects those);
+    names longer than 250 characters are cut and end in a short hash of the original.
     """
     clean = _BAD_CHARACTERS.sub("_", name)
-    segments = [s for s in clean.split("/") if s not in ("", ".")]
-    clean = "/".join("__" if s == ".." else s for s in segments) or "_"
+    segments = [_no_leading_dots(s) for s in clean.split("/") if s not in ("", ".")]
+    clean = "/".join(segments) or "_"
     if len(clean) > MAX_NAME_LENGTH:
         clean = clean[: MAX_NAME_LENGTH - 9].rstrip("/") + "-" + _digest(name)
     return clean
+
+
+def _no_leading_dots(segment: str) -> str:
+    if not segment.startswith(".."):
+        return segment
+    body = segment.lstrip(".")
+    return "_" * (len(segment) - len(body)) + body
 
 
 def _digest(name: str) -> str:
@@ -134,6 +143,7 @@ class MlflowLogger:
         self.run_name = run_name
         self.run_id = run_id
         self.names = NameMap()
+        self._rejected: set[str] = set()
         self._failures = FailureReporter(self.name)
 
     def _ensure_run(self) -> str:
@@ -157,9 +167,38 @@ class MlflowLogger:
             batch = [
                 Metric(names[name], as_float(value), stamp, int(step))
                 for name, value in metrics.items()
+                if names[name] not in self._rejected
             ]
             for start in range(0, len(batch), BATCH_SIZE):
-                self.client.log_batch(run_id, metrics=batch[start : start + BATCH_SIZE])
+                self._log_batch(run_id, batch[start : start + BATCH_SIZE])
+
+    def _log_batch(self, run_id: str, batch: list[Any]) -> None:
+        """One ``log_batch``. When MLflow rejects its input, each metric goes alone, so a
+        name MLflow refuses costs only itself (left out from then on, warned once)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.log_batch(run_id, metrics=batch)
+            return
+        except MlflowException as err:
+            if getattr(err, "error_code", None) != INVALID_INPUT:
+                raise
+        for metric in batch:  # MLflow validates a batch before writing any of it
+            try:
+                self.client.log_batch(run_id, metrics=[metric])
+            except MlflowException as err:
+                if getattr(err, "error_code", None) != INVALID_INPUT:
+                    raise
+                self._reject(metric.key, err)
+
+    def _reject(self, key: str, err: Exception) -> None:
+        self._rejected.add(key)
+        warnings.warn(
+            f"rlmetrics: MLflow rejected the metric {key!r} ({err}); it is left out from now "
+            "on, the other metrics are logged",
+            LoggerWarning,
+            stacklevel=5,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The run id and tracking URI, to continue the same run."""

@@ -1,6 +1,6 @@
 """PPO/GRPO losses and batch metrics that log their true weights.
 
-Two promises (DESIGN.md, the contract):
+Two promises (the contract of docs/concepts.md):
 
 1. The loss a helper returns is scaled for backward with the mini-batch's *global*
    token and sequence counts and with the gradient reduction's ``1/dp_size`` undone, so

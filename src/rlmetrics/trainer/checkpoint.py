@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 FILE_NAME = "checkpoint.pt"
 VERSION = 1
+PARTS = ("version", "step", "world_size", "config", "models", "optimizers", "schedulers",
+         "tracker", "loggers", "rng")  # fmt: skip
 MUST_MATCH = ("task", "model", "algo")  # config sections a resumed run may not change
 CRASH_ENV = "RLMETRICS_TEST_CRASH_AFTER_STEP"  # test hook: see maybe_crash_for_test
 CRASH_EXIT_CODE = 86
@@ -54,14 +56,61 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> None:
         raise
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be resumed from (the message names the file)."""
+
+
 def load(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint written by ``save`` (tensors on the CPU; nothing but data unpickled)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if state.get("version") != VERSION:
-        raise ValueError(
-            f"{path}: unsupported checkpoint version {state.get('version')!r} (expected {VERSION})"
-        )
+    """A checkpoint written by ``save`` (tensors on the CPU; nothing but data unpickled).
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        CheckpointError: the file is not a readable checkpoint (truncated, not written
+            by ``torch.save``, another version, missing parts, a negative step); the
+            message names the file and what is wrong.
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no checkpoint at {os.fspath(path)!r}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip, garbage, unsafe pickle: torch's many types
+        raise CheckpointError(
+            f"{os.fspath(path)}: not a readable checkpoint (truncated, or not written by "
+            f"rlmetrics' trainer): {type(err).__name__}: {err}"
+        ) from err
+    validate(state, path)
     return state
+
+
+def validate(state: Any, path: str | os.PathLike) -> None:
+    """Raise CheckpointError naming ``path`` unless ``state`` has every part ``restore`` reads."""
+
+    def fail(what: str) -> None:
+        raise CheckpointError(f"{os.fspath(path)}: {what}")
+
+    if not isinstance(state, dict):
+        fail(f"expected a dict of checkpoint parts, got {type(state).__name__}")
+    if state.get("version") != VERSION:
+        fail(f"unsupported checkpoint version {state.get('version')!r} (expected {VERSION})")
+    missing = [key for key in PARTS if key not in state]
+    if missing:
+        fail(f"missing parts {missing} (a checkpoint holds {', '.join(PARTS)})")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        fail(f"step must be an integer >= 0, got {step!r}")
+    config = state["config"]
+    sections = (*MUST_MATCH, "run")
+    if not isinstance(config, dict) or not all(isinstance(config.get(s), dict) for s in sections):
+        fail(f"config must hold the sections {sections}")
+    models = state["models"]
+    if not isinstance(models, dict) or "ref" not in models or "actor" not in models:
+        fail("models must hold 'ref' and 'actor'")
+    learned = set(models) - {"ref"}
+    for part in ("optimizers", "schedulers"):
+        if not isinstance(state[part], dict) or set(state[part]) != learned:
+            fail(f"{part} must hold one state per trained model {sorted(learned)}")
+    if not isinstance(state["rng"], dict) or "torch" not in state["rng"]:
+        fail("rng must hold the 'torch' generator state")
 
 
 def resume_path(run: RunConfig) -> Path | None:
@@ -72,7 +121,10 @@ def resume_path(run: RunConfig) -> Path | None:
         path = Path(run.resume_from)
         path = path / FILE_NAME if path.is_dir() else path
         if not path.is_file():
-            raise FileNotFoundError(f"resume_from: no checkpoint at {str(path)!r}")
+            raise FileNotFoundError(
+                f"resume_from: no checkpoint at {str(path)!r} (a checkpoint file, or a run "
+                f"folder holding {FILE_NAME}; --checkpoint-every K writes one)"
+            )
         return path
     path = Path(run.run_dir) / FILE_NAME
     return path if run.resume and path.is_file() else None
@@ -109,8 +161,8 @@ def check_config(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
         for key, value in now[section].items()
         if saved[section].get(key) != value
     ]
-    if saved["run"]["seed"] != cfg.run.seed:
-        diff.append(f"run.seed: {saved['run']['seed']!r} -> {cfg.run.seed!r}")
+    if saved["run"].get("seed") != cfg.run.seed:
+        diff.append(f"run.seed: {saved['run'].get('seed')!r} -> {cfg.run.seed!r}")
     if diff:
         raise ValueError(f"cannot resume from {path}: the config differs ({'; '.join(diff)})")
 

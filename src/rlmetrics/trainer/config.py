@@ -6,6 +6,7 @@ the command line and these defaults never drift apart. ``TrainConfig`` groups th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,22 @@ def check(ok: bool, name: str, value: Any, need: str) -> None:
         raise ValueError(f"{name} must be {need}, got {value!r}")
 
 
+def check_number(obj: Any, name: str, low: float, high: float = math.inf, *,
+                 open_low: bool = False) -> None:  # fmt: skip
+    """Raise ValueError naming the field unless it is a finite number in its range.
+
+    NaN fails every comparison and would slip through a plain ``x >= low``; so does
+    inf through ``x > 0``. Both are rejected here, by name.
+    """
+    value = getattr(obj, name)
+    finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    above = finite and (value > low if open_low else value >= low)
+    if not (above and value <= high):
+        bound = f"> {low:g}" if open_low else f">= {low:g}"
+        need = f"a finite number {bound}" + (f" and <= {high:g}" if math.isfinite(high) else "")
+        check(False, name, value, need)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TaskConfig:
     """The built-in verifiable task (see ``task.py``)."""
@@ -49,7 +66,7 @@ class TaskConfig:
             self.max_prompt_len >= self.min_prompt_len,
             "max_prompt_len", self.max_prompt_len, ">= min_prompt_len",
         )  # fmt: skip
-        check(0.0 <= self.end_bonus <= 1.0, "end_bonus", self.end_bonus, "in [0, 1]")
+        check_number(self, "end_bonus", 0.0, 1.0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,13 +130,19 @@ class AlgoConfig:
             check(value is None or value >= 1, name, value, ">= 1 or None")
         num_seqs = self.num_prompts * n
         check(self.mini_batches <= num_seqs, "mini_batches", self.mini_batches, "<= batch size")
-        check(self.lr > 0 and self.critic_lr > 0, "lr", (self.lr, self.critic_lr), "> 0")
         check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, ">= 0")
-        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
-        check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "> 0")
         check(self.kl_type in KL_TYPES, "kl_type", self.kl_type, f"one of {KL_TYPES}")
         check(self.loss_agg in AGG_MODES, "loss_agg", self.loss_agg, f"one of {AGG_MODES}")
-        check(self.temperature > 0, "temperature", self.temperature, "> 0")
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        """Every float field finite and in its range (NaN and inf named, never trained on)."""
+        for name in ("lr", "critic_lr", "max_grad_norm", "temperature", "vf_clip"):
+            check_number(self, name, 0.0, open_low=True)
+        for name in ("weight_decay", "clip_low", "clip_high", "kl_coef", "entropy_coef"):
+            check_number(self, name, 0.0)
+        for name in ("min_lr_ratio", "gamma", "lam"):
+            check_number(self, name, 0.0, 1.0)
 
     @property
     def num_seqs(self) -> int:
@@ -162,7 +185,7 @@ class RunConfig:
         from rlmetrics.loggers import parse_backends  # raises ValueError naming a bad one
 
         parse_backends(self.loggers)
-        check(self.timeout > 0, "timeout", self.timeout, "> 0")
+        check_number(self, "timeout", 0.0, open_low=True)
         check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, ">= 0")
 
 

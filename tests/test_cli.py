@@ -1,0 +1,137 @@
+"""The command line's first-run behaviour: a plain install, bad flags, extras checked first.
+
+``make test-plain`` runs the same commands in a fresh venv with torch and the package
+only; these tests cover each piece in-process (the optional packages hidden by putting
+None in ``sys.modules``, which makes their import fail as if they were not installed).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from rlmetrics import audit_report
+from rlmetrics.cli import NEXT_STEP, build_parser, config_from_args, main
+from rlmetrics.trainer.config import AlgoConfig, RunConfig, TaskConfig
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-prompts", "2",
+        "--samples-per-prompt", "2", "--num-symbols", "3", "--max-prompt-len", "2"]  # fmt: skip
+
+
+def hide(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """Make ``import package`` fail, as when it is not installed."""
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)
+
+
+@pytest.fixture(autouse=True)
+def sandbox(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))
+    monkeypatch.chdir(tmp_path)
+
+
+# -- config values: finite and in range, named --------------------------------------------
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--gamma", "nan", "gamma must be a finite number >= 0 and <= 1, got nan"),
+        ("--kl-coef", "-1", "kl_coef must be a finite number >= 0, got -1.0"),
+        ("--lr", "inf", "lr must be a finite number > 0, got inf"),
+        ("--critic-lr", "nan", "critic_lr must be a finite number > 0, got nan"),
+        ("--lam", "1.5", "lam must be a finite number >= 0 and <= 1, got 1.5"),
+        ("--entropy-coef", "-inf", "entropy_coef must be a finite number >= 0, got -inf"),
+        ("--max-grad-norm", "inf", "max_grad_norm must be a finite number > 0, got inf"),
+        ("--end-bonus", "nan", "end_bonus must be a finite number >= 0 and <= 1, got nan"),
+        ("--timeout", "inf", "timeout must be a finite number > 0, got inf"),
+    ],
+)
+def test_demo_rejects_non_finite_and_out_of_range_values(flag, value, message, capsys) -> None:
+    args = build_parser().parse_args(["demo", f"{flag}={value}"])
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        config_from_args(args)
+    with pytest.raises(SystemExit) as exit_info:  # the command line: a usage error, exit 2
+        main(["demo", f"{flag}={value}"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_config_dataclasses_validate_in_post_init() -> None:
+    with pytest.raises(ValueError, match="gamma"):
+        AlgoConfig(gamma=math.nan)
+    with pytest.raises(ValueError, match="clip_high"):
+        AlgoConfig(clip_high=-0.1)
+    with pytest.raises(ValueError, match="end_bonus"):
+        TaskConfig(end_bonus=math.inf)
+    with pytest.raises(ValueError, match="timeout"):
+        RunConfig(timeout=math.nan)
+    assert AlgoConfig(kl_coef=0.0, gamma=0.0, lam=1.0).kl_coef == 0.0  # bounds included
+
+
+# -- a plain install: no rich, no matplotlib ------------------------------------------------
+def test_demo_without_rich_prints_plain_tables_and_ends_pointing_to_audit(
+    monkeypatch, capsys
+) -> None:
+    hide(monkeypatch, "rich")
+    assert main(["demo", *TINY, "--dp", "1", "--steps", "2", "--log-every", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "step 2" in out and any(line.split()[:3] == ["group", "metric", "value"] for line in out)
+    assert any(line.split()[:2] == ["actor", "entropy"] for line in out)
+    assert out[-2].startswith("mean reward (critic/score/mean)")
+    assert out[-1] == NEXT_STEP and "rlmetrics audit" in out[-1]
+
+
+def test_audit_without_rich_renders_plain_text(monkeypatch, capsys) -> None:
+    hide(monkeypatch, "rich")
+    report = audit_report.spread_report(
+        {"dp1": {"acc[top1]": 1.0, "loss": 2.0}, "dp2": {"acc[top1]": 1.0, "loss": 2.5}}, 1e-9
+    )
+    audit_report.render(report)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "metric spread across partitions (vs dp1)"
+    assert lines[1].split()[:2] == ["metric", "value"]
+    assert lines[2].split() == ["loss", "2", "0.5", "0.25", "DRIFT", "(dp2)"]
+    assert lines[3].split() == ["acc[top1]", "1", "0", "0", "ok"]
+    assert lines[4].startswith("1 metrics invariant to 1e-09; 1 drift")
+
+
+def test_audit_plot_without_matplotlib_fails_before_any_work(monkeypatch, tmp_path) -> None:
+    import rlmetrics.audit as audit
+
+    def work(*args, **kwargs):
+        raise AssertionError("the audit started before checking --plot's extra")
+
+    monkeypatch.setattr(audit, "run_partitions", work)
+    monkeypatch.setattr(audit, "run_fn_audit", work)
+    hide(monkeypatch, "matplotlib")
+    with pytest.raises(SystemExit, match=r"pip install 'rlmetrics\[plot\]'") as exit_info:
+        main(["audit", "--plot", str(tmp_path / "a.png")])
+    assert "rlmetrics audit --plot needs the 'matplotlib' package" in str(exit_info.value)
+
+
+@pytest.mark.parametrize("backend", ["tensorboard", "wandb", "mlflow"])
+def test_demo_checks_the_loggers_extras_before_spawning(backend, monkeypatch, capsys) -> None:
+    from rlmetrics.trainer import launch
+
+    def no_spawn(cfg):
+        raise AssertionError("ranks were spawned")
+
+    monkeypatch.setattr(launch, "spawn", no_spawn)
+    hide(monkeypatch, backend)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--loggers", f"jsonl,{backend}"])
+    assert exit_info.value.code == 2
+    assert f"pip install 'rlmetrics[{backend}]'" in capsys.readouterr().err
+
+
+def test_audit_table_shows_names_literally(capsys) -> None:
+    pytest.importorskip("rich")
+    from rich.console import Console
+
+    report = audit_report.spread_report({"a": {"acc[top1]": 1.0}, "b": {"acc[top1]": 1.0}}, 1e-9)
+    console = Console(record=True, width=120, file=sys.stdout)
+    audit_report.render(report, console)
+    assert "acc[top1]" in console.export_text()
