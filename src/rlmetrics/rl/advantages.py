@@ -108,12 +108,19 @@ def gae(
 
 
 def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True) -> Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over valid tokens (unbiased var); 0 outside."""
+    """(x - mean) / sqrt(var + 1e-8) over valid tokens (unbiased var); 0 outside.
+
+    With ``shift_mean=False`` the mean is added back (as in verl and TRL): the result
+    keeps the mean and has unit variance. Fewer than two valid tokens give 0 (shifted)
+    or the mean, where verl raises.
+    """
     mask = bool_mask(mask)
     n = mask.sum()
     clean = torch.where(mask, values, values.new_zeros(()))
     mean = clean.sum() / n.clamp_min(1)
     deviation = torch.where(mask, values - mean, values.new_zeros(()))
     var = deviation.square().sum() / (n - 1).clamp_min(1)
-    out = (deviation if shift_mean else clean) * torch.rsqrt(var + 1e-8)
+    out = deviation * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
     return torch.where(mask, out, values.new_zeros(()))
