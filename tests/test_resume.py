@@ -34,7 +34,7 @@ from rlmetrics.trainer.checkpoint import CRASH_ENV, CRASH_EXIT_CODE, FILE_NAME
 
 from multiprocess import ok_results, run_ranks
 
-SKIP = ("timing_s/", "timing_per_token_ms/", "perf/")
+SKIP = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "critic/perf/")
 FLAGS = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-prompts", "4",
          "--samples-per-prompt", "3", "--mini-batches", "2", "--micro-batch-size", "2",
          "--warmup-steps", "2", "--dtype", "float64", "--seed", "5", "--steps", "6",

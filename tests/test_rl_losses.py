@@ -35,15 +35,17 @@ def np_ppo_token(lp: float, olp: float, a: float) -> tuple[float, bool, bool]:
 
 
 def np_kl_token(lp: float, ref: float, estimator: str) -> float:
+    """The estimator's value; a straight-through ``+`` form has its base's value."""
     d = lp - ref
     return {
+        "kl": d,
         "k1": d,
         "abs": abs(d),
         "mse": d * d / 2,
         "k2": d * d / 2,
         "low_var_kl": min(max(math.exp(-d) + d - 1, -10.0), 10.0),
         "k3": min(max(math.exp(-d) + d - 1, -10.0), 10.0),
-    }[estimator]
+    }[estimator.removesuffix("+")]
 
 
 def np_entropy(z: np.ndarray) -> float:
@@ -64,6 +66,8 @@ def np_objective(losses: np.ndarray, mask: np.ndarray, agg: str) -> float | None
         return None
     if agg == "token-mean":
         return float(losses[mask].sum() / n.sum())
+    if agg == "token-sum":
+        return float(losses[mask].sum())
     seqs = [losses[i][mask[i]] for i in range(len(n)) if n[i] > 0]
     per_seq = {
         "seq-mean-token-sum": [s.sum() for s in seqs],
@@ -101,7 +105,8 @@ def np_expected(b: dict, agg: str, estimator: str, num_mini: int) -> dict[str, f
             out[name] = float(np.mean(values))
     if mask.any():
         for name, key in (("actor/pg_clipfrac", "clip"), ("actor/pg_clipfrac_lower", "lower"),
-                          ("actor/entropy", "ent"), ("critic/vf_clipfrac", "vclip")):  # fmt: skip
+                          ("actor/entropy_token_mean", "ent"),
+                          ("critic/vf_clipfrac", "vclip")):  # fmt: skip
             out[name] = float(tok[key][mask].mean())
         out["actor/ppo_kl"] = float((b["old"] - b["logp"])[mask].mean())
         out["critic/vpred_mean"] = float(b["v"][mask].mean())

@@ -3,6 +3,7 @@ kind, against numpy; merged over simulated ranks and micro-batches."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import numpy as np
@@ -51,12 +52,16 @@ def test_batch_metrics_match_numpy_under_every_split() -> None:
     rewards = (b["token_rewards"] * m).sum(1)
     lengths, plengths = m.sum(1), b["prompt_mask"].sum(1)
     want = {}
-    for name, x in (("critic/score", b["scores"]), ("critic/rewards", rewards),
+    answered = lengths > 0  # row 1 is aborted (empty response): not in score or rewards
+    for name, x in (("critic/score", b["scores"][answered]), ("critic/rewards", rewards[answered]),
                     ("critic/advantages", b["advantages"][m]), ("critic/returns", b["returns"][m]),
                     ("critic/values", b["values"][m]), ("response_length", lengths),
+                    ("response_length_non_aborted", lengths[answered]),
                     ("prompt_length", plengths)):  # fmt: skip
         want |= {f"{name}/mean": x.mean(), f"{name}/max": x.max(), f"{name}/min": x.min()}
     want["response_length/clip_ratio"] = (lengths == 5).mean()
+    want["response_length_non_aborted/clip_ratio"] = (lengths[answered] == 5).mean()
+    want["response/aborted_ratio"] = (~answered).mean()
     want["prompt_length/clip_ratio"] = (plengths == 4).mean()
     ret, res = b["returns"][m], (b["returns"] - b["values"])[m]
     want["critic/vf_explained_var"] = 1 - res.var() / ret.var()
@@ -114,13 +119,15 @@ def test_grpo_advantages_match_numpy() -> None:
     scores = torch.randn(9, generator=g, dtype=torch.float64)
     uids = ["a", "b", "a", "c", "b", "a", "b", "d", "d"]
     mask = torch.rand(9, 3, generator=g) > 0.3
-    for norm in (True, False):
-        got = rl.grpo_advantages(scores, uids, mask, norm_by_std=norm)
+    for norm, singleton in itertools.product((True, False), ("score", "zero")):
+        got = rl.grpo_advantages(scores, uids, mask, norm_by_std=norm, singleton=singleton)
         s = scores.numpy()
-        for i, uid in enumerate(uids):
+        for i, uid in enumerate(uids):  # "c" is a group of one
             group = s[[j for j, u in enumerate(uids) if u == uid]]
-            std = group.std(ddof=1) if len(group) > 1 else 0.0
-            want = (s[i] - group.mean()) / ((std + 1e-6) if norm else 1.0)
+            mean, std = group.mean(), group.std(ddof=1) if len(group) > 1 else 0.0
+            if len(group) == 1 and singleton == "score":
+                mean, std = 0.0, 1.0
+            want = (s[i] - mean) / ((std + 1e-6) if norm else 1.0)
             assert got[i][mask[i]].numpy() == pytest.approx(np.full(mask[i].sum().item(), want))
             assert (got[i][~mask[i]] == 0).all()
     assert rl.grpo_advantages(scores, torch.tensor([0, 1, 0, 2, 1, 0, 1, 3, 3])).shape == (9,)
@@ -161,7 +168,7 @@ def test_kl_penalty_rewards_and_entropy() -> None:
     t = Tracker()
     rl.log_updates(t, updates)
     assert t.compute() == pytest.approx(
-        {"actor/kl_coef": 0.1, "actor/reward_kl_penalty": d[mask].mean()}
+        {"actor/reward_kl_penalty_coeff": 0.1, "actor/reward_kl_penalty": d[mask].mean()}
     )
     logits = torch.randn(3, 5, generator=g, dtype=torch.float64)
     p = torch.softmax(logits, -1).numpy()

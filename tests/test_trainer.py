@@ -8,6 +8,7 @@ every metric but timings and throughput: step 1 within 1e-9, later steps within 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from multiprocess import ok_results, run_ranks
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-prompts", "4",
         "--samples-per-prompt", "3", "--mini-batches", "2", "--epochs", "2"]  # fmt: skip
-SKIP = ("timing_s/", "timing_per_token_ms/", "perf/")
+SKIP = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "critic/perf/")
 
 
 def base_config(**algo: object) -> TrainConfig:
@@ -40,6 +41,15 @@ def base_config(**algo: object) -> TrainConfig:
         run=RunConfig(steps=3, progress=False, loggers="", log_every=0),
     )
 
+
+# names added for verl parity (issue 17) that must not depend on the partition either
+INVARIANT_VERL_NAMES = {
+    "grpo": ("actor/loss", "actor/entropy", "actor/entropy_token_mean", "critic/returns/mean",
+             "critic/returns/max", "critic/returns/min", "response/aborted_ratio",
+             "response_length_non_aborted/mean", "response_length_non_aborted/clip_ratio",
+             "training/global_step", "training/epoch"),
+}  # fmt: skip
+INVARIANT_VERL_NAMES["ppo"] = (*INVARIANT_VERL_NAMES["grpo"], "critic/loss")
 
 PARTITIONS = {  # name: (world size, algo overrides)
     "dp1-whole": (1, {}),
@@ -96,6 +106,7 @@ def test_metrics_do_not_depend_on_the_partition() -> None:
     for algo in algos:
         reference = runs[algo, "dp1-whole"]
         assert "actor/pg_clipfrac" in reference[0] and "critic/score/mean" in reference[0]
+        assert set(INVARIANT_VERL_NAMES[algo]) <= set(reference[0])  # compared below too
         for name in PARTITIONS:
             for step, (got, want) in enumerate(zip(runs[algo, name], reference, strict=True), 1):
                 got, want = strip(got), strip(want)
@@ -139,3 +150,46 @@ def test_launchers_agree_with_one_process(tmp_path, capsys) -> None:
         assert "timing_s/gen" in rows[0] and "perf/throughput" in rows[0]
         for step, (got, ref) in enumerate(zip(rows, want, strict=True), start=1):
             assert_close(name, strip(got), ref, 1e-9 if step == 1 else 1e-6, step)
+
+
+VERL_NAMES = (  # issue 17, point 7: what verl logs, in the JSONL of both algorithms
+    "actor/loss", "actor/entropy", "actor/pg_clipfrac_lower", "critic/returns/mean",
+    "critic/returns/max", "critic/returns/min", "perf/mfu/actor", "perf/mfu/actor_infer",
+    "perf/time_per_step", "perf/throughput", "perf/total_num_tokens", "training/global_step",
+    "training/epoch", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob",
+    "timing_s/ref", "timing_s/adv", "timing_s/update_actor", "timing_s/step",
+    "timing_per_token_ms/gen", "timing_per_token_ms/reward", "timing_per_token_ms/ref",
+    "timing_per_token_ms/adv", "timing_per_token_ms/update_actor",
+    "response_length_non_aborted/mean", "response/aborted_ratio",
+)  # fmt: skip
+PPO_NAMES = ("critic/loss", "perf/mfu/critic", "timing_s/values", "timing_s/update_critic",
+             "timing_per_token_ms/values", "timing_per_token_ms/update_critic")  # fmt: skip
+
+
+def memory_names(learner: str) -> set[str]:
+    """The memory metrics a learner reports on this machine (see trainer/perf.py)."""
+    names = {f"{learner}/perf/cpu_memory_used_gb"} if importlib.util.find_spec("psutil") else set()
+    if torch.cuda.is_available():
+        names |= {f"{learner}/perf/max_memory_allocated_gb",
+                  f"{learner}/perf/max_memory_reserved_gb"}  # fmt: skip
+    return names
+
+
+def test_jsonl_has_verl_names(tmp_path) -> None:
+    for algo in ("grpo", "ppo"):
+        path = tmp_path / f"{algo}.jsonl"
+        cfg = base_config(algo=algo)
+        run = {"steps": 2, "loggers": "jsonl", "metrics_jsonl": str(path),
+               "run_dir": str(tmp_path / algo), "checkpoint_every": 1}  # fmt: skip
+        cfg = replace(cfg, run=replace(cfg.run, **run))
+        train(cfg, report=True)
+        rows = read_jsonl(path)
+        want = {*VERL_NAMES, *memory_names("actor")}
+        if algo == "ppo":
+            want |= {*PPO_NAMES, *memory_names("critic")}
+        for row in rows:
+            assert want <= set(row), (algo, sorted(want - set(row)))
+        assert [row["training/global_step"] for row in rows] == [1.0, 2.0]
+        assert rows[0]["perf/time_per_step"] == rows[0]["timing_s/step"]
+        assert "timing_s/save_checkpoint" in rows[1]  # step 1's save, reported with step 2
+        assert 0 < rows[0]["perf/mfu/actor"] < 1 and cfg.algo.clip_ratio_c == 3.0  # verl's c

@@ -27,7 +27,7 @@ except ImportError:  # the no-Ray test below still runs
 needs_ray = pytest.mark.skipif(
     ray is None, reason="ray is not installed (pip install 'rlmetrics[ray]')"
 )
-SKIP = ("timing_s/", "timing_per_token_ms/", "perf/")
+SKIP = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "critic/perf/")
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-symbols", "3",
         "--max-prompt-len", "3", "--num-prompts", "4", "--samples-per-prompt", "3",
         "--mini-batches", "2", "--epochs", "2", "--micro-batch-size", "2", "--warmup-steps", "1",

@@ -38,7 +38,7 @@ from rlmetrics.trainer.config import AlgoConfig, ModelConfig, RunConfig, TrainCo
 from rlmetrics.trainer.launch import exit_now
 
 DEFAULT_PARTITIONS = "1,2:mbs=3,2:tokens=24,4:mbs=1"
-MEASUREMENTS = ("timing_s/", "timing_per_token_ms/", "perf/")
+MEASUREMENTS = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "critic/perf/")
 LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "critic/vf_loss")
 
 

@@ -19,15 +19,18 @@ Entry points:
   mini-batch; no-op without a process group).
 * losses (-> ``LossOutput``): ``ppo_policy_loss`` (asymmetric and dual clip, rollout
   importance weights), ``kl_loss``, ``entropy_loss``, ``value_loss``.
-* per-token helpers: ``kl_estimate`` (k1, abs, mse, low_var_kl), ``entropy_from_logits``,
-  ``kl_penalty_rewards`` (KL as an in-reward penalty).
+* per-token helpers: ``kl_estimate`` (kl/k1, abs, mse/k2, low_var_kl/k3, and their
+  straight-through ``+`` forms), ``entropy_from_logits``, ``kl_penalty_rewards`` (KL as
+  an in-reward penalty).
 * advantages (whole batch, before splitting): ``grpo_advantages`` (std normalisation
   optional: ``norm_by_std=False`` is Dr.GRPO), ``gae``, ``masked_whiten``.
 * metric updates (-> list of ``MetricUpdate``): ``batch_metrics``, ``grad_norm_updates``,
-  ``lr_update``, ``kl_coef_update``, ``perf_updates``; ``timer`` logs
-  ``timing_s/<stage>``; ``log_updates(tracker, updates)`` applies updates.
-* aggregation modes (``agg=``): ``AGG_MODES`` = token-mean, seq-mean-token-sum,
-  seq-mean-token-mean, seq-mean-token-sum-norm (needs ``norm_constant``).
+  ``lr_update``, ``kl_coef_update``, ``perf_updates``, ``entropy_metric`` (verl's
+  ``actor/entropy``), ``loss_update`` (``actor/loss``: a sum of objectives); ``timer``
+  logs ``timing_s/<stage>``; ``log_updates(tracker, updates)`` applies updates.
+* aggregation modes (``agg=``): ``AGG_MODES`` = token-mean, token-sum,
+  seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (needs
+  ``norm_constant``).
 * your own per-token loss ``l``: ``aggregate(l, mask, counts, agg)`` is the loss for
   backward, ``objective_update(name, l, mask, counts, agg)`` its metric;
   ``token_mean(name, values, mask)`` logs a per-token mean.
@@ -55,15 +58,16 @@ One training step (every rank runs the same code)::
 Loss metrics (``actor/pg_loss``, ``actor/kl_loss``, ``actor/entropy_loss``,
 ``critic/vf_loss``) are each mini-batch's objective, averaged over the step's optimizer
 steps. Fractions and means marked "per token" (``actor/pg_clipfrac``, ``actor/ppo_kl``,
-``actor/entropy``, ...) are token-weighted over all the step's tokens. See docs/rl.md
-for the scaling derivation and the metric table (kind and weight of every name).
+``actor/entropy_token_mean``, ...) are token-weighted over all the step's tokens. See
+docs/rl.md for the scaling derivation, the metric table (kind and weight of every
+name) and every deliberate difference from verl.
 """
 
 from rlmetrics.rl.advantages import gae, grpo_advantages, masked_whiten
-from rlmetrics.rl.aggregate import AGG_MODES, aggregate, objective_update
+from rlmetrics.rl.aggregate import AGG_MODES, aggregate, loss_update, objective_update
 from rlmetrics.rl.batch import batch_metrics
 from rlmetrics.rl.counts import BatchCounts, global_counts
-from rlmetrics.rl.entropy import entropy_from_logits, entropy_loss
+from rlmetrics.rl.entropy import entropy_from_logits, entropy_loss, entropy_metric
 from rlmetrics.rl.explained_var import ExplainedVar, ensure_registered, explained_var_update
 from rlmetrics.rl.kl import KL_ESTIMATORS, kl_coef_update, kl_estimate, kl_loss, kl_penalty_rewards
 from rlmetrics.rl.optim import grad_norm_updates, lr_update
@@ -86,6 +90,7 @@ __all__ = [
     "batch_metrics",
     "entropy_from_logits",
     "entropy_loss",
+    "entropy_metric",
     "explained_var_update",
     "gae",
     "global_counts",
@@ -96,6 +101,7 @@ __all__ = [
     "kl_loss",
     "kl_penalty_rewards",
     "log_updates",
+    "loss_update",
     "lr_update",
     "masked_whiten",
     "objective_update",

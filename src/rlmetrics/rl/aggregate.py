@@ -7,6 +7,7 @@ valid token), token losses ``l[i, t]``, mask ``m`` and ``n_i = Σ_t m[i, t]``:
 mode                       objective J
 =========================  ==========================================
 token-mean                 Σ_{i,t} m·l / N
+token-sum                  Σ_{i,t} m·l
 seq-mean-token-sum         Σ_i (Σ_t m·l) / S
 seq-mean-token-mean        Σ_i (Σ_t m·l / n_i) / S
 seq-mean-token-sum-norm    Σ_i (Σ_t m·l / C) / S   (C = norm_constant, fixed)
@@ -15,8 +16,9 @@ seq-mean-token-sum-norm    Σ_i (Σ_t m·l / C) / S   (C = norm_constant, fixed)
 Each micro-batch's loss for backward is its share of J times ``grad_scale`` (dp_size
 under gradient averaging), so the shares summed over micro-batches and averaged over
 ranks give exactly ∇J. Its metric update is a ``mean`` whose weights sum to 1 over the
-mini-batch (``m/N`` per token, or ``1/S`` per sequence) and whose weighted sum is J:
-merged over a step, it is the mean of the mini-batches' objectives.
+mini-batch (``m/N`` per token, or ``1/S`` per sequence) and whose weighted sum is J
+(token-sum: value ``N·l`` at weight ``m/N``): merged over a step, it is the mean of the
+mini-batches' objectives.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rlmetrics.rl.updates import MetricUpdate, bool_mask, masked
 
 AGG_MODES = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -51,7 +54,10 @@ def check_agg(agg: str, norm_constant: float | None) -> None:
 def seq_values(
     losses: Tensor, mask: Tensor, agg: str, norm_constant: float | None = None
 ) -> Tensor:
-    """Per-sequence values of a seq-mean mode, (B,); 0 for fully masked sequences."""
+    """Per-sequence values of a seq-mean mode, (B,); 0 for fully masked sequences.
+
+    seq-mean-token-mean divides by the exact token count n_i (verl adds 1e-8 to it).
+    """
     sums = masked(losses, mask).sum(-1)
     if agg == "seq-mean-token-sum":
         return sums
@@ -92,6 +98,8 @@ def aggregate(
         losses = losses.float()
     if agg == "token-mean":
         total = masked(losses, mask).sum() / _denominator(counts.num_tokens, losses)
+    elif agg == "token-sum":
+        total = masked(losses, mask).sum()
     else:
         values = seq_values(losses, mask, agg, norm_constant)
         total = values.sum() / _denominator(counts.num_seqs, losses)
@@ -116,11 +124,42 @@ def objective_update(
     counts = resolve_counts(counts, mask)
     losses = losses.detach()
     mask = bool_mask(mask)
-    if agg == "token-mean":
-        weight = mask.double() / _denominator(counts.num_tokens, mask.double())
-        return MetricUpdate(name, "mean", masked(losses, mask), weight)
+    if agg in ("token-mean", "token-sum"):
+        num_tokens = _denominator(counts.num_tokens, mask.double())
+        values = masked(losses, mask)
+        if agg == "token-sum":  # Σ (m/N)·(N·l) = Σ m·l
+            values = values.double() * num_tokens
+        return MetricUpdate(name, "mean", values, mask.double() / num_tokens)
     values = seq_values(losses, mask, agg, norm_constant)
     has_tokens = mask.any(-1).double()
     return MetricUpdate(
         name, "mean", values, has_tokens / _denominator(counts.num_seqs, has_tokens)
     )
+
+
+def loss_update(name: str, terms: list[tuple[float, MetricUpdate]]) -> MetricUpdate:
+    """The metric of a weighted sum of objectives: ``Σ_k c_k · J_k`` (e.g. ``actor/loss`` =
+    pg_loss - entropy_coef · entropy_loss + kl_coef · kl_loss, as verl's ``actor/loss``).
+
+    Args:
+        name: the metric's name.
+        terms: (coefficient, update) pairs, each update from ``objective_update`` (or a
+            loss helper) over the same mask, counts and aggregation mode, so that their
+            weights are equal: the sum's weight is the first term's.
+
+    Raises:
+        ValueError: no terms, a term that is not a ``mean``, or weights of different
+            shapes (a different mode or mask).
+    """
+    if not terms:
+        raise ValueError(f"loss_update {name!r}: needs at least one (coefficient, update) term")
+    first = terms[0][1]
+    for _, update in terms:
+        shape = getattr(update.weight, "shape", None)
+        if update.kind != "mean" or shape != getattr(first.weight, "shape", None):
+            raise ValueError(
+                f"loss_update {name!r}: term {update.name!r} (kind {update.kind!r}, weight "
+                f"shape {shape}) does not share the first term's mean weights"
+            )
+    value = sum(float(c) * torch.as_tensor(u.value).double() for c, u in terms)
+    return MetricUpdate(name, "mean", value, first.weight)

@@ -23,6 +23,11 @@ def check_clip(clip_low: float, clip_high: float, clip_ratio_c: float | None) ->
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c!r}")
 
 
+def clamped_log_ratio(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
+    """logp - old_logp clamped to ±20: the ratio's exponent, and minus ppo_kl's tokens."""
+    return (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def ppo_token_losses(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -43,8 +48,7 @@ def ppo_token_losses(
     """
     clip_high = clip_low if clip_high is None else clip_high
     check_clip(clip_low, clip_high, clip_ratio_c)
-    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(clamped_log_ratio(log_probs, old_log_probs))
     unclipped = -advantages * ratio
     clipped_term = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped_term)
@@ -90,7 +94,8 @@ def ppo_policy_loss(
     Returns:
         loss for backward; updates: actor/pg_loss (the mini-batch objective, mean over
         optimizer steps), and per token over all the step's tokens: actor/pg_clipfrac,
-        actor/pg_clipfrac_lower, actor/ppo_kl (mean of old_logp - logp).
+        actor/pg_clipfrac_lower, actor/ppo_kl (mean of old_logp - logp, each token's
+        log-ratio clamped to ±20 as in the ratio, as verl does).
     """
     check_agg(agg, norm_constant)
     losses, clipped, lower = ppo_token_losses(
@@ -105,6 +110,6 @@ def ppo_policy_loss(
         objective_update("actor/pg_loss", losses, mask, counts, agg, norm_constant),
         token_mean("actor/pg_clipfrac", clipped.double(), mask),
         token_mean("actor/pg_clipfrac_lower", lower.double(), mask),
-        token_mean("actor/ppo_kl", (old_log_probs - log_probs).detach(), mask),
+        token_mean("actor/ppo_kl", -clamped_log_ratio(log_probs, old_log_probs).detach(), mask),
     ]
     return LossOutput(loss, updates)

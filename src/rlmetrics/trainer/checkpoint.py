@@ -201,12 +201,18 @@ def maybe_resume(r: Rank, tracker: Tracker) -> dict[str, Any] | None:
     return state
 
 
+def due(r: Rank, step: int) -> bool:
+    """Whether this rank saves a checkpoint after ``step`` (rank 0 only)."""
+    run = r.cfg.run
+    every = run.checkpoint_every
+    return r.rank == 0 and bool(every) and (step % every == 0 or step == run.steps)
+
+
 def maybe_save(r: Rank, step: int, tracker: Tracker, reporter: Reporter | None) -> None:
     """On rank 0, every ``checkpoint_every`` steps and at the last step: save (with the
     loggers' positions when this rank reports)."""
     run = r.cfg.run
-    every = run.checkpoint_every
-    if r.rank != 0 or not every or (step % every and step != run.steps):
+    if not due(r, step):
         return
     loggers = reporter.state_dict() if reporter is not None else {}
     save(capture(r, step, tracker, loggers), Path(run.run_dir) / FILE_NAME)

@@ -13,8 +13,8 @@ from typing import Any
 TASKS = ("reverse", "copy")
 DTYPES = ("float32", "float64")
 ALGOS = ("grpo", "ppo")
-KL_TYPES = ("k1", "abs", "mse", "low_var_kl")
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_TYPES = ("kl", "k1", "abs", "mse", "low_var_kl", "k1+", "k3+", "low_var_kl+", "abs+")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
 LAUNCHERS = ("spawn", "ray")
 METRICS_PATHS = ("collective", "driver")  # where the Ray launcher merges metrics
 
@@ -108,6 +108,7 @@ class AlgoConfig:
     max_grad_norm: float = opt(1.0, "gradient clipping threshold")
     clip_low: float = opt(0.2, "PPO ratio clip below 1")
     clip_high: float = opt(0.28, "PPO ratio clip above 1")
+    clip_ratio_c: float = opt(3.0, "dual-clip bound c for negative advantages (> 1; verl's 3)")
     kl_coef: float = opt(0.001, "KL loss coefficient (0 skips the reference model)")
     kl_type: str = opt("low_var_kl", "KL estimator", choices=KL_TYPES)
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
@@ -143,6 +144,7 @@ class AlgoConfig:
             check_number(self, name, 0.0)
         for name in ("min_lr_ratio", "gamma", "lam"):
             check_number(self, name, 0.0, 1.0)
+        check_number(self, "clip_ratio_c", 1.0, open_low=True)
 
     @property
     def num_seqs(self) -> int:

@@ -85,8 +85,9 @@ def rollout(actor: TinyGPT, task: Task, *, num_prompts: int, n: int, temperature
     """The whole batch of ``step``: num_prompts * n sequences, n per prompt in a row.
 
     Returns a Batch with ``tokens`` (B, T) [prompt | response] right-padded,
-    ``prompt_lengths``, ``response_lengths``, ``scores`` (float64) and ``group`` (the
-    prompt index), all on the CPU.
+    ``prompt_lengths``, ``response_lengths``, ``group`` (the prompt index), and the
+    right-padded ``prompts`` and ``responses`` that ``add_scores`` turns into scores,
+    all on the CPU.
     """
     gen = step_generator(seed, step)
     prompts, prompt_lengths = task.sample_prompts(num_prompts, gen)
@@ -104,9 +105,18 @@ def rollout(actor: TinyGPT, task: Task, *, num_prompts: int, n: int, temperature
         "tokens": join(prompts, prompt_lengths, responses, lengths),
         "prompt_lengths": prompt_lengths,
         "response_lengths": lengths,
-        "scores": task.rewards(prompts, prompt_lengths, responses, lengths),
         "group": torch.arange(num_prompts).repeat_interleave(n),
+        "prompts": prompts,
+        "responses": responses,
     }
+
+
+def add_scores(task: Task, batch: Batch) -> None:
+    """The reward stage: ``scores`` (float64) from the batch's prompts and responses,
+    which it removes (they are not per-token fields of the training batch)."""
+    prompts, responses = batch.pop("prompts"), batch.pop("responses")
+    lengths = batch["response_lengths"]
+    batch["scores"] = task.rewards(prompts, batch["prompt_lengths"], responses, lengths)
 
 
 def response_mask(batch: Batch) -> Tensor:

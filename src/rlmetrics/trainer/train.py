@@ -18,11 +18,18 @@ import torch
 
 from rlmetrics import rl
 from rlmetrics.tracker import Tracker
-from rlmetrics.trainer import checkpoint
+from rlmetrics.trainer import checkpoint, perf
 from rlmetrics.trainer.config import TrainConfig
 from rlmetrics.trainer.model import TinyGPT, build_models
 from rlmetrics.trainer.report import Reporter
-from rlmetrics.trainer.rollout import Batch, response_mask, rollout, select, shard_indices
+from rlmetrics.trainer.rollout import (
+    Batch,
+    add_scores,
+    response_mask,
+    rollout,
+    select,
+    shard_indices,
+)
 from rlmetrics.trainer.task import Task
 from rlmetrics.trainer.update import (
     Learner,
@@ -30,6 +37,7 @@ from rlmetrics.trainer.update import (
     build_learner,
     critic_loss,
     infer,
+    log_probs_and_entropy,
     optimize,
     ppo_advantages,
     sampled_log_probs,
@@ -78,30 +86,52 @@ def my_shard(r: Rank, batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
     return shard, [torch.arange(a, b) for a, b in itertools.pairwise(bounds)]
 
 
+def num_tokens(batch: Batch) -> float:
+    """Prompt + response tokens of the (whole) batch: the per-token timings' divisor."""
+    return float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
+
+
 def prepare(r: Rank, batch: Batch, tracker: Tracker) -> tuple[Batch, list[torch.Tensor]]:
-    """Advantages, old and reference log-probs (and values) of this rank's shard."""
-    algo = r.cfg.algo
+    """Advantages, old and reference log-probs (and values) of this rank's shard; the
+    entropy of the old policy (verl's ``actor/entropy``, aggregated like the loss)."""
+    algo, tokens = r.cfg.algo, {"num_tokens": num_tokens(batch)}
     if algo.algo == "grpo":  # group statistics need the whole batch: every rank has it
-        batch["advantages"] = rl.grpo_advantages(batch["scores"], batch["group"],
-                                                 response_mask(batch))  # fmt: skip
+        with rl.timer(tracker, "adv", **tokens):
+            batch["advantages"] = rl.grpo_advantages(batch["scores"], batch["group"],
+                                                     response_mask(batch))  # fmt: skip
+            batch["returns"] = batch["advantages"]  # as verl's GRPO estimator returns
     shard, minis = my_shard(r, batch)
-    with rl.timer(tracker, "old_log_prob"):
-        shard["old_log_probs"] = infer(
-            sampled_log_probs(r.actor.model, algo), shard, minis, algo, r.device
-        )
+    with rl.timer(tracker, "old_log_prob", **tokens):
+        start = time.perf_counter()
+        both = infer(log_probs_and_entropy(r.actor.model, algo), shard, minis, algo, r.device)
+        seconds = time.perf_counter() - start
+    shard["old_log_probs"] = both[..., 0]
+    mask = response_mask(shard)
+    rl.log_updates(tracker, [
+        rl.entropy_metric(both[..., 1], mask, algo.loss_agg),
+        perf.mfu_update("actor_infer", learner_flops(r, r.actor, shard) / 3, seconds, r.device),
+    ])  # fmt: skip
     if algo.kl_coef:
-        with rl.timer(tracker, "ref"):
+        with rl.timer(tracker, "ref", **tokens):
             shard["ref_log_probs"] = infer(
                 sampled_log_probs(r.ref, algo), shard, minis, algo, r.device
             )
     if r.critic is not None:
-        with rl.timer(tracker, "values"):
+        with rl.timer(tracker, "values", **tokens):
             critic = r.critic.model
             values = infer(lambda mb: critic(mb["tokens"][:, :-1]), shard, minis, algo, r.device)
-            shard["values"] = values * response_mask(shard)
-        with rl.timer(tracker, "adv"):
+            shard["values"] = values * mask
+        with rl.timer(tracker, "adv", **tokens):
             ppo_advantages(shard, algo, r.world_size, r.group, r.device)
     return shard, minis
+
+
+def learner_flops(r: Rank, learner: Learner, shard: Batch, passes: int = 1) -> float:
+    """Training FLOPs of ``passes`` forward+backward passes of ``learner`` over the shard."""
+    lens = shard["prompt_lengths"] + shard["response_lengths"] - 1  # the model's input
+    model = r.cfg.model
+    flops = perf.model_flops(learner.model, lens, n_layer=model.n_layer, n_embd=model.n_embd)
+    return passes * flops
 
 
 def log_batch(r: Rank, shard: Batch, tracker: Tracker) -> None:
@@ -110,9 +140,23 @@ def log_batch(r: Rank, shard: Batch, tracker: Tracker) -> None:
     prompt_mask = torch.arange(r.task.max_prompt_tokens)[None, :] < shard["prompt_lengths"][:, None]
     rl.log_updates(tracker, rl.batch_metrics(
         mask, scores=shard["scores"], rewards=shard["scores"], advantages=shard["advantages"],
-        returns=shard.get("returns"), values=shard.get("values"), prompt_mask=prompt_mask,
+        returns=shard["returns"], values=shard.get("values"), prompt_mask=prompt_mask,
         max_response_length=r.task.max_response_len, max_prompt_length=r.task.max_prompt_tokens,
     ))  # fmt: skip
+
+
+def update(r: Rank, learner: Learner, loss: Any, shard: Batch, minis: list, tracker: Tracker,
+           total_tokens: float) -> None:  # fmt: skip
+    """One learner's update stage, timed, with its MFU and memory metrics."""
+    algo, name = r.cfg.algo, learner.name
+    with rl.timer(tracker, f"update_{name}", num_tokens=total_tokens):
+        start = time.perf_counter()
+        optimize(learner, loss, shard, minis, algo, tracker, world_size=r.world_size,
+                 group=r.group)  # fmt: skip
+        seconds = time.perf_counter() - start
+    flops = learner_flops(r, learner, shard, passes=algo.epochs)
+    rl.log_updates(tracker, [perf.mfu_update(name, flops, seconds, r.device),
+                             *perf.memory_updates(name, r.device)])  # fmt: skip
 
 
 def log_step(r: Rank, step: int, tracker: Tracker) -> None:
@@ -121,24 +165,28 @@ def log_step(r: Rank, step: int, tracker: Tracker) -> None:
     A Ray actor calls this, then either ``tracker.compute(group)`` or ``tracker.state()``.
     """
     algo, start = r.cfg.algo, time.perf_counter()
-    with rl.timer(tracker, "gen"):
+    with rl.timer(tracker, "gen") as gen:
         batch = rollout(
             r.actor.model, r.task, num_prompts=algo.num_prompts, n=algo.samples_per_prompt,
             temperature=algo.temperature, seed=r.cfg.run.seed, step=step,
         )  # fmt: skip
-    total_tokens = float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
+        gen.num_tokens = float(batch["response_lengths"].sum())  # verl: response tokens
+    total_tokens = num_tokens(batch)
+    with rl.timer(tracker, "reward", num_tokens=total_tokens):
+        add_scores(r.task, batch)
     shard, minis = prepare(r, batch, tracker)
     log_batch(r, shard, tracker)
-    common = {"world_size": r.world_size, "group": r.group}
     if r.critic is not None:
-        with rl.timer(tracker, "update_critic", num_tokens=total_tokens):
-            optimize(r.critic, critic_loss(r.critic.model, algo), shard, minis, algo, tracker,
-                     **common)  # fmt: skip
-    with rl.timer(tracker, "update_actor", num_tokens=total_tokens):
-        optimize(r.actor, actor_loss(r.actor.model, algo), shard, minis, algo, tracker, **common)
-    rl.log_updates(tracker, [rl.kl_coef_update(algo.kl_coef)])
+        update(r, r.critic, critic_loss(r.critic.model, algo), shard, minis, tracker, total_tokens)
+    update(r, r.actor, actor_loss(r.actor.model, algo), shard, minis, tracker, total_tokens)
+    rl.log_updates(tracker, [
+        rl.kl_coef_update(algo.kl_coef),
+        rl.MetricUpdate("training/global_step", "last", step),
+        rl.MetricUpdate("training/epoch", "last", 0),  # prompts are drawn afresh each step
+    ])  # fmt: skip
     seconds = time.perf_counter() - start
     tracker.max("timing_s/step", seconds)
+    tracker.max("perf/time_per_step", seconds)
     my_tokens = (shard["prompt_lengths"] + shard["response_lengths"]).sum().double()
     rl.log_updates(tracker, rl.perf_updates(my_tokens, seconds))
 
@@ -187,6 +235,7 @@ def train(
             history.append(metrics)
             if reporter is not None:
                 reporter.log(step, metrics)
-            checkpoint.maybe_save(r, step, tracker, reporter)  # rank 0, after the log
+            with rl.timer(tracker, "save_checkpoint") if checkpoint.due(r, step) else nullcontext():
+                checkpoint.maybe_save(r, step, tracker, reporter)  # rank 0, after the log
             checkpoint.maybe_crash_for_test(r, step)
     return history

@@ -98,20 +98,22 @@ def policy_logits(actor: TinyGPT, mb: Batch, temperature: float) -> Tensor:
 def infer(
     fn: Callable[[Batch], Tensor], shard: Batch, minis: list[Tensor], cfg: AlgoConfig, device: Any
 ) -> Tensor:
-    """``fn`` over the shard, as (B, T-1) float64 on the CPU.
+    """``fn`` over the shard, as (B, T-1, ...) float64 on the CPU.
 
     Runs on exactly the micro-batches the first epoch trains on, so the first epoch's
     ratio is exactly 1 and its clipped values are exactly the old ones (no ties that
     rounding could break one way or the other).
     """
     width = shard["tokens"].size(1) - 1
-    out = torch.zeros(len(shard["tokens"]), width, dtype=torch.float64)
+    out: Tensor | None = None
     num_tokens = shard["prompt_lengths"] + shard["response_lengths"]
     for rows in minis:
         for mb_rows in micro_batches(rows, num_tokens, cfg):
             values = fn(piece(shard, mb_rows, device)).double().cpu()
+            if out is None:
+                out = values.new_zeros(len(shard["tokens"]), width, *values.shape[2:])
             out[mb_rows, : values.size(1)] = values
-    return out
+    return torch.zeros(len(shard["tokens"]), width, dtype=torch.float64) if out is None else out
 
 
 def sampled_log_probs(model: TinyGPT, cfg: AlgoConfig) -> Callable[[Batch], Tensor]:
@@ -119,6 +121,17 @@ def sampled_log_probs(model: TinyGPT, cfg: AlgoConfig) -> Callable[[Batch], Tens
     return lambda mb: token_log_probs(
         policy_logits(model, mb, cfg.temperature), mb["tokens"][:, 1:]
     )
+
+
+def log_probs_and_entropy(model: TinyGPT, cfg: AlgoConfig) -> Callable[[Batch], Tensor]:
+    """mb -> (B, T, 2): log-probs of the sampled tokens and the policy's entropy."""
+
+    def fn(mb: Batch) -> Tensor:
+        logits = policy_logits(model, mb, cfg.temperature)
+        logp = token_log_probs(logits, mb["tokens"][:, 1:])
+        return torch.stack((logp, rl.entropy_from_logits(logits)), dim=-1)
+
+    return fn
 
 
 # -- advantages -----------------------------------------------------------------------
@@ -151,6 +164,11 @@ def ppo_advantages(shard: Batch, cfg: AlgoConfig, world_size: int, group: Any, d
 
 
 # -- losses ---------------------------------------------------------------------------
+def named(updates: list[rl.MetricUpdate], name: str) -> rl.MetricUpdate:
+    """The update called ``name``."""
+    return next(u for u in updates if u.name == name)
+
+
 def actor_loss(actor: TinyGPT, cfg: AlgoConfig) -> LossFn:
     """The policy objective of a micro-batch: clipped PPO/GRPO + KL - entropy bonus."""
 
@@ -159,16 +177,19 @@ def actor_loss(actor: TinyGPT, cfg: AlgoConfig) -> LossFn:
         logp = token_log_probs(logits, mb["tokens"][:, 1:])
         mask, common = mb["mask"], {"counts": counts, "agg": cfg.loss_agg}
         pg = rl.ppo_policy_loss(
-            logp, mb["old_log_probs"], mb["advantages"], mask,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, **common,
+            logp, mb["old_log_probs"], mb["advantages"], mask, clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, **common,
         )  # fmt: skip
         entropy = rl.entropy_from_logits(logits if cfg.entropy_coef else logits.detach())
         ent = rl.entropy_loss(entropy, mask, **common)
         loss, updates = pg.loss - cfg.entropy_coef * ent.loss, pg.updates + ent.updates
+        terms = [(1.0, named(pg.updates, "actor/pg_loss")),
+                 (-cfg.entropy_coef, named(ent.updates, "actor/entropy_loss"))]  # fmt: skip
         if cfg.kl_coef:
             kl = rl.kl_loss(logp, mb["ref_log_probs"], mask, estimator=cfg.kl_type, **common)
             loss, updates = loss + cfg.kl_coef * kl.loss, updates + kl.updates
-        return loss, updates
+            terms.append((cfg.kl_coef, named(kl.updates, "actor/kl_loss")))
+        return loss, [*updates, rl.loss_update("actor/loss", terms)]
 
     return loss_fn
 
@@ -182,7 +203,8 @@ def critic_loss(critic: TinyGPT, cfg: AlgoConfig) -> LossFn:
             values, mb["values"], mb["returns"], mb["mask"],
             counts=counts, cliprange_value=cfg.vf_clip, agg=cfg.loss_agg,
         )  # fmt: skip
-        return out.loss, out.updates
+        vf = named(out.updates, "critic/vf_loss")  # critic/loss: verl's name for it too
+        return out.loss, [*out.updates, rl.MetricUpdate("critic/loss", "mean", vf.value, vf.weight)]
 
     return loss_fn
 
