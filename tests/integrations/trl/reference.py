@@ -1,0 +1,125 @@
+"""Each logged metric recomputed with numpy over the whole step, from the per-token
+values a run recorded (every micro-batch of every process): the independent reference
+ExactGRPOTrainer's logs must equal, whatever the split."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+
+def _rows(items: list[dict[str, Any]], key: str) -> np.ndarray:
+    """Concatenate one captured field over micro-batches, padding the token axis."""
+    arrays = [item[key] for item in items]
+    if arrays[0].ndim == 1:
+        return np.concatenate(arrays)
+    width = max(a.shape[1] for a in arrays)
+    return np.concatenate([np.pad(a, ((0, 0), (0, width - a.shape[1]))) for a in arrays])
+
+
+def policy_metrics(items: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, float]:
+    """entropy, kl, clip ratios and loss of one step from its micro-batch captures."""
+    mask = _rows(items, "completion_mask")
+    logp, entropy = _rows(items, "logp"), _rows(items, "entropy")
+    old = _rows(items, "old_per_token_logps") if "old_per_token_logps" in items[0] else logp
+    adv = _rows(items, "advantages")[:, None]
+    eps = options.get("epsilon", 0.2)
+    ratio = np.exp(logp - old)
+    tokens = mask.sum()
+    out = {"entropy": (entropy * mask).sum() / tokens}
+    beta = options.get("beta", 0.0)
+    kl = np.zeros_like(logp)
+    if beta:
+        diff = _rows(items, "ref") - logp
+        kl = np.exp(diff) - diff - 1
+        if options.get("use_bias_correction_kl", True):  # GRPOConfig's default
+            kl = kl * ratio
+        out["kl"] = (kl * mask).sum() / tokens
+    low = (ratio < 1 - eps) & (adv < 0)
+    high = (ratio > 1 + eps) & (adv > 0)
+    out["clip_ratio/low_mean"] = (low * mask).sum() / tokens
+    out["clip_ratio/high_mean"] = (high * mask).sum() / tokens
+    out["clip_ratio/region_mean"] = ((low | high) * mask).sum() / tokens
+    per_seq = mask.sum(1)
+    has = per_seq > 0
+    out["clip_ratio/low_min"] = ((low * mask).sum(1)[has] / per_seq[has]).min()
+    out["clip_ratio/high_max"] = ((high * mask).sum(1)[has] / per_seq[has]).max()
+    surrogate = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) + beta * kl
+    loss_type = options.get("loss_type", "dapo")
+    if loss_type == "dapo":
+        out["loss"] = (surrogate * mask).sum() / tokens
+    elif loss_type == "grpo":
+        out["loss"] = ((surrogate * mask).sum(1) / np.maximum(per_seq, 1)).mean()
+    elif loss_type == "bnpo":  # the mean, over micro-batches, of each one's token mean
+        rows = np.cumsum([0] + [len(item["completion_mask"]) for item in items])
+        out["loss"] = np.mean(
+            [
+                (surrogate[a:b] * mask[a:b]).sum() / max(mask[a:b].sum(), 1)
+                for a, b in itertools.pairwise(rows)
+            ]
+        )
+    return out
+
+
+def _sample_std(values: np.ndarray) -> float:
+    return float(np.std(values, ddof=1)) if values.size > 1 else float("nan")
+
+
+def reward_metrics(rewards: np.ndarray, num_generations: int) -> dict[str, float]:
+    """Reward keys from the whole generation batch's rewards (rows, one column per
+    reward function; NaN where a function does not apply)."""
+    out: dict[str, float] = {}
+    for i, name in enumerate(("reward_vowels", "reward_short")):
+        column = rewards[:, i][~np.isnan(rewards[:, i])]
+        out[f"rewards/{name}/mean"] = column.mean()
+        out[f"rewards/{name}/std"] = _sample_std(column)
+    scored = ~np.isnan(rewards).all(1)
+    total = np.nansum(rewards, axis=1)[scored]
+    out["reward"] = total.mean()
+    out["reward_std"] = _sample_std(total)
+    groups = np.where(scored, np.nansum(rewards, axis=1), np.nan).reshape(-1, num_generations)
+    stds = np.array([_sample_std(g[~np.isnan(g)]) for g in groups])
+    out["frac_reward_zero_std"] = np.isclose(stds, 0.0).mean()
+    return out
+
+
+def completion_metrics(lengths: np.ndarray, truncated: np.ndarray) -> dict[str, float]:
+    out = {
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": truncated.mean(),
+    }
+    done = lengths[~truncated]
+    for stat in ("mean", "min", "max"):
+        value = getattr(np, stat)(done) if done.size else 0.0
+        out[f"completions/{stat}_terminated_length"] = value
+    return out
+
+
+def expected(per_rank: list[list[dict[str, Any]]], step: int, spec: dict[str, Any]) -> dict:
+    """Every metric of ``step`` from all processes' captures."""
+    options = spec["options"]
+    items = [item for captures in per_rank for item in captures if item["step"] == step]
+    micro = [item for item in items if "logp" in item]
+    out = policy_metrics(micro, options)
+    rewards = [
+        item["rewards"] for item in per_rank[0] if "rewards" in item and item["step"] == step
+    ]
+
+    if rewards:  # a generation step: rewards are gathered, so rank 0's are all of them
+        out.update(reward_metrics(rewards[0], options.get("num_generations", 4)))
+        gen = [item for item in items if "lengths" in item]
+        lengths = np.concatenate([item["lengths"] for item in gen])
+        truncated = np.concatenate([item["truncated"] for item in gen]).astype(bool)
+        out.update(completion_metrics(lengths, truncated))
+        out["vowel_reward/mean_words"] = lengths_in_words(gen)
+    return out
+
+
+def lengths_in_words(gen: list[dict[str, Any]]) -> float:
+    """``reward_vowels``'s log_metric: one call per process and generation batch, each
+    the mean number of words of its completions; logged: the mean over calls."""
+    return float(np.mean([item["words"].mean() for item in gen]))
