@@ -51,8 +51,8 @@ try:
     from trl import GRPOTrainer
 except ImportError as err:  # pragma: no cover - exercised without trl installed
     raise ImportError(
-        "rlmetrics.integrations.trl needs TRL: pip install 'trl==1.16.0' "
-        "(with transformers, accelerate and datasets)"
+        "rlmetrics.integrations.trl needs TRL 1.16.0, an optional extra: "
+        "pip install 'rlmetrics[trl]' (or pip install trl==1.16.0)"
     ) from err
 
 TESTED_TRL_VERSIONS = ("1.16.0",)

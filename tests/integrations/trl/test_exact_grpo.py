@@ -222,7 +222,7 @@ def test_import_without_trl_names_what_to_install() -> None:
     code = "import sys; sys.modules['trl'] = None; import rlmetrics.integrations.trl"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode != 0
-    assert "pip install 'trl==1.16.0'" in done.stderr
+    assert "pip install 'rlmetrics[trl]'" in done.stderr
 
 
 def test_numpy_reference_is_not_trivial() -> None:
