@@ -36,6 +36,7 @@ class RunSpec:
     accumulation: int
     options: dict[str, Any] = field(default_factory=dict)
     max_steps: int = 2
+    logging_steps: int = 1
 
     @property
     def split(self) -> str:
@@ -210,8 +211,9 @@ def _capturing(base: type) -> type:
         def _generate(self, prompts: list) -> Any:
             out = super()._generate(prompts)
             lengths = [len(ids) for ids in out[1]]
-            eos = self.processing_class.eos_token_id
-            truncated = [ids[-1] != eos for ids in out[1]]
+            # TRL's definition: truncated unless the last token is EOS or pad
+            stops = {self.processing_class.eos_token_id, self.processing_class.pad_token_id}
+            truncated = [ids[-1] not in stops for ids in out[1]]
             words = [sum(i >= len(SPECIAL) for i in ids) for ids in out[1]]
             item = {"step": self.state.global_step + 1, "lengths": np.array(lengths, float)}
             item["words"] = np.array(words, float)
@@ -236,7 +238,7 @@ def make_config(spec: RunSpec, out_dir: str) -> Any:
         per_device_train_batch_size=spec.per_device,
         gradient_accumulation_steps=spec.accumulation,
         max_steps=spec.max_steps,
-        logging_steps=1,
+        logging_steps=spec.logging_steps,
         max_completion_length=8,
         temperature=1.0,
         seed=0,

@@ -100,17 +100,18 @@ def completion_metrics(lengths: np.ndarray, truncated: np.ndarray) -> dict[str, 
 
 
 def expected(per_rank: list[list[dict[str, Any]]], step: int, spec: dict[str, Any]) -> dict:
-    """Every metric of ``step`` from all processes' captures."""
+    """Every metric of the logging window that ends at ``step`` (its last
+    ``logging_steps`` optimizer steps) from all processes' captures."""
     options = spec["options"]
-    items = [item for captures in per_rank for item in captures if item["step"] == step]
+    window = range(step - spec.get("logging_steps", 1) + 1, step + 1)
+    items = [item for captures in per_rank for item in captures if item["step"] in window]
     micro = [item for item in items if "logp" in item]
     out = policy_metrics(micro, options)
-    rewards = [
-        item["rewards"] for item in per_rank[0] if "rewards" in item and item["step"] == step
-    ]
-
-    if rewards:  # a generation step: rewards are gathered, so rank 0's are all of them
-        out.update(reward_metrics(rewards[0], options.get("num_generations", 4)))
+    first = [item for item in per_rank[0] if item["step"] in window]
+    rewards = [item["rewards"] for item in first if "rewards" in item]
+    if rewards:  # generation steps: rewards are gathered, so rank 0's are all of them
+        all_rewards = np.concatenate(rewards)
+        out.update(reward_metrics(all_rewards, options.get("num_generations", 4)))
         gen = [item for item in items if "lengths" in item]
         lengths = np.concatenate([item["lengths"] for item in gen])
         truncated = np.concatenate([item["truncated"] for item in gen]).astype(bool)

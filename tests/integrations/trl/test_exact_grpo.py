@@ -168,6 +168,21 @@ def test_training_is_unchanged(group: str, request: pytest.FixtureRequest) -> No
                     assert _close(mine[key], theirs[key]), (per_device, acc, key)
 
 
+def test_two_step_logging_window(model_dir: Path, tmp_path: Path) -> None:
+    """logging_steps=2: one log covers two optimizer steps, each with its own generation
+    batch; still equal across splits and to numpy over the whole window."""
+    logs = []
+    for per_device, acc in [(8, 1), (2, 4)]:
+        spec = RunSpec("exact", per_device, acc, {"beta": 0.04}, max_steps=2, logging_steps=2)
+        result = grpo_runs.run(spec, model_dir, str(tmp_path))
+        (entry,) = result["logs"]
+        want = reference.expected([result["captures"]], entry["step"], result["spec"])
+        wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+        assert not wrong, f"{spec.split}: (logged, numpy) {wrong}"
+        logs.append(_logs([result])[0])
+    assert {k for k in logs[0] if not _close(logs[0][k], logs[1][k])} == set()
+
+
 def test_sync_counts_per_logged_step(two_processes: dict) -> None:
     """Two processes. GRPOTrainer's loss gathers and reads every metric each micro-batch
     (7 collectives, 9 host reads with beta > 0); ExactGRPOTrainer's loss does neither,
