@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+MAX_COMPLETION_LENGTH = 8  # grpo_runs.make_config's
+
 
 def _rows(items: list[dict[str, Any]], key: str) -> np.ndarray:
     """Concatenate one captured field over micro-batches, padding the token axis."""
@@ -20,14 +22,15 @@ def _rows(items: list[dict[str, Any]], key: str) -> np.ndarray:
 
 
 def policy_metrics(items: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, float]:
-    """entropy, kl, clip ratios and loss of one step from its micro-batch captures."""
+    """entropy, kl, clip ratios and loss of one window from its micro-batch captures."""
     mask = _rows(items, "completion_mask")
     logp, entropy = _rows(items, "logp"), _rows(items, "entropy")
     old = _rows(items, "old_per_token_logps") if "old_per_token_logps" in items[0] else logp
     adv = _rows(items, "advantages")[:, None]
-    eps = options.get("epsilon", 0.2)
-    ratio = np.exp(logp - old)
     tokens = mask.sum()
+    ratio = np.exp(logp - old)  # (B, T), or (B, 1) with sequence-level sampling
+    if options.get("importance_sampling_level") == "sequence":
+        ratio = np.exp(((logp - old) * mask).sum(1) / np.maximum(mask.sum(1), 1))[:, None]
     out = {"entropy": (entropy * mask).sum() / tokens}
     beta = options.get("beta", 0.0)
     kl = np.zeros_like(logp)
@@ -37,30 +40,53 @@ def policy_metrics(items: list[dict[str, Any]], options: dict[str, Any]) -> dict
         if options.get("use_bias_correction_kl", True):  # GRPOConfig's default
             kl = kl * ratio
         out["kl"] = (kl * mask).sum() / tokens
+    out.update(clip_metrics(ratio, adv, mask, options.get("epsilon", 0.2)))
+    eps = options.get("epsilon", 0.2)
+    capped = np.minimum(ratio, options["delta"]) if options.get("delta") else ratio
+    surrogate = -np.minimum(capped * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) + beta * kl
+    out["loss"] = loss(surrogate * mask, mask, items, options.get("loss_type", "dapo"))
+    return out
+
+
+def clip_metrics(ratio: np.ndarray, adv: np.ndarray, mask: np.ndarray, eps: float) -> dict:
+    """Clipped fractions: of tokens, or of sequences when there is one ratio per
+    sequence; the min/max keys over sequences."""
     low = (ratio < 1 - eps) & (adv < 0)
     high = (ratio > 1 + eps) & (adv > 0)
-    out["clip_ratio/low_mean"] = (low * mask).sum() / tokens
-    out["clip_ratio/high_mean"] = (high * mask).sum() / tokens
-    out["clip_ratio/region_mean"] = ((low | high) * mask).sum() / tokens
-    per_seq = mask.sum(1)
+    if ratio.shape[1] == 1:
+        low, high = low[:, 0].astype(float), high[:, 0].astype(float)
+        return {
+            "clip_ratio/low_mean": low.mean(),
+            "clip_ratio/high_mean": high.mean(),
+            "clip_ratio/region_mean": np.maximum(low, high).mean(),
+            "clip_ratio/low_min": low.min(),
+            "clip_ratio/high_max": high.max(),
+        }
+    tokens, per_seq = mask.sum(), mask.sum(1)
     has = per_seq > 0
-    out["clip_ratio/low_min"] = ((low * mask).sum(1)[has] / per_seq[has]).min()
-    out["clip_ratio/high_max"] = ((high * mask).sum(1)[has] / per_seq[has]).max()
-    surrogate = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) + beta * kl
-    loss_type = options.get("loss_type", "dapo")
+    return {
+        "clip_ratio/low_mean": (low * mask).sum() / tokens,
+        "clip_ratio/high_mean": (high * mask).sum() / tokens,
+        "clip_ratio/region_mean": ((low | high) * mask).sum() / tokens,
+        "clip_ratio/low_min": ((low * mask).sum(1)[has] / per_seq[has]).min(),
+        "clip_ratio/high_max": ((high * mask).sum(1)[has] / per_seq[has]).max(),
+    }
+
+
+def loss(masked: np.ndarray, mask: np.ndarray, items: list[dict], loss_type: str) -> float:
+    """The logged loss: what each loss type averages, over the window."""
+    per_seq = mask.sum(1)
     if loss_type == "dapo":
-        out["loss"] = (surrogate * mask).sum() / tokens
-    elif loss_type == "grpo":
-        out["loss"] = ((surrogate * mask).sum(1) / np.maximum(per_seq, 1)).mean()
-    elif loss_type == "bnpo":  # the mean, over micro-batches, of each one's token mean
-        rows = np.cumsum([0] + [len(item["completion_mask"]) for item in items])
-        out["loss"] = np.mean(
-            [
-                (surrogate[a:b] * mask[a:b]).sum() / max(mask[a:b].sum(), 1)
-                for a, b in itertools.pairwise(rows)
-            ]
-        )
-    return out
+        return masked.sum() / mask.sum()
+    if loss_type == "grpo":
+        return (masked.sum(1) / np.maximum(per_seq, 1)).mean()
+    if loss_type == "dr_grpo":
+        return (masked.sum(1) / MAX_COMPLETION_LENGTH).mean()
+    # bnpo: the mean, over micro-batches, of each one's token mean
+    rows = np.cumsum([0] + [len(item["completion_mask"]) for item in items])
+    return np.mean(
+        [masked[a:b].sum() / max(mask[a:b].sum(), 1) for a, b in itertools.pairwise(rows)]
+    )
 
 
 def _sample_std(values: np.ndarray) -> float:

@@ -183,6 +183,35 @@ def test_two_step_logging_window(model_dir: Path, tmp_path: Path) -> None:
     assert {k for k in logs[0] if not _close(logs[0][k], logs[1][k])} == set()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+        {"loss_type": "dr_grpo", "delta": 1.25},
+    ],
+    ids=["grpo-sequence", "dr_grpo-delta"],
+)
+def test_other_loss_types_train_as_trl_and_log_exactly(
+    options: dict, model_dir: Path, tmp_path: Path
+) -> None:
+    """grpo with sequence-level ratios, dr_grpo with two-sided clipping: ExactGRPOTrainer
+    trains as GRPOTrainer (same gradient norms and losses; TRL's loss is split-invariant
+    for these) and logs the numpy values (split 4x2, one process)."""
+    options = {**OPTIONS, **options}
+    exact, plain = (
+        grpo_runs.run(RunSpec(trainer, 4, 2, options), model_dir, str(tmp_path))
+        for trainer in ("exact", "plain")
+    )
+    for mine, theirs in zip(_logs([exact]), _logs([plain]), strict=True):
+        for key in ("grad_norm", "loss", "reward"):
+            if key in theirs:
+                assert _close(mine[key], theirs[key]), key
+    for entry in exact["logs"]:
+        want = reference.expected([exact["captures"]], entry["step"], exact["spec"])
+        wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+        assert not wrong, f"step {entry['step']}: (logged, numpy) {wrong}"
+
+
 def test_sync_counts_per_logged_step(two_processes: dict) -> None:
     """Two processes. GRPOTrainer's loss gathers and reads every metric each micro-batch
     (7 collectives, 9 host reads with beta > 0); ExactGRPOTrainer's loss does neither,
