@@ -1,0 +1,297 @@
+"""``ExactGRPOTrainer``: TRL's GRPOTrainer whose logged metrics do not depend on the split.
+
+Switch by changing one import and one class name::
+
+    from rlmetrics.integrations.trl import ExactGRPOTrainer  # was: from trl import GRPOTrainer
+    trainer = ExactGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...)
+
+Same constructor, same logged keys. TRL appends one cross-rank value per metric per
+micro-batch (a gather and a host sync each) and logs the plain mean of those values over
+the logging window, so micro-batches holding different numbers of tokens weigh the same,
+and its ``clip_ratio/low_min``/``high_max`` are means of per-micro-batch extremes. Here
+each micro-batch logs its per-token (or per-sequence, per-completion) values with their
+true weights into an rlmetrics ``Tracker`` without waiting on the device, and ``log()``
+merges the window across processes in one packed sync: every key then has the value one
+process would log with the whole window in one micro-batch (see ``trl_loss`` and
+``trl_rollout`` for each key's meaning). ``step_time`` is the slowest process's mean
+seconds per optimizer step.
+
+The hooks override private methods of ``trl==1.16.0`` (``_compute_loss``,
+``_calculate_rewards``, ``_generate``, ``_generate_and_score_completions``,
+``_log_metric``, ``log``); another TRL version is refused rather than trusted.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from rlmetrics.integrations.trl_loss import (
+    LossConfig,
+    Normalizer,
+    aggregate_loss,
+    importance_ratio,
+    kl_k3,
+    log_policy_metrics,
+    per_token_policy_loss,
+)
+from rlmetrics.integrations.trl_rollout import (
+    finish_results,
+    log_completions,
+    log_rewards,
+    zero_std_groups,
+)
+from rlmetrics.tracker import Tracker
+
+try:
+    import trl
+    from trl import GRPOTrainer
+except ImportError as err:  # pragma: no cover - exercised without trl installed
+    raise ImportError(
+        "rlmetrics.integrations.trl needs TRL 1.16.0, an optional extra: "
+        "pip install 'rlmetrics[trl]' (or pip install trl==1.16.0)"
+    ) from err
+
+TESTED_TRL_VERSIONS = ("1.16.0",)
+
+# TRL's keys that this trainer computes itself (TRL's own values are dropped)
+OWNED_KEYS = frozenset(
+    {
+        "entropy",
+        "kl",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "step_time",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "completions/mean_terminated_length",
+        "completions/min_terminated_length",
+        "completions/max_terminated_length",
+    }
+)
+# multimodal inputs the forward pass takes, passed through as TRL passes them
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+BNPO_WARNING = (
+    "ExactGRPOTrainer: loss_type='bnpo' averages the token means of micro-batches, so its "
+    "loss and gradient depend on per_device_train_batch_size x gradient_accumulation_steps "
+    "x processes; the logged `loss` is that split-dependent value (every other metric is "
+    "split-invariant). loss_type='dapo' is the split-invariant token mean."
+)
+
+
+def check_trl_version(version: str) -> None:
+    """Refuse a TRL version these hooks were not tested against.
+
+    Raises:
+        RuntimeError: naming the installed and the tested versions.
+    """
+    if version not in TESTED_TRL_VERSIONS:
+        raise RuntimeError(
+            f"rlmetrics.integrations.trl was tested with trl {', '.join(TESTED_TRL_VERSIONS)}, "
+            f"found trl {version}: its private hooks may have changed and the metrics could "
+            "be wrong. Install trl==1.16.0, or use trl.GRPOTrainer."
+        )
+
+
+def _unsupported(trainer: Any) -> list[str]:
+    """The settings whose loss terms or metrics this trainer does not implement."""
+    checks = {
+        "use_vllm": trainer.use_vllm,
+        "top_entropy_quantile": trainer.top_entropy_quantile < 1.0,
+        "off_policy_mask_threshold": trainer.off_policy_mask_threshold is not None,
+        "entropy_coef/use_adaptive_entropy": trainer._entropy_bonus_enabled,
+        "router_aux_loss_coef (MoE aux loss)": trainer.aux_loss_enabled,
+        "multi_objective_aggregation": trainer.multi_objective_aggregation != "sum_then_normalize",
+    }
+    return [name for name, bad in checks.items() if bad]
+
+
+class ExactGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` with exact, partition-invariant logged metrics.
+
+    Takes exactly ``GRPOTrainer``'s arguments and trains identically (the loss is
+    computed the same way); only what is logged changes, and how it is synced.
+
+    Raises:
+        RuntimeError: the installed TRL is not a tested version.
+        ValueError: a setting whose loss or metrics this trainer does not implement
+            (``loss_type`` other than grpo/bnpo/dr_grpo/dapo, vLLM, entropy masking or
+            bonus, off-policy masks, MoE aux loss, ``normalize_then_sum``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_trl_version(trl.__version__)
+        super().__init__(*args, **kwargs)
+        unsupported = _unsupported(self)
+        if unsupported:
+            raise ValueError(
+                f"ExactGRPOTrainer does not implement these GRPOConfig settings: {unsupported}; "
+                "use trl.GRPOTrainer for them"
+            )
+        self._loss_config = LossConfig(
+            loss_type=self.loss_type,
+            beta=self.beta,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=self.args.delta,
+            importance_sampling_level=self.importance_sampling_level,
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
+            max_completion_length=self.max_completion_length,
+        )
+        if self.loss_type == "bnpo":
+            warnings.warn(BNPO_WARNING, stacklevel=2)
+        self.exact_trackers = {"train": Tracker(), "eval": Tracker()}
+        self._scored_rewards: torch.Tensor | None = None
+        self._window_seconds = 0.0
+        self._window_steps = 0
+
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    # -- the loss, one micro-batch --------------------------------------------------
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's loss for this micro-batch, logging its metrics with true weights."""
+        mode, config = self._mode(), self._loss_config
+        completion_mask = inputs["completion_mask"]
+        mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            inputs["completion_ids"].size(1),
+            compute_entropy=True,
+            **{key: inputs.get(key) for key in _FORWARD_KEYS},
+        )
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old = inputs.get("old_per_token_logps")
+        old = per_token_logps.detach() if old is None else old
+        ratio = importance_ratio(per_token_logps, old, mask, config.importance_sampling_level)
+        per_token_kl = None
+        if config.beta != 0.0:
+            per_token_kl = kl_k3(inputs["ref_per_token_logps"], per_token_logps)
+            if config.use_bias_correction_kl:
+                per_token_kl = per_token_kl * ratio
+        per_token_loss = per_token_policy_loss(ratio, advantages, config, per_token_kl)
+        log = self.exact_trackers[mode]
+        loss = aggregate_loss(per_token_loss, mask, config, self._normalizer(mode, inputs), log)
+        log_policy_metrics(
+            log,
+            mask=mask,
+            entropies=entropies,
+            ratio=ratio,
+            advantages=advantages,
+            per_token_kl=per_token_kl,
+            config=config,
+        )
+        return loss
+
+    def _normalizer(self, mode: str, inputs: dict[str, Any]) -> Normalizer:
+        steps = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.loss_type != "dapo":
+            return Normalizer(accumulation_steps=steps)
+        tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":  # one optimizer step's share of the generation batch
+            tokens = tokens * steps / self.args.steps_per_generation
+        return Normalizer(accumulation_steps=steps, dapo_tokens=tokens)
+
+    # -- generation and rewards, once per generation batch --------------------------
+    def _generate(self, prompts: list) -> tuple:
+        output = super()._generate(prompts)
+        _, completion_ids, tool_mask = output[:3]
+        log_completions(
+            self.exact_trackers[self._mode()],
+            completion_ids=completion_ids,
+            tool_mask=tool_mask,
+            stop_ids=[*self.eos_token_ids, self._tokenizer.pad_token_id],
+        )
+        return output
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, ids: Any) -> Any:
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, ids)
+        self._scored_rewards = rewards_per_func  # every process's rows, in process order
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        rewards_per_func, self._scored_rewards = self._scored_rewards, None
+        if rewards_per_func is not None:
+            self._log_rewards(rewards_per_func, len(inputs))
+        return output
+
+    def _log_rewards(self, rewards_per_func: torch.Tensor, num_local: int) -> None:
+        mode = self._mode()
+        weights = self.reward_weights.to(rewards_per_func.device)
+        scored = ~torch.isnan(rewards_per_func).all(dim=1)
+        rewards = torch.where(scored, (rewards_per_func * weights).nansum(dim=1), torch.nan)
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        is_std_zero = zero_std_groups(rewards, num_generations, self.scale_rewards)
+        start = self.accelerator.process_index * num_local
+        local = slice(start, start + num_local)
+        log_rewards(
+            self.exact_trackers[mode],
+            rewards_per_func=rewards_per_func[local],
+            reward_weights=weights,
+            func_names=self.reward_func_names,
+            is_std_zero=is_std_zero[local],
+        )
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """A reward function's ``log_metric``: a mean over every call in the window, on
+        every process (TRL's meaning), without TRL's gather per name."""
+        self.exact_trackers[self._mode()].mean(name, value)
+
+    # -- timing and logging ----------------------------------------------------------
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        start = time.perf_counter()
+        output = super().training_step(model, inputs, num_items_in_batch)
+        self._window_seconds += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._window_steps += 1
+        return output
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Merge the window's metrics across processes (one packed sync) and log them
+        under TRL's keys, in place of TRL's means of per-micro-batch values."""
+        mode = self._mode()
+        tracker = self.exact_trackers[mode]
+        if mode == "train" and self._window_steps:
+            tracker.max("step_time", self._window_seconds / self._window_steps)
+            self._window_seconds, self._window_steps = 0.0, 0
+        results = finish_results(tracker.compute())
+        trl_metrics = self._metrics[mode]
+        for key in [key for key in trl_metrics if key in OWNED_KEYS or key in results]:
+            del trl_metrics[key]
+        if mode == "train" and "loss" in results:
+            logs["loss"] = results.pop("loss")
+        for key, value in results.items():
+            trl_metrics[key] = [value]
+        super().log(logs, start_time)
+
+
+__all__ = ["BNPO_WARNING", "TESTED_TRL_VERSIONS", "ExactGRPOTrainer", "check_trl_version"]

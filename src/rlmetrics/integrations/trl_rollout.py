@@ -1,0 +1,159 @@
+"""Reward and completion metrics of a GRPO generation batch, logged per completion.
+
+Pure tensor and list code (no TRL import). Each process logs its own completions, so a
+logging window's values are exact over every completion scored in it, however many
+generation batches, processes and accumulation steps the window spans:
+
+- ``reward``, ``rewards/<func>/mean``: means over completions (a reward function's NaN,
+  for "not applicable", is left out of its own mean; ``reward`` leaves out completions
+  no function scored).
+- ``reward_std``, ``rewards/<func>/std``: sample standard deviations (ddof=1, as TRL's)
+  over the same completions, from float64 sums of the values and their squares (scalar
+  states, so they ride in the one packed sync instead of adding the gather a ``std``
+  kind needs; the relative error of the variance is about 1e-16 x mean^2 / variance,
+  far below 1e-6 while |mean| / std < 1e4, as rewards are).
+- ``frac_reward_zero_std``: the fraction of completions whose group (or batch, with
+  ``scale_rewards="batch"``) has rewards of zero spread.
+- ``completions/*``: means, minima and maxima over completions; ``*_terminated_length``
+  over completions that ended with EOS (0 when none did, as TRL reports).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from rlmetrics.tracker import LogMethods
+
+# a std metric's hidden companions: the mean of squares and the number of values
+SQUARES_SUFFIX = "/_mean_of_squares"
+COUNT_SUFFIX = "/_count"
+# each std key's mean key
+MEAN_OF_STD = {"reward_std": "reward"}
+TERMINATED_KEYS = (
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+)
+
+
+def zero_std_groups(rewards: Tensor, num_generations: int, scale_rewards: str) -> Tensor:
+    """Per completion: does its group (its batch, for "batch" scaling) have zero spread?
+
+    ``rewards`` is the whole generation batch (every process's rows) with NaN for
+    completions no reward function scored; the spread is the sample std over the rest.
+    """
+    if scale_rewards == "batch":
+        std = _nan_sample_std(rewards.unsqueeze(0)) if rewards.numel() > 1 else torch.zeros(1)
+        return torch.isclose(std, torch.zeros_like(std)).expand(rewards.shape[0])
+    if num_generations == 1:
+        return torch.ones(rewards.shape[0], dtype=torch.bool, device=rewards.device)
+    std = _nan_sample_std(rewards.view(-1, num_generations))
+    return torch.isclose(std, torch.zeros_like(std)).repeat_interleave(num_generations)
+
+
+def _nan_sample_std(rows: Tensor) -> Tensor:
+    """Each row's sample std (ddof=1) over its non-NaN entries."""
+    valid = ~torch.isnan(rows)
+    count = valid.sum(-1)
+    values = torch.where(valid, rows, 0.0)
+    mean = values.sum(-1, keepdim=True) / count.clamp(min=1).unsqueeze(-1)
+    squares = torch.where(valid, (rows - mean) ** 2, 0.0).sum(-1)
+    return torch.sqrt(squares / (count - 1))
+
+
+def log_rewards(
+    log: LogMethods,
+    *,
+    rewards_per_func: Tensor,
+    reward_weights: Tensor,
+    func_names: Sequence[str],
+    is_std_zero: Tensor,
+) -> None:
+    """Log this process's completions' rewards (rows of ``rewards_per_func``, NaN where a
+    function does not apply) and zero-spread flags."""
+    for i, name in enumerate(func_names):
+        _log_mean_and_std(log, f"rewards/{name}", rewards_per_func[:, i])
+    scored = ~torch.isnan(rewards_per_func).all(dim=1)
+    weighted = (rewards_per_func * reward_weights.to(rewards_per_func.device)).nansum(dim=1)
+    total = torch.where(scored, weighted, torch.nan)
+    _log_mean_and_std(log, "reward", total, mean_name="reward", std_name="reward_std")
+    log.mean("frac_reward_zero_std", is_std_zero)
+
+
+def _log_mean_and_std(
+    log: LogMethods,
+    prefix: str,
+    values: Tensor,
+    *,
+    mean_name: str | None = None,
+    std_name: str | None = None,
+) -> None:
+    valid = ~torch.isnan(values)
+    values = torch.where(valid, values, 0.0).double()
+    std_name = std_name or f"{prefix}/std"
+    log.mean(mean_name or f"{prefix}/mean", values, weight=valid)
+    log.mean(std_name + SQUARES_SUFFIX, values * values, weight=valid)
+    log.sum(std_name + COUNT_SUFFIX, valid.double())
+
+
+def log_completions(
+    log: LogMethods,
+    *,
+    completion_ids: Sequence[Sequence[int]],
+    tool_mask: Sequence[Sequence[int]] | None,
+    stop_ids: Sequence[int],
+) -> None:
+    """Log this process's completion lengths (model tokens only, when a tool mask marks
+    tool output) and whether each was truncated (its last token is no EOS or pad)."""
+    if tool_mask is not None:
+        lengths = [float(sum(mask)) for mask in tool_mask]
+    else:
+        lengths = [float(len(ids)) for ids in completion_ids]
+    stops = set(stop_ids)
+    truncated = [len(ids) > 0 and ids[-1] not in stops for ids in completion_ids]
+    log.log_shared(
+        [
+            ("completions/mean_length", "mean"),
+            ("completions/min_length", "min"),
+            ("completions/max_length", "max"),
+        ],
+        lengths,
+    )
+    log.mean("completions/clipped_ratio", [float(t) for t in truncated])
+    terminated = [not t for t in truncated]
+    if any(terminated):
+        log.log_shared(
+            list(zip(TERMINATED_KEYS, ("mean", "min", "max"), strict=True)),
+            lengths,
+            terminated,
+        )
+
+
+def finish_results(results: dict[str, float]) -> dict[str, float]:
+    """Turn a computed window into TRL's keys: sample stds from the hidden sums (which
+    are dropped), and TRL's 0 for terminated lengths when no completion terminated."""
+    hidden = (SQUARES_SUFFIX, COUNT_SUFFIX)
+    out = {key: value for key, value in results.items() if not key.endswith(hidden)}
+    for key, count in results.items():
+        if key.endswith(COUNT_SUFFIX):
+            std_key = key[: -len(COUNT_SUFFIX)]
+            mean_key = MEAN_OF_STD.get(std_key, std_key.removesuffix("/std") + "/mean")
+            mean, squares = out.get(mean_key), results.get(std_key + SQUARES_SUFFIX)
+            if mean is not None and squares is not None:
+                out[std_key] = _sample_std(mean, squares, count)
+    if "completions/mean_length" in out:
+        for key in TERMINATED_KEYS:
+            out.setdefault(key, 0.0)
+    return out
+
+
+def _sample_std(mean: float, mean_of_squares: float, count: float) -> float:
+    """The ddof=1 std of ``count`` values from their mean and mean of squares."""
+    if count < 2:
+        return math.nan
+    variance = max(mean_of_squares - mean * mean, 0.0) * count / (count - 1)
+    return math.sqrt(variance)

@@ -1,0 +1,319 @@
+"""Short GRPO runs on a tiny local model, recording what each trainer logged and the
+per-token values it computed them from (shared by the tests and the benchmark).
+
+A run is described by a ``RunSpec`` (a split and a GRPOConfig variant); ``run`` trains
+for ``max_steps`` optimizer steps and returns, per process, the logged dicts and every
+micro-batch's raw values (masks, log-probs, entropies, advantages, rewards) as numpy
+arrays, from which ``reference.py`` recomputes each metric over the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# few words, so that <eos> is sampled often and completion lengths vary
+WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
+SPECIAL = ["<pad>", "<unk>", "<eos>"]
+PROMPTS = ["a b c", "d e f g", "h a", "b c d e f", "g h a", "b d f h", "c e", "a c e g"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: the trainer, the split of the 8 completions per step, the GRPO options."""
+
+    trainer: str  # "exact" or "plain"
+    per_device: int
+    accumulation: int
+    options: dict[str, Any] = field(default_factory=dict)
+    max_steps: int = 2
+    logging_steps: int = 1
+
+    @property
+    def split(self) -> str:
+        return f"{self.per_device}x{self.accumulation}"
+
+
+def build_model_dir(path: Path) -> Path:
+    """A word-level tokenizer and a 2-layer, 32-wide Qwen2, saved without any download."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
+    core = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
+    )
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=vocab["<pad>"],
+        eos_token_id=vocab["<eos>"],
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def reward_vowels(completions: list[str], log_metric: Any = None, **_: Any) -> list[float]:
+    """Fraction of vowel words; logs the mean completion length through ``log_metric``."""
+    words = [text.split() for text in completions]
+    if log_metric is not None:
+        log_metric("vowel_reward/mean_words", float(np.mean([len(w) for w in words])))
+    return [sum(w in "aeiou" for w in ws) / max(len(ws), 1) for ws in words]
+
+
+def reward_short(completions: list[str], **_: Any) -> list[float | None]:
+    """Shorter is better; None (not applicable) for completions starting with 'a'."""
+    return [None if text.startswith("a") else -len(text.split()) / 8 for text in completions]
+
+
+# reads of a tensor's value by the host: on a GPU each one waits for the device
+# (``numpy()`` is left out: it needs a CPU tensor, so a ``cpu()`` came first)
+HOST_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "cpu"})
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "gather",
+    "gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter_tensor",
+    "barrier",
+)
+
+
+class SyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts host reads of tensors and torch.distributed collectives, by phase (the
+    trainer method running: "forward" (the model's, inside the loss or generation),
+    "loss", "generation", "log"; "other" outside them).
+
+    While counting, the Tracker sends CPU tensors down the path device tensors take
+    (``Tracker.host_arrays = False``): on the CPU its host path reads them with numpy,
+    which is no sync there, and on a GPU the tensor path is the one that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "other"
+        self.counts: Counter[str] = Counter()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.phase != "capture" and getattr(func, "__name__", "") in HOST_READS:
+            self.counts[f"{self.phase}/host_reads"] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def phase_of(self, phase: str) -> Iterator[None]:
+        outer, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = outer
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Wrap the public collectives (internal calls between them are not counted)."""
+        import torch.distributed as dist
+
+        saved = {name: getattr(dist, name) for name in COLLECTIVES}
+
+        def wrap(name: str, func: Any) -> Any:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.counts[f"{self.phase}/collectives"] += 1
+                return func(*args, **kwargs)
+
+            return counted
+
+        from rlmetrics import Tracker
+
+        for name, func in saved.items():
+            setattr(dist, name, wrap(name, func))
+        host_arrays, Tracker.host_arrays = Tracker.host_arrays, False
+        try:
+            with self:
+                yield
+        finally:
+            Tracker.host_arrays = host_arrays
+            for name, func in saved.items():
+                setattr(dist, name, func)
+
+
+def _capturing(base: type) -> type:
+    """``base`` with hooks that record each micro-batch's raw values for the reference,
+    and mark the phases a ``SyncCounter`` counts by."""
+
+    class Capturing(base):  # type: ignore[misc, valid-type]
+        counter = SyncCounter()
+
+        def log(self, *args: Any, **kwargs: Any) -> Any:
+            before = dict(self.counter.counts)
+            with self.counter.phase_of("log"):
+                out = super().log(*args, **kwargs)
+            after = self.counter.counts
+            self.log_counts.append({k: after[k] - before.get(k, 0) for k in after})
+            return out
+
+        def _generate_and_score_completions(self, *args: Any) -> Any:
+            with self.counter.phase_of("generation"):
+                return super()._generate_and_score_completions(*args)
+
+        def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+            with self.counter.phase_of("forward"):
+                out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            if kwargs.get("compute_entropy") and self.model.training:
+                self.captured_forward = out
+            return out
+
+        def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+            with self.counter.phase_of("loss"):
+                loss = super()._compute_loss(model, inputs)
+            logps, entropies, _ = self.captured_forward
+            item = {"step": self.state.global_step + 1, "logp": logps, "entropy": entropies}
+            for key in ("completion_mask", "advantages", "old_per_token_logps"):
+                item[key] = inputs.get(key)
+            item["ref"] = inputs.get("ref_per_token_logps")
+            self._capture(item)
+            return loss
+
+        def _capture(self, item: dict[str, Any]) -> None:
+            with self.counter.phase_of("capture"):  # the test's own reads: not counted
+                self.captures.append({k: _np(v) for k, v in item.items() if v is not None})
+
+        def _calculate_rewards(self, *args: Any) -> Any:
+            rewards = super()._calculate_rewards(*args)
+            self._capture({"step": self.state.global_step + 1, "rewards": rewards})
+            return rewards
+
+        def _generate(self, prompts: list) -> Any:
+            out = super()._generate(prompts)
+            lengths = [len(ids) for ids in out[1]]
+            # TRL's definition: truncated unless the last token is EOS or pad
+            stops = {self.processing_class.eos_token_id, self.processing_class.pad_token_id}
+            truncated = [ids[-1] not in stops for ids in out[1]]
+            words = [sum(i >= len(SPECIAL) for i in ids) for ids in out[1]]
+            item = {"step": self.state.global_step + 1, "lengths": np.array(lengths, float)}
+            item["words"] = np.array(words, float)
+            self._capture({**item, "truncated": np.array(truncated)})
+            return out
+
+    return Capturing
+
+
+def _np(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().double().cpu().numpy()
+    return value
+
+
+def make_config(spec: RunSpec, out_dir: str) -> Any:
+    from trl import GRPOConfig
+
+    options = {"beta": 0.0, "learning_rate": 0.05, "num_generations": 4, **spec.options}
+    return GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=spec.per_device,
+        gradient_accumulation_steps=spec.accumulation,
+        max_steps=spec.max_steps,
+        logging_steps=spec.logging_steps,
+        max_completion_length=8,
+        temperature=1.0,
+        seed=0,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **options,
+    )
+
+
+def run(
+    spec: RunSpec, model_dir: Path, out_dir: str, count: bool = False, warn: bool = False
+) -> dict[str, Any]:
+    """Train one spec; this process's logs (``state.log_history``) and captures, and with
+    ``count`` its host reads and collectives by phase. ``warn`` lets the trainer's
+    construction warnings through (TRL's are many, so they are silenced otherwise)."""
+    import warnings
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from trl import GRPOTrainer
+
+    from rlmetrics.integrations.trl import ExactGRPOTrainer
+
+    base = ExactGRPOTrainer if spec.trainer == "exact" else GRPOTrainer
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
+    with warnings.catch_warnings():
+        if not warn:
+            warnings.simplefilter("ignore")
+        trainer = _capturing(base)(
+            model=model,
+            reward_funcs=[reward_vowels, reward_short],
+            args=make_config(spec, out_dir),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    trainer.captures = []
+    counter = trainer.counter = SyncCounter()
+    trainer.log_counts = []  # per log() call, what the whole log call counted
+    with counter.counting() if count else contextlib.nullcontext():
+        trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "entropy" in entry]
+    result = {"spec": asdict(spec), "logs": logs, "captures": trainer.captures}
+    return {**result, "counts": dict(counter.counts), "log_counts": trainer.log_counts}
+
+
+def save(result: dict[str, Any], path: Path) -> None:
+    """Pickle-free storage: the logs as JSON, the captures as an npz next to it."""
+    arrays = {
+        f"{i}/{key}": np.asarray(value)
+        for i, item in enumerate(result["captures"])
+        for key, value in item.items()
+    }
+    np.savez(path.with_suffix(".npz"), **arrays)
+    meta = {key: result[key] for key in ("spec", "logs", "counts", "log_counts")}
+    path.with_suffix(".json").write_text(json.dumps(meta))
+
+
+def load(path: Path) -> dict[str, Any]:
+    data = json.loads(path.with_suffix(".json").read_text())
+    captures: dict[int, dict[str, Any]] = {}
+    with np.load(path.with_suffix(".npz")) as arrays:
+        for name in arrays.files:
+            index, key = name.split("/", 1)
+            value = arrays[name]
+            captures.setdefault(int(index), {})[key] = value.item() if key == "step" else value
+    data["captures"] = [captures[i] for i in sorted(captures)]
+    return data
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))

@@ -1,0 +1,282 @@
+"""ExactGRPOTrainer against real TRL 1.16: its logged metrics do not depend on the split.
+
+Each configuration trains a tiny local Qwen2 for 2 steps of 8 completions (beta > 0, so
+``kl`` is logged; num_iterations=2, so step 2 reuses step 1's generations and clips).
+The same global batch is split 8x1, 4x2, 2x4 (per-device batch x accumulation) in one
+process and 4x1, 2x2, 1x4 in two (one torchrun launch, gloo). ExactGRPOTrainer must log
+the same value for every split (to 1e-6) and the value numpy computes over the whole
+step from the same per-token values; plain GRPOTrainer must show the drift.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("trl", reason="needs the .venv-trl environment (make test-trl)")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import grpo_runs
+import reference
+from grpo_runs import RunSpec
+
+OPTIONS = {"beta": 0.04, "num_iterations": 2}
+ONE_PROCESS = [(8, 1), (4, 2), (2, 4)]
+TWO_PROCESSES = [(4, 1), (2, 2), (1, 4)]
+# keys whose value is not a function of the batch (wall time, the epoch counter)
+NOT_BATCH = {"step_time", "epoch", "step"}
+TOL = 1e-6
+
+
+def _specs(splits: list[tuple[int, int]], trainer: str, options: dict) -> list[RunSpec]:
+    return [RunSpec(trainer, per_device, acc, options) for per_device, acc in splits]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return grpo_runs.build_model_dir(tmp_path_factory.mktemp("trl") / "model")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quiet_home(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """HF caches and logs go to a temp dir; nothing is downloaded."""
+    home = tmp_path_factory.mktemp("home")
+    saved = dict(os.environ)
+    os.environ.update(HOME=str(home), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def one_process(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every single-process run, by (trainer, split): one result per process (one)."""
+    out = tmp_path_factory.mktemp("out")
+    runs = {}
+    for spec in _specs(ONE_PROCESS, "exact", OPTIONS) + _specs(ONE_PROCESS, "plain", OPTIONS):
+        runs[spec.trainer, spec.split] = [grpo_runs.run(spec, model_dir, str(out))]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_processes(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every two-process run, from one torchrun launch: (trainer, split) -> per rank."""
+    out = tmp_path_factory.mktemp("dist")
+    specs = _specs(TWO_PROCESSES, "exact", OPTIONS) + _specs(TWO_PROCESSES, "plain", OPTIONS)
+    specs_path = out / "specs.json"
+    specs_path.write_text(json.dumps([vars(spec) for spec in specs]))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"),
+        *("--master_addr", "127.0.0.1", "--master_port", str(port)),
+        *(str(Path(__file__).parent / "run_dist.py"), str(specs_path), str(model_dir), str(out)),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {
+        (spec.trainer, spec.split): [
+            grpo_runs.load(out / f"{index}-rank{rank}.json") for rank in range(2)
+        ]
+        for index, spec in enumerate(specs)
+    }
+
+
+def _logs(result: list[dict]) -> list[dict[str, float]]:
+    """The logged metrics of a run (every process logs the same dicts; rank 0's)."""
+    return [{k: v for k, v in entry.items() if k not in NOT_BATCH} for entry in result[0]["logs"]]
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=TOL, abs_tol=TOL) or (math.isnan(a) and math.isnan(b))
+
+
+def _spread(runs: dict, trainer: str, splits: list[tuple[int, int]]) -> dict[tuple, float]:
+    """Per (step, key): the largest difference between splits."""
+    logs = [_logs(runs[trainer, f"{p}x{a}"]) for p, a in splits]
+    spread = {}
+    for step, entries in enumerate(zip(*logs, strict=True), start=1):
+        assert all(set(e) == set(entries[0]) for e in entries), "splits logged different keys"
+        for key in entries[0]:
+            values = [e[key] for e in entries]
+            spread[step, key] = max(values) - min(values)
+    return spread
+
+
+@pytest.mark.parametrize("group", ["one_process", "two_processes"])
+def test_exact_metrics_equal_across_splits(group: str, request: pytest.FixtureRequest) -> None:
+    runs = request.getfixturevalue(group)
+    splits = ONE_PROCESS if group == "one_process" else TWO_PROCESSES
+    spread = _spread(runs, "exact", splits)
+    keys = {key for _, key in spread}
+    assert {"kl", "entropy", "loss", "clip_ratio/high_max", "reward_std"} <= keys
+    assert any(v > 0 for (step, key), v in _spread(runs, "plain", splits).items())
+    drifting = {k: v for k, v in spread.items() if not v <= TOL}
+    assert not drifting, f"ExactGRPOTrainer's metrics changed with the split: {drifting}"
+
+
+@pytest.mark.parametrize("group", ["one_process", "two_processes"])
+def test_exact_metrics_equal_whole_batch_numpy(group: str, request: pytest.FixtureRequest) -> None:
+    runs = request.getfixturevalue(group)
+    splits = ONE_PROCESS if group == "one_process" else TWO_PROCESSES
+    for per_device, acc in splits:
+        result = runs["exact", f"{per_device}x{acc}"]
+        captures = [rank["captures"] for rank in result]
+        for entry in result[0]["logs"]:
+            want = reference.expected(captures, entry["step"], result[0]["spec"])
+            wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+            assert not wrong, f"{per_device}x{acc} step {entry['step']}: (logged, numpy) {wrong}"
+
+
+@pytest.mark.parametrize("group", ["one_process", "two_processes"])
+def test_plain_grpo_trainer_drifts(group: str, request: pytest.FixtureRequest) -> None:
+    """The same runs with trl.GRPOTrainer: entropy and the clip ratios change with the
+    split and differ from the whole-batch value (this is what ExactGRPOTrainer fixes)."""
+    runs = request.getfixturevalue(group)
+    splits = ONE_PROCESS if group == "one_process" else TWO_PROCESSES
+    spread = _spread(runs, "plain", splits)
+    assert spread[1, "entropy"] > 1e-5
+    assert spread[2, "clip_ratio/high_max"] > 0.05
+    p, a = splits[-1]
+    result = runs["plain", f"{p}x{a}"]
+    want = reference.expected([rank["captures"] for rank in result], 1, result[0]["spec"])
+    assert abs(_logs(result)[0]["entropy"] - want["entropy"]) > 1e-5
+
+
+@pytest.mark.parametrize("group", ["one_process", "two_processes"])
+def test_training_is_unchanged(group: str, request: pytest.FixtureRequest) -> None:
+    """ExactGRPOTrainer computes the same loss, so it trains exactly as GRPOTrainer:
+    same gradient norms, same rewards, same (split-invariant under dapo) loss."""
+    runs = request.getfixturevalue(group)
+    splits = ONE_PROCESS if group == "one_process" else TWO_PROCESSES
+    for per_device, acc in splits:
+        exact, plain = (_logs(runs[t, f"{per_device}x{acc}"]) for t in ("exact", "plain"))
+        for mine, theirs in zip(exact, plain, strict=True):
+            for key in ("grad_norm", "loss", "reward", "completions/mean_length"):
+                if key in theirs:
+                    assert _close(mine[key], theirs[key]), (per_device, acc, key)
+
+
+def test_two_step_logging_window(model_dir: Path, tmp_path: Path) -> None:
+    """logging_steps=2: one log covers two optimizer steps, each with its own generation
+    batch; still equal across splits and to numpy over the whole window."""
+    logs = []
+    for per_device, acc in [(8, 1), (2, 4)]:
+        spec = RunSpec("exact", per_device, acc, {"beta": 0.04}, max_steps=2, logging_steps=2)
+        result = grpo_runs.run(spec, model_dir, str(tmp_path))
+        (entry,) = result["logs"]
+        want = reference.expected([result["captures"]], entry["step"], result["spec"])
+        wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+        assert not wrong, f"{spec.split}: (logged, numpy) {wrong}"
+        logs.append(_logs([result])[0])
+    assert {k for k in logs[0] if not _close(logs[0][k], logs[1][k])} == set()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+        {"loss_type": "dr_grpo", "delta": 1.25},
+    ],
+    ids=["grpo-sequence", "dr_grpo-delta"],
+)
+def test_other_loss_types_train_as_trl_and_log_exactly(
+    options: dict, model_dir: Path, tmp_path: Path
+) -> None:
+    """grpo with sequence-level ratios, dr_grpo with two-sided clipping: ExactGRPOTrainer
+    trains as GRPOTrainer (same gradient norms and losses; TRL's loss is split-invariant
+    for these) and logs the numpy values (split 4x2, one process)."""
+    options = {**OPTIONS, **options}
+    exact, plain = (
+        grpo_runs.run(RunSpec(trainer, 4, 2, options), model_dir, str(tmp_path))
+        for trainer in ("exact", "plain")
+    )
+    for mine, theirs in zip(_logs([exact]), _logs([plain]), strict=True):
+        for key in ("grad_norm", "loss", "reward"):
+            if key in theirs:
+                assert _close(mine[key], theirs[key]), key
+    for entry in exact["logs"]:
+        want = reference.expected([exact["captures"]], entry["step"], exact["spec"])
+        wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+        assert not wrong, f"step {entry['step']}: (logged, numpy) {wrong}"
+
+
+def test_sync_counts_per_logged_step(two_processes: dict) -> None:
+    """Two processes. GRPOTrainer's loss gathers and reads every metric each micro-batch
+    (7 collectives, 9 host reads with beta > 0); ExactGRPOTrainer's loss does neither,
+    and its log() syncs once (after the first, which also agrees on the schema)."""
+    for p, a in TWO_PROCESSES:
+        exact = two_processes["exact", f"{p}x{a}"][0]
+        plain = two_processes["plain", f"{p}x{a}"][0]["counts"]
+        micro_batches = 2 * a  # 2 steps
+        assert plain["loss/collectives"] == 7 * micro_batches
+        assert plain["loss/host_reads"] == 9 * micro_batches
+        counts = exact["counts"]
+        assert counts.get("loss/collectives", 0) == 0 and counts.get("loss/host_reads", 0) == 0
+        first, second = exact["log_counts"][:2]
+        assert first["log/collectives"] <= 3
+        assert (second["log/collectives"], second["log/host_reads"]) == (1, 0)
+
+
+def test_bnpo_loss_is_split_dependent_and_says_so(model_dir: Path, tmp_path: Path) -> None:
+    """Under bnpo the loss (and so its gradient) depends on the split: it is logged as
+    the mean of micro-batch token means it is, with a warning. At step 1 (same weights
+    for both splits) every other metric is equal; later steps train differently."""
+    options = {**OPTIONS, "loss_type": "bnpo"}
+    results = []
+    for spec in _specs([(8, 1), (2, 4)], "exact", options):
+        with pytest.warns(UserWarning, match="loss_type='bnpo'"):
+            results.append([grpo_runs.run(spec, model_dir, str(tmp_path), warn=True)])
+    first, second = (_logs(result)[0] for result in results)
+    assert {k for k in first if not _close(first[k], second[k])} == {"loss", "grad_norm"}
+    for result in results:
+        want = reference.expected([result[0]["captures"]], 1, result[0]["spec"])
+        assert _close(_logs(result)[0]["loss"], want["loss"])
+
+
+def test_untested_trl_version_is_refused() -> None:
+    from rlmetrics.integrations.trl import check_trl_version
+
+    check_trl_version("1.16.0")
+    with pytest.raises(RuntimeError, match=r"tested with trl 1\.16\.0, found trl 1\.17\.0"):
+        check_trl_version("1.17.0")
+
+
+def test_unsupported_setting_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    spec = RunSpec("exact", 8, 1, {"loss_type": "cispo"})
+    with pytest.raises(ValueError, match=r"loss_type in .*got 'cispo'"):
+        grpo_runs.run(spec, model_dir, str(tmp_path))
+    spec = RunSpec("exact", 8, 1, {"top_entropy_quantile": 0.5})
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        grpo_runs.run(spec, model_dir, str(tmp_path))
+
+
+def test_import_without_trl_names_what_to_install() -> None:
+    code = "import sys; sys.modules['trl'] = None; import rlmetrics.integrations.trl"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "pip install 'rlmetrics[trl]'" in done.stderr
+
+
+def test_numpy_reference_is_not_trivial() -> None:
+    """The reference must tell a mean of micro-batch means from the whole-batch mean."""
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], float)
+    values = np.array([[1.0, 1.0, 1.0, 0.0], [5.0, 0.0, 0.0, 0.0]])
+    items = [
+        {"completion_mask": mask[i : i + 1], "logp": np.zeros((1, 4)), "entropy": values[i : i + 1]}
+        for i in range(2)
+    ]
+    for item in items:
+        item["advantages"] = np.zeros(1)
+    assert reference.policy_metrics(items, {})["entropy"] == pytest.approx(2.0)  # not 3.0
