@@ -1,0 +1,42 @@
+"""The verl suite runs in .venv-verl (``make test-verl``); elsewhere it is skipped whole.
+
+Real verl 0.9.1 runs on the CPU here (``cpu_verl.py``); the spawned ranks share one
+temporary HOME/TMPDIR, so nothing is written outside it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:  # the core venv: nothing here can run
+    collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture(scope="session")
+def verl_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A temporary HOME and TMPDIR for verl, transformers and torch (and their caches)."""
+    home = str(tmp_path_factory.mktemp("verl_home"))
+    saved = {key: os.environ.get(key) for key in ("HOME", "TMPDIR", "HF_HOME")}
+    os.environ.update(HOME=home, TMPDIR=home, HF_HOME=os.path.join(home, "hf"))
+    try:
+        yield home
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def model_path(verl_home: str) -> str:
+    """The tiny actor and critic models, saved once per session."""
+    from scenarios import make_models
+
+    path = os.path.join(verl_home, "models")
+    make_models(path)
+    return path
