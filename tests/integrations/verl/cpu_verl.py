@@ -131,7 +131,6 @@ def setup_cpu() -> None:
     One deviation from verl's code path, for the critic only: value models load with
     eager attention (see ``_load_value_model_eager``).
     """
-    import verl  # noqa: F401
     import verl.utils.model
     from verl.plugin.platform import set_platform
 

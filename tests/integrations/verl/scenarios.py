@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any
 
 import torch
-
 from cpu_verl import setup_cpu
 
 BATCH = 8
@@ -273,7 +272,6 @@ def lr_steps(model_path: str, exact: bool, steps: int = 2) -> list[float]:
 
     integration.enable() if exact else integration.disable()
     from omegaconf import open_dict
-
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     config = trainer_config(os.path.join(model_path, "actor"), lr=PEAK_LR)
@@ -293,10 +291,10 @@ def lr_steps(model_path: str, exact: bool, steps: int = 2) -> list[float]:
 PEAK_LR = 1e-3
 
 
-def collect(rank: int, world_size: int, model_path: str) -> dict[str, Any]:
-    """Everything the tests check, from one rank (run under ``multiprocess.run_ranks``,
+def collect(rank: int, world_size: int, port: int, model_path: str) -> dict[str, Any]:
+    """Everything the tests check, from one rank (run under ``ranks.spawn_ranks``,
     which has created the gloo group)."""
-    init_rank(rank, world_size, port=0)
+    init_rank(rank, world_size, port)
     import sys
 
     out: dict[str, Any] = {

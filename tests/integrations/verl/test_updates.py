@@ -8,11 +8,15 @@ of ``scenarios.SPLITS`` with the integration on, then off, through
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
-from multiprocess import ok_results, run_ranks
+from ranks import spawn_ranks
 from scenarios import ACTOR_METRICS, CRITIC_METRICS, PEAK_LR, SPLITS, collect
 
-pytestmark = pytest.mark.slow
+# the fixtures spawn verl (an import of ~11 s per process, more on a loaded machine)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 TOLERANCE = 1e-6  # fp32 model: splits differ by float32 rounding only
 DRIFTING = {  # verl's mean of micro-batch means (this batch moves them by > 1e-3)
@@ -23,8 +27,14 @@ NAMES = {"actor": ACTOR_METRICS, "critic": CRITIC_METRICS}
 
 
 def _run(world_size: int, model_path: str) -> list[dict]:
-    outcome = run_ranks(collect, world_size, model_path, timeout=900.0, pg_timeout=600.0)
-    return ok_results(outcome)
+    """Every rank's results; also written as JSON to $RLMETRICS_VERL_RESULTS_DIR when set
+    (the numbers docs/verl.md quotes)."""
+    results = spawn_ranks(collect, world_size, model_path)
+    folder = os.environ.get("RLMETRICS_VERL_RESULTS_DIR")
+    if folder:
+        with open(os.path.join(folder, f"ranks{world_size}.json"), "w") as f:
+            json.dump(results, f, indent=1, sort_keys=True)
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -137,9 +137,8 @@ class _ThenCall(importlib.abc.Loader):
 
 def _importers() -> list:
     """verl's loaded modules (engine_workers first): those that may hold TrainingWorker."""
-    names = [WORKERS_MODULE] + sorted(
-        name for name in list(sys.modules) if name.startswith("verl.trainer")
-    )
+    trainers = sorted(name for name in list(sys.modules) if name.startswith("verl.trainer"))
+    names = [WORKERS_MODULE, *trainers]
     return [sys.modules[name] for name in names if sys.modules.get(name) is not None]
 
 

@@ -59,30 +59,40 @@ def scalar(value: Any) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64)
 
 
-def response_counts(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(response tokens, sequences with at least one response token) of a micro-batch.
+def response_counts(data: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(response tokens, sequences with a response token, sequences) of a micro-batch.
 
     ``data`` is the micro-batch TensorDict verl hands its loss function, with
     ``response_mask`` nested (no padding) or padded; both count the same.
     """
     mask = data.select("response_mask").to_padded_tensor()["response_mask"].to(torch.bool)
     per_seq = mask.reshape(mask.shape[0], -1).sum(-1)
-    return per_seq.sum().to(torch.float64), (per_seq > 0).sum().to(torch.float64)
+    rows = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    return per_seq.sum().to(torch.float64), (per_seq > 0).sum().to(torch.float64), rows
 
 
 def loss_share(
-    value: Any, *, mode: str, tokens: torch.Tensor, sequences: torch.Tensor, info: Mapping
-) -> tuple[Any, torch.Tensor] | None:
-    """(mean over this micro-batch, weight) of an ``agg_loss`` value; None when the mode
-    keeps verl's own value ("token-sum")."""
+    value: torch.Tensor, *, mode: str, counts: tuple[torch.Tensor, ...], info: Mapping
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(this micro-batch's own mean, its weight) from an ``agg_loss`` value; None when
+    the mode keeps verl's own value ("token-sum", or a mode this module does not know).
+
+    ``agg_loss`` divides the micro-batch's sum by a global count and multiplies by
+    dp_size; multiplying back gives the sum, and the local count the same global count
+    adds up from: response tokens ("token-mean", ``batch_num_tokens``), sequences
+    ("seq-mean-*", ``global_batch_size``), or, with no global count (one rank), the
+    local one ``agg_loss`` used (non-empty sequences).
+    """
+    tokens, nonempty, rows = counts
     dp_size = info.get("dp_size") or 1
     if mode == TOKEN_MODE:
         count, total = tokens, info.get("batch_num_tokens")
     elif mode in SEQUENCE_MODES:
-        count, total = sequences, info.get("global_batch_size")
+        total = info.get("global_batch_size")
+        count = nonempty if total is None else rows
     else:
         return None
-    if total is None:  # agg_loss normalised by the local count (dp_size is 1 then)
+    if total is None:  # agg_loss normalised by the local count: value is the local mean
         return value, count
     scale = float(total) / float(dp_size)
     return value * scale / count.clamp(min=1.0), count
@@ -95,7 +105,8 @@ def log_micro_batch(
     names = [name for name in metrics if name in TOKEN_MEANS or name in AGG_LOSSES]
     if not names:
         return
-    tokens, sequences = response_counts(data)
+    counts = response_counts(data)
+    tokens = counts[0]
     info = {key: _non_tensor(data, key) for key in ("dp_size", "batch_num_tokens")}
     info["global_batch_size"] = _non_tensor(data, "global_batch_size")
     for name in names:
@@ -103,9 +114,7 @@ def log_micro_batch(
         if name in TOKEN_MEANS:
             tracker.mean(name, value, weight=tokens)
             continue
-        share = loss_share(
-            value, mode=loss_agg_mode, tokens=tokens, sequences=sequences, info=info
-        )
+        share = loss_share(value, mode=loss_agg_mode, counts=counts, info=info)
         if share is not None:
             tracker.mean(name, *share)
 
