@@ -1,0 +1,158 @@
+"""What one micro-batch of verl's ``ppo_loss`` / ``value_loss`` means, as Tracker logs.
+
+verl's loss functions return one number per metric and micro-batch, normalised in one
+of two ways, and verl then combines those numbers by a mean of means (clip fractions,
+ppo_kl, vpred_mean) or a sum over micro-batches averaged over ranks (the losses). The
+first drifts with the split. Here each number is logged with the weight it stands for,
+so the merged result is the whole batch's value whatever the split:
+
+* token means (``masked_mean`` over the micro-batch's response tokens): weight = the
+  micro-batch's response tokens;
+* losses from ``agg_loss`` normalised by the global mini-batch (``batch_num_tokens`` or
+  ``global_batch_size``, times ``dp_size``): the micro-batch's share is turned back into
+  its own mean (value x global normaliser / (dp_size x local count)) and logged with its
+  local count (tokens for "token-mean", non-empty sequences for the "seq-mean-*" modes).
+  Its merge over micro-batches, ranks and mini-batches is then the token (or sequence)
+  mean over everything the step saw.
+
+Names not listed here (kl_coef, "token-sum" losses, other loss modes' extra metrics)
+keep verl's value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from rlmetrics.tracker import Tracker
+
+TOKEN_MEANS = frozenset(
+    {
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+    }
+)
+"""Metrics verl computes as a masked mean over the micro-batch's response tokens."""
+
+AGG_LOSSES = frozenset({"actor/pg_loss", "actor/entropy_loss", "kl_loss", "critic/vf_loss"})
+"""Metrics verl computes with ``agg_loss`` (scaled by the global mini-batch)."""
+
+TOKEN_MODE = "token-mean"
+SEQUENCE_MODES = frozenset({"seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"})
+
+
+def scalar(value: Any) -> torch.Tensor:
+    """A verl metric value (a ``Metric`` holding one value, a float, a 0-d tensor) as a
+    float64 0-d tensor, without a host sync for tensors."""
+    values = getattr(value, "values", None)
+    if isinstance(values, list):  # verl.utils.metric.Metric
+        if len(values) != 1:
+            raise ValueError(f"expected one value per micro-batch, got {len(values)}")
+        value = values[0]
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64)
+
+
+def response_counts(data: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(response tokens, sequences with a response token, sequences) of a micro-batch.
+
+    ``data`` is the micro-batch TensorDict verl hands its loss function, with
+    ``response_mask`` nested (no padding) or padded; both count the same.
+    """
+    mask = data.select("response_mask").to_padded_tensor()["response_mask"].to(torch.bool)
+    per_seq = mask.reshape(mask.shape[0], -1).sum(-1)
+    rows = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    return per_seq.sum().to(torch.float64), (per_seq > 0).sum().to(torch.float64), rows
+
+
+def loss_share(
+    value: torch.Tensor, *, mode: str, counts: tuple[torch.Tensor, ...], info: Mapping
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(this micro-batch's own mean, its weight) from an ``agg_loss`` value; None when
+    the mode keeps verl's own value ("token-sum", or a mode this module does not know).
+
+    ``agg_loss`` divides the micro-batch's sum by a global count and multiplies by
+    dp_size; multiplying back gives the sum, and the local count the same global count
+    adds up from: response tokens ("token-mean", ``batch_num_tokens``), sequences
+    ("seq-mean-*", ``global_batch_size``), or, with no global count (one rank), the
+    local one ``agg_loss`` used (non-empty sequences).
+    """
+    tokens, nonempty, rows = counts
+    dp_size = info.get("dp_size") or 1
+    if mode == TOKEN_MODE:
+        count, total = tokens, info.get("batch_num_tokens")
+    elif mode in SEQUENCE_MODES:
+        total = info.get("global_batch_size")
+        count = nonempty if total is None else rows
+    else:
+        return None
+    if total is None:  # agg_loss normalised by the local count: value is the local mean
+        return value, count
+    scale = float(total) / float(dp_size)
+    return value * scale / count.clamp(min=1.0), count
+
+
+def log_micro_batch(
+    tracker: Tracker, metrics: Mapping[str, Any], data: Any, *, loss_agg_mode: str
+) -> None:
+    """Log one micro-batch's verl metrics with their true weights into ``tracker``."""
+    names = [name for name in metrics if name in TOKEN_MEANS or name in AGG_LOSSES]
+    if not names:
+        return
+    counts = response_counts(data)
+    tokens = counts[0]
+    info = {key: _non_tensor(data, key) for key in ("dp_size", "batch_num_tokens")}
+    info["global_batch_size"] = _non_tensor(data, "global_batch_size")
+    for name in names:
+        value = scalar(metrics[name]).to(tokens.device)
+        if name in TOKEN_MEANS:
+            tracker.mean(name, value, weight=tokens)
+            continue
+        share = loss_share(value, mode=loss_agg_mode, counts=counts, info=info)
+        if share is not None:
+            tracker.mean(name, *share)
+
+
+def _non_tensor(data: Any, key: str) -> Any:
+    try:
+        value = data[key]
+    except KeyError:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+class RecordingLoss:
+    """A verl loss function that also logs its micro-batch's metrics into a Tracker.
+
+    Calls the wrapped function unchanged (same loss, same gradients, same returned
+    metrics), then logs. Picklable, so worker groups can ship it like the original.
+
+    Args:
+        loss_fn: ``functools.partial(ppo_loss | value_loss, config=...)``.
+        tracker: where the metrics go (the worker's step tracker).
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], tracker: Tracker) -> None:
+        config = getattr(loss_fn, "keywords", {}).get("config")
+        mode = getattr(config, "loss_agg_mode", None)
+        if not isinstance(mode, str):
+            raise ValueError(
+                "RecordingLoss: the loss function must be a functools.partial with a "
+                f"config=... that has loss_agg_mode; got {loss_fn!r}"
+            )
+        self.loss_fn = loss_fn
+        self.tracker = tracker
+        self.loss_agg_mode = mode
+
+    def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[Any, Any]:
+        loss, metrics = self.loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+        log_micro_batch(self.tracker, metrics, data, loss_agg_mode=self.loss_agg_mode)
+        return loss, metrics

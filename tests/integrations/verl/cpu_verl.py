@@ -1,0 +1,152 @@
+"""verl 0.9.1 on the CPU, through verl's own registries (test support, not shipped).
+
+verl 0.9.1 registers its FSDP engines for cuda and npu only and has no CPU platform.
+``setup_cpu()`` adds both through verl's extension points (``PlatformRegistry``,
+``set_platform``, ``EngineRegistry.register``), so verl's own worker, engine and loss
+code runs here unchanged. Call it after ``import verl`` and before anything imports
+``verl.workers`` (the FSDP engine module reads the platform at import time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+CPU_MEMORY_STATS = (
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "memory_reserved",
+)
+
+
+class _CPUDeviceModule(SimpleNamespace):
+    """``torch.cpu`` plus the cuda-style calls verl makes on its device module."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if hasattr(torch.cpu, name):
+            return getattr(torch.cpu, name)
+        if name in CPU_MEMORY_STATS:
+            return lambda *args, **kwargs: 0
+        if name == "get_device_name":
+            return lambda *args, **kwargs: "CPU"
+        if name == "mem_get_info":  # (free, total) bytes, as torch.cuda reports them
+            return lambda *args, **kwargs: (1 << 30, 1 << 30)
+        return lambda *args, **kwargs: None  # empty_cache, reset_peak_memory_stats, ...
+
+
+def _cpu_platform_class() -> type:
+    from verl.plugin.platform import PlatformBase, PlatformRegistry
+
+    @PlatformRegistry.register(platform="cpu")
+    class PlatformCPU(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = _CPUDeviceModule()
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return True
+
+        def current_device(self) -> str:  # verl moves tensors with .to(current_device())
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            pass
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CPU_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> None:
+            return None
+
+    return PlatformCPU
+
+
+def _load_value_model_eager(local_path: str, torch_dtype: Any, model_config: Any, **kwargs: Any):
+    """verl's ``load_valuehead_model`` asks for flash_attention_2 unconditionally (no CPU
+    kernel exists); this loads the same ``AutoModelForTokenClassification`` (verl has set
+    ``num_labels=1`` on ``model_config``) with eager attention."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(
+        local_path, torch_dtype=torch_dtype, config=model_config, attn_implementation="eager"
+    )
+
+
+def setup_cpu() -> None:
+    """Register and select a CPU platform, then register verl's FSDP engines for it.
+
+    One deviation from verl's code path, for the critic only: value models load with
+    eager attention (see ``_load_value_model_eager``).
+    """
+    import verl.utils.model
+    from verl.plugin.platform import set_platform
+
+    verl.utils.model.load_valuehead_model = _load_value_model_eager
+    os.environ["VERL_PLATFORM"] = "cpu"
+    set_platform(_cpu_platform_class()())
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import (
+        FSDPEngineWithLMHead,
+        FSDPEngineWithValueHead,
+    )
+
+    for model_type, engine in (
+        ("language_model", FSDPEngineWithLMHead),
+        ("value_model", FSDPEngineWithValueHead),
+    ):
+        EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=["cpu"])(
+            engine
+        )
