@@ -44,7 +44,7 @@ def test_correct_code_passes_over_every_mode_and_epochs() -> None:
             rl.log_updates(tracker.prefixed(f"{agg}/"), pg.updates + kl.updates)
 
     metrics = assert_partition_invariant(fn, make_batch(), epochs=(1, 2))
-    assert "token-mean/actor/pg_loss" in metrics and len(metrics) == 20
+    assert "token-mean/actor/pg_loss" in metrics and len(metrics) == 5 * len(rl.AGG_MODES)
 
 
 def test_catches_a_mean_of_means_clip_fraction() -> None:
