@@ -20,7 +20,6 @@ import torch
 from rlmetrics import Tracker
 from rlmetrics.kinds import get_kind
 
-
 UNREADABLE = ["ragged list", "numbers and lists", "sparse coo", "sparse csr", "nested", "jagged"]
 UNREADABLE.append("meta")
 
