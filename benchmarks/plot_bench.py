@@ -125,7 +125,9 @@ def render(rows: list[dict], steps: int, load_before: str, load_after: str) -> s
         "at a load average of about 16, 30 metrics took 41 s and 60 metrics 94 s. Now each "
         "page holds at "
         "most 24 subplots, all pages drawn on one reused figure with fixed margins, so a "
-        "page costs about the same whatever the total.",
+        "page costs about the same whatever the total. Of each run's CPU time, about 2.6 s "
+        "is `import rlmetrics` (the package imports torch, which plotting does not need) "
+        "and about 1 s matplotlib's import.",
         END,
     ]
     return "\n".join(lines)

@@ -234,6 +234,8 @@ def test_console_without_rich_prints_plain_text(monkeypatch):
     ]
     with pytest.raises(ValueError, match="plain=True"):
         ConsoleLogger(plain=True, console=object())
+    with pytest.raises(ImportError, match=r"pip install 'rlmetrics\[console\]'"):
+        ConsoleLogger(plain=False)  # rich asked for, not installed
 
 
 # -- TensorBoard -----------------------------------------------------------------------

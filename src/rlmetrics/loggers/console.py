@@ -13,7 +13,7 @@ from itertools import groupby
 from typing import Any, TextIO
 
 from rlmetrics.extras import available
-from rlmetrics.loggers.base import FailureReporter, as_float
+from rlmetrics.loggers.base import FailureReporter, as_float, missing_extra
 from rlmetrics.text_table import format_table
 
 
@@ -59,8 +59,10 @@ class ConsoleLogger:
         self.file = file
         self.console = None
         if not self.plain:
-            from rich.console import Console
-
+            try:
+                from rich.console import Console
+            except ImportError as err:  # plain=False asked for rich
+                raise missing_extra("console", "rich", "console", err) from err
             self.console = console if console is not None else Console(file=file)
         self._failures = FailureReporter(self.name)
 
