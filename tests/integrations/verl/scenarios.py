@@ -28,8 +28,15 @@ SPLITS: dict[str, dict[str, Any]] = {
     "micro1": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 1},
     "dynamic16": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 16},
     "dynamic24": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24},
+    "2minibatches": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2, "mini_batches": 2},
 }
-"""Micro-batch settings per split name (per rank; 'whole' is the whole rank batch)."""
+"""Micro-batch settings per split name (per rank; 'whole' is the whole rank batch).
+'2minibatches' makes two optimizer steps of half the batch each (weights unchanged at
+lr 0): the step's metrics cover both, so they equal the whole batch's too, except
+grad_norm (each optimizer step has its own gradient)."""
+
+SINGLE_STEP_ONLY = ("actor/grad_norm", "critic/grad_norm")
+"""Metrics of one optimizer step: compared on the one-mini-batch splits only."""
 
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 """fp32 compute everywhere, so splits differ only by float32 rounding."""
@@ -150,13 +157,15 @@ def update_input(batch: Any, split: dict[str, Any], world_size: int) -> Any:
 
     data = left_right_2_no_padding(batch.clone())
     rows = batch.batch_size[0]
+    split = dict(split)
     if "micro_batch_size_per_gpu" in split:  # "whole" is the rank's whole share
-        split = {**split, "micro_batch_size_per_gpu": min(split["micro_batch_size_per_gpu"], rows)}
+        split["micro_batch_size_per_gpu"] = min(split["micro_batch_size_per_gpu"], rows)
+    mini_batch = rows * world_size // split.pop("mini_batches", 1)
     tu.assign_non_tensor(
         data,
         calculate_entropy=True,
-        global_batch_size=rows * world_size,
-        mini_batch_size=rows * world_size,
+        global_batch_size=mini_batch,  # as verl's driver: the mini-batch's sequences
+        mini_batch_size=mini_batch,
         epochs=1,
         seed=42,
         dataloader_kwargs={"shuffle": False},

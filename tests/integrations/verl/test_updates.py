@@ -13,7 +13,14 @@ import os
 
 import pytest
 from ranks import spawn_ranks
-from scenarios import ACTOR_METRICS, CRITIC_METRICS, PEAK_LR, SPLITS, collect
+from scenarios import (
+    ACTOR_METRICS,
+    CRITIC_METRICS,
+    PEAK_LR,
+    SINGLE_STEP_ONLY,
+    SPLITS,
+    collect,
+)
 
 # the fixtures spawn verl (an import of ~11 s per process, more on a loaded machine)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -53,6 +60,14 @@ def _truth(one_rank: dict, role: str) -> dict[str, float]:
     return one_rank["verl"][role]["whole"]
 
 
+def _names(role: str, split: str, names: tuple | None = None) -> tuple:
+    """The metrics to compare for a split: one-step metrics only on one-step splits."""
+    names = NAMES[role] if names is None else names
+    if SPLITS[split].get("mini_batches", 1) == 1:
+        return tuple(names)
+    return tuple(n for n in names if n not in SINGLE_STEP_ONLY)
+
+
 def _assert_close(got: dict[str, float], want: dict[str, float], names: tuple, where: str):
     for name in names:
         assert name in got, f"{where}: {name} missing from {sorted(got)}"
@@ -66,7 +81,7 @@ def test_one_rank_every_split_equals_the_whole_batch(one_rank: dict, role: str) 
     truth = _truth(one_rank, role)
     for split in SPLITS:
         got = one_rank["exact"][role][split]
-        _assert_close(got, truth, NAMES[role], f"1 rank, {split}")
+        _assert_close(got, truth, _names(role, split), f"1 rank, {split}")
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
@@ -77,7 +92,7 @@ def test_two_ranks_every_split_equals_the_whole_batch(
     for rank, result in enumerate(two_ranks):
         for split in SPLITS:
             got = result["exact"][role][split]
-            _assert_close(got, truth, NAMES[role], f"2 ranks, rank {rank}, {split}")
+            _assert_close(got, truth, _names(role, split), f"2 ranks, rank {rank}, {split}")
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
@@ -85,20 +100,25 @@ def test_without_the_integration_verl_drifts(
     one_rank: dict, two_ranks: list[dict], role: str
 ) -> None:
     """The same runs, integration off: verl's ratios move with the split (so the tests
-    above can fail), and its losses and grad norms do not (so the integration must
-    leave them equal too)."""
+    above can fail); within one mini-batch its losses and grad norms do not (so the
+    integration must leave them equal too); over two mini-batches verl averages the
+    mini-batches' losses unweighted, and they move too."""
     truth = _truth(one_rank, role)
     runs = [("1 rank", one_rank)] + [(f"2 ranks, rank {r}", x) for r, x in enumerate(two_ranks)]
+    one_step = [s for s in SPLITS if SPLITS[s].get("mini_batches", 1) == 1]
+    stable = tuple(n for n in NAMES[role] if n not in DRIFTING[role])
     for where, result in runs:
-        for split in SPLITS:
+        for split in one_step:
             got = result["verl"][role][split]
-            stable = [n for n in NAMES[role] if n not in DRIFTING[role]]
-            _assert_close(got, truth, tuple(stable), f"verl, {where}, {split}")
+            _assert_close(got, truth, stable, f"verl, {where}, {split}")
     drift = {
         name: max(abs(x["verl"][role][s][name] - truth[name]) for _, x in runs for s in SPLITS)
         for name in DRIFTING[role]
     }
     assert all(d > 1e-3 for d in drift.values()), f"verl's drift on this batch: {drift}"
+    loss = f"{role}/pg_loss" if role == "actor" else "critic/vf_loss"
+    moved = abs(one_rank["verl"][role]["2minibatches"][loss] - truth[loss])
+    assert moved > 1e-5, f"verl's {loss} over two mini-batches moved by {moved}"
 
 
 def test_lr_is_the_lr_the_step_used(one_rank: dict) -> None:

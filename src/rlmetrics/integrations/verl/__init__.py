@@ -22,7 +22,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import verl
+try:
+    import verl
+except ImportError as error:  # verl is not a dependency of rlmetrics
+    raise ImportError(
+        "rlmetrics.integrations.verl needs verl (tested with 0.9.1): pip install verl==0.9.1"
+    ) from error
 
 SUPPORTED_VERL = ("0.9.1",)
 WORKERS_MODULE = "verl.workers.engine_workers"
