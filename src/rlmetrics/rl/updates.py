@@ -19,7 +19,8 @@ class MetricUpdate:
         name: the metric's full name, e.g. ``"actor/pg_clipfrac"``.
         kind: a registered kind ("mean", "max", "last", ...).
         value: a number or tensor (detached; stays on its device).
-        weight: the value's weight (mean, std) or mask (sum, max, min, dist), or None.
+        weight: the value's weight (a multiplier for mean, std, sum; a selector, > 0, for
+            max, min, dist, last), or None.
     """
 
     name: str
