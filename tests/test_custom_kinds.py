@@ -24,7 +24,7 @@ from rlmetrics import (
 from rlmetrics.kinds import check_kind, get_kind
 from rlmetrics.kinds.histogram import Histogram
 
-from multiprocess import ok_results, run_ranks
+from gloo_ranks import ok_results, run_ranks
 
 pytestmark = pytest.mark.usefixtures("log_path")  # host and tensor paths
 EDGES = (0.0, 0.5, 1.0, 2.0, 4.0)

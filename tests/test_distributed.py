@@ -16,8 +16,8 @@ from rlmetrics import Tracker, TrackerState
 from rlmetrics import distributed as rd
 from rlmetrics.distributed import SyncTimeoutError
 
+from gloo_ranks import ok_results, run_ranks
 from helpers import log_every_kind
-from multiprocess import ok_results, run_ranks
 
 KINDS = ("mean", "sum", "max", "min", "std", "last", "dist")
 

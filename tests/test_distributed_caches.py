@@ -19,7 +19,7 @@ from rlmetrics import Tracker
 from rlmetrics import distributed as rd
 from rlmetrics.agreed import RECENT
 
-from multiprocess import ok_results, run_ranks
+from gloo_ranks import ok_results, run_ranks
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks
 

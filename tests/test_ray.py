@@ -19,9 +19,9 @@ import torch
 
 from rlmetrics import Tracker, TrackerState
 
+from gloo_ranks import free_port
 from helpers import log_every_kind, run_python
 from local_ray import local_ray
-from multiprocess import free_port
 
 try:
     import ray

@@ -23,7 +23,7 @@ from rlmetrics import Tracker
 from rlmetrics import distributed as rd
 from rlmetrics.distributed import SyncTimeoutError
 
-from multiprocess import free_port, ok_results, run_ranks
+from gloo_ranks import free_port, ok_results, run_ranks
 
 TIMEOUT = 3.0  # seconds a survivor waits before SyncTimeoutError
 SLACK = 5.0  # process and gloo overhead allowed on a shared 2-core machine

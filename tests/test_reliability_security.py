@@ -18,7 +18,7 @@ from rlmetrics import Tracker
 from rlmetrics import distributed as rd
 from rlmetrics.loggers import JsonlLogger, MlflowLogger, TensorBoardLogger
 
-from multiprocess import ok_results, run_ranks
+from gloo_ranks import ok_results, run_ranks
 
 EVIL_NAMES = [
     "../../x",

@@ -32,7 +32,7 @@ from rlmetrics.trainer import (
 )
 from rlmetrics.trainer.checkpoint import CRASH_ENV, CRASH_EXIT_CODE, FILE_NAME
 
-from multiprocess import ok_results, run_ranks
+from gloo_ranks import ok_results, run_ranks
 
 SKIP = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "critic/perf/")
 FLAGS = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-prompts", "4",

@@ -15,7 +15,7 @@ import torch
 from rlmetrics import Tracker, TrackerState, register_kind
 from rlmetrics.kinds.histogram import Histogram
 
-from multiprocess import ok_results, run_ranks
+from gloo_ranks import ok_results, run_ranks
 
 tensordict = pytest.importorskip("tensordict", reason="tensordict is an optional extra")
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402

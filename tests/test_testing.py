@@ -244,7 +244,7 @@ def real_rank_checks(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world={w}")
 def real_ranks(request) -> tuple[int, list[dict]]:
-    from multiprocess import ok_results, run_ranks
+    from gloo_ranks import ok_results, run_ranks
 
     return request.param, ok_results(run_ranks(real_rank_checks, request.param, timeout=90))
 

@@ -23,7 +23,7 @@ from rlmetrics.cli import build_parser, config_from_args, main
 from rlmetrics.trainer import AlgoConfig, ModelConfig, RunConfig, TaskConfig, TrainConfig, train
 from rlmetrics.trainer.rollout import shard_indices
 
-from multiprocess import ok_results, run_ranks
+from gloo_ranks import ok_results, run_ranks
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-prompts", "4",
         "--samples-per-prompt", "3", "--mini-batches", "2", "--epochs", "2"]  # fmt: skip

@@ -8,24 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from collections.abc import Iterator
 
 import pytest
 
 if importlib.util.find_spec("verl") is None:  # the core venv: nothing here can run
     collect_ignore_glob = ["test_*.py"]
-
-# tests/multiprocess.py (on sys.path through tests/conftest.py) shadows the
-# ``multiprocess`` package that verl imports (through ``datasets``): put the tests folder
-# last, so site-packages wins, here and in spawned ranks (they inherit sys.path).
-_TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _TESTS in sys.path:
-    sys.path.remove(_TESTS)
-    sys.path.append(_TESTS)
-_shadow = sys.modules.get("multiprocess")
-if _shadow is not None and not hasattr(_shadow, "__path__"):
-    del sys.modules["multiprocess"]
 
 
 @pytest.fixture(scope="session")

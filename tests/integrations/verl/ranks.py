@@ -1,5 +1,4 @@
-"""Spawn gloo ranks for verl (its own helper: ``tests/multiprocess.py`` would shadow the
-``multiprocess`` package that verl's import chain needs, see conftest.py)."""
+"""Spawn gloo ranks for verl's worker code, in a temporary HOME (see conftest.py)."""
 
 from __future__ import annotations
 
