@@ -43,14 +43,15 @@ _KIND_OF_RULE = {
     "max": "max",
     "min": "min",
     "weighted_avg": "mean",
+    "avg": "mean",  # the fully-async class's plain mean: weighted here too
 }
 _KINDS = frozenset(_KIND_OF_RULE.values())
 
 
-def _scalar(value: Any) -> float | None:
-    """A loggable number (bools excluded), or None for what verl skips silently."""
+def _scalar(value: Any, bools: bool = False) -> float | None:
+    """A loggable number (bools only if ``bools``), or None for what verl skips silently."""
     if isinstance(value, bool | np.bool_):
-        return None
+        return float(value) if bools else None
     if isinstance(value, int | float | np.number):
         return float(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -79,6 +80,8 @@ class MetricsAggregator:
         >>> agg.get_aggregated_metrics()
         {'actor/pg_loss/mean': 2.5}
     """
+
+    _keeps_bools = False  # verl's v1 class skips bools; the fully-async one records them
 
     def __init__(self, *, kinds: Mapping[str, str] | None = None) -> None:
         kinds = dict(kinds or {})
@@ -129,7 +132,7 @@ class MetricsAggregator:
             self._add(key, value, metrics, sample_count)
 
     def _add(self, key: str, value: Any, metrics: Mapping[str, Any], sample_count: int) -> None:
-        from rlmetrics.compat.verl import Metric  # compat.verl re-exports this module
+        from rlmetrics.compat.verl import Metric  # lazy: compat.verl imports this module
 
         if key == DAPO_FILTERED_REWARD_COUNTS_KEY and isinstance(value, Mapping):
             self.dict_metrics.setdefault(key, Counter()).update(value)
@@ -139,7 +142,7 @@ class MetricsAggregator:
         if isinstance(value, MetricState):
             self._tracker.merge(TrackerState({key: value}))
             return
-        number = _scalar(value)
+        number = _scalar(value, self._keeps_bools)
         if number is None:
             return
         kind = self._kind(key)
@@ -166,7 +169,10 @@ class MetricsAggregator:
         for rule, names in self.aggregation_rules.items():
             if key in names:
                 return _KIND_OF_RULE[rule]
-        lower = key.lower()
+        return self._kind_from_spelling(key.lower())
+
+    def _kind_from_spelling(self, lower: str) -> str:
+        """verl's substring rules (v1 trainer's order), plus counts summed."""
         last_part = lower.rsplit("/", 1)[-1]
         if lower.endswith(("/lr", "_lr")) or lower == "lr":
             return "last"
@@ -190,6 +196,10 @@ class MetricsAggregator:
         for key, counter in self.dict_metrics.items():
             if counter:
                 out[key] = dict(counter)
+        return self._recompute_ratios(out)
+
+    def _recompute_ratios(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Metrics derived from others, computed again from the step's values."""
         diff, high, low = "global_seqlen/minmax_diff", "global_seqlen/max", "global_seqlen/min"
         if diff in out and high in out and low in out:
             out[diff] = out[high] - out[low]  # the step's range, not a max of ranges
