@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmetrics.compat.verl import MetricsAggregator
+from rlmetrics.compat.verl import FullyAsyncMetricsAggregator, MetricsAggregator
 from rlmetrics.compat.verl_aggregator import DAPO_FILTERED_REWARD_COUNTS_KEY
 
 verl_utils = pytest.importorskip("verl.trainer.ppo.v1.utils")
@@ -102,3 +102,70 @@ def test_kinds_replace_verls_spelling_rule():
     theirs, ours = both(steps, kinds={key: "mean"})
     assert theirs[key] == 0.2
     assert ours[key] == pytest.approx(0.5)
+
+
+# -- the fully-async policy's copy ---------------------------------------------------
+detach_utils = pytest.importorskip("verl.experimental.fully_async_policy.detach_utils")
+
+ASYNC_KEYS = [
+    "actor/kl/mean",
+    "reward/avg",
+    "actor/entropy",
+    "critic/score/max",
+    "critic/score/min",
+    "perf/throughput",
+    "perf/total_num_tokens",
+    "perf/time_per_step",
+    "timing_s/gen",
+    "timing_s/step",
+    "timing_s/wait_for_enough_samples",
+    "timing_s/agent_loop/tool_calls/mean",
+    "fully_async/count/current_param_version",
+    "dynamic_resource/mq_size",
+    "dynamic_resource/train_compute_time_s",
+    "dynamic_resource/train_allocated_time_s",
+    "training/global_step",
+    "done",
+]
+
+
+@st.composite
+def async_cycles(draw: st.DrawFn) -> tuple[list[tuple[dict, int]], float | None]:
+    """Iterations with one sample count for all (where verl's plain mean is exact)."""
+    count = draw(st.integers(0, 6))
+    steps = []
+    for _ in range(draw(st.integers(1, 5))):
+        keys = draw(st.lists(st.sampled_from(ASYNC_KEYS), unique=True))
+        metrics = {}
+        for key in keys:
+            number = draw(st.floats(0.5, 1e3, width=32))  # times and totals: positive
+            metrics[key] = (
+                draw(st.booleans()) if key == "done" else draw(st.sampled_from(WRAPS))(number)
+            )
+        steps.append((metrics, count))
+    return steps, draw(st.none() | st.floats(0.0, 1.0))
+
+
+def both_async(steps, rollout_util, gpus=(8, 2, 6)) -> tuple[dict, dict]:
+    """(verl's result, rlmetrics' result) for the same fully-async cycle."""
+    theirs = detach_utils.MetricsAggregator(*gpus)
+    ours = FullyAsyncMetricsAggregator(*gpus)
+    for metrics, count in steps:
+        theirs.add_step_metrics(metrics, count, timestamp=1.0)
+        ours.add_step_metrics(metrics, count, timestamp=1.0)
+    return theirs.get_aggregated_metrics(rollout_util), ours.get_aggregated_metrics(rollout_util)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cycle=async_cycles())
+def test_fully_async_agrees_with_verl_at_equal_sample_counts(cycle):
+    theirs, ours = both_async(*cycle)
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert ours[key] == pytest.approx(value, rel=1e-12, abs=1e-9), key
+
+
+def test_fully_async_means_are_weighted_where_verl_averages():
+    theirs, ours = both_async([({"actor/kl/mean": 1.0}, 1), ({"actor/kl/mean": 3.0}, 3)], None)
+    assert theirs["actor/kl/mean"] == 2.0
+    assert ours["actor/kl/mean"] == pytest.approx(2.5)
