@@ -7,6 +7,9 @@ same results. What is added:
 * ``Metric.append(value, weight=w)`` keeps a weight per value. A MEAN Metric then
   aggregates to ``Σ w·x / Σ w`` (the exact mean over tokens or sequences, not a mean of
   micro-batch means); weights survive ``extend``, ``chain`` and ``append_to_dict``.
+* ``MetricsAggregator`` (verl's per-step reduction of several iterations' metrics),
+  on rlmetrics states: see ``rlmetrics.compat.verl_aggregator``, and the fully-async
+  policy's copy, ``FullyAsyncMetricsAggregator``.
 * ``Metric.to_state()`` / ``Metric.from_state()`` and ``to_tracker_state()`` /
   ``from_tracker_state()`` convert to rlmetrics' mergeable states, so workers can
   return ``TrackerState``s and the driver merges them exactly.
@@ -28,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlmetrics.compat.verl_aggregator import MetricsAggregator
+from rlmetrics.compat.verl_async_aggregator import FullyAsyncMetricsAggregator
 from rlmetrics.kinds import MetricState, get_kind
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
@@ -315,7 +320,9 @@ def append_to_dict(data: dict[str, Any], new_data: Mapping[str, Any], prefix: st
 
 __all__ = [
     "AggregationType",
+    "FullyAsyncMetricsAggregator",
     "Metric",
+    "MetricsAggregator",
     "append_to_dict",
     "as_scalar",
     "from_tracker_state",
