@@ -133,7 +133,7 @@ def test_union_unites_the_metrics_of_both() -> None:
         DataProto.union(plain, other)
     expected = TrackerState.merge_all([get_metrics(data), get_metrics(other)]).compute()
     assert data.union(other) is data
-    assert "extra" in data.batch.keys() and numbers(data) == expected
+    assert "extra" in data.batch and numbers(data) == expected
     assert data.meta_info["temperature"] == 1.0
     assert numbers(data.union(data.select(batch_keys=["loss"]))) == expected  # once
 
