@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor, unpad_dataproto
 from verl.single_controller.base.decorator import (
     Dispatch,
     collect_dp_compute_data_proto,
@@ -28,6 +28,8 @@ from rlmetrics.integrations.verl.dataproto import (
     metrics_field,
 )
 from rlmetrics.tensordict import get_metrics as td_get_metrics
+
+from local_ray import local_ray
 
 
 def make_data(seed: int, rows: int) -> DataProto:
@@ -303,3 +305,29 @@ def test_driver_metrics_passed_through_by_every_rank_count_once() -> None:
     # contributions in first-seen order: rank 0's, the driver's, rank 1's
     assert collected == TrackerState.merge_all([own[0], get_metrics(data), own[1]]).compute()
     assert collected["rows"] == 16.0  # the driver's 8 rows once, and the ranks' 8
+
+
+def test_blocking_false_futures_merge_the_ranks_metrics() -> None:
+    """A ``blocking=False`` call: verl's collect returns a DataProtoFuture over the ranks'
+    Ray objects; its ``get`` merges their metrics while the integration is on, and raises
+    verl's own AssertionError once ``disable()`` restores verl's ``get``."""
+    import ray
+
+    from rlmetrics.integrations.verl import disable, enable, is_enabled
+
+    data = make_data(5, 9)
+    group = fake_group(3)
+    outputs = [run_rank(piece) for piece in data.chunk(3)]
+    with local_ray():
+        future = collect_nd_compute_dataproto([True] * 3, group, [ray.put(o) for o in outputs])
+        assert isinstance(future, DataProtoFuture) and is_enabled()
+        check_merged(future.get(), outputs, data)
+        disable()
+        try:
+            with pytest.raises(AssertionError, match=METRICS_KEY):
+                future.get()
+        finally:
+            enable()
+        chunked = future.chunk(3)[1].get()  # a future passed on to another worker group
+        assert len(chunked) == 3
+        check_merged(chunked, outputs, data)

@@ -16,7 +16,10 @@ whose ``concat`` and ``union`` unite the contributions instead. verl's collect f
 (``collect_dp_compute_data_proto``, ``collect_nd_compute_dataproto``) concatenate
 outputs with ``type(outputs[0]).concat``, so ranks that return a ``MetricsDataProto``
 (``attach_metrics`` returns one) reach the driver as one DataProto carrying the merged
-metrics, through verl's own functions, unchanged. No verl function is replaced.
+metrics, through verl's own functions, unchanged. One verl method is replaced, by the
+integration's ``enable()`` (undone by ``disable()``): ``DataProtoFuture.get``, which
+concatenates ``blocking=False`` calls' outputs with ``DataProto.concat`` itself
+(``merge_futures``).
 
 A worker::
 
@@ -31,9 +34,10 @@ and the driver::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import verl
-from verl.protocol import DataProto
+from verl.protocol import DataProto, DataProtoFuture
 
 from rlmetrics.integrations.verl import check_version
 from rlmetrics.state import TrackerState
@@ -137,6 +141,44 @@ def concat(data: Sequence[DataProto]) -> DataProto:
     return result
 
 
+def merge_futures(enabled: bool = True) -> None:
+    """Make ``DataProtoFuture.get`` concatenate with ``concat`` (on), or verl's (off).
+
+    The one patch of this module, made by the integration's ``enable()`` and undone by
+    ``disable()``: for a ``blocking=False`` call verl's collect functions return a
+    ``DataProtoFuture``, whose ``get`` concatenates the ranks' outputs with
+    ``DataProto.concat`` itself, not with the outputs' type, and so would raise on two
+    ranks' different metrics. The replacement gives the same DataProto when no output
+    carries metrics. Idempotent.
+    """
+    if enabled and "get" not in _ORIGINAL_FUTURE:
+        _ORIGINAL_FUTURE["get"] = DataProtoFuture.get
+        DataProtoFuture.get = _future_get
+    elif not enabled and "get" in _ORIGINAL_FUTURE:
+        DataProtoFuture.get = _ORIGINAL_FUTURE.pop("get")
+
+
+_ORIGINAL_FUTURE: dict[str, Any] = {}
+
+
+def _future_get(self: DataProtoFuture) -> Any:
+    """verl 0.9.1's ``DataProtoFuture.get``, concatenating DataProtos with ``concat``."""
+    import ray
+
+    output = ray.get(self.futures)
+    if output and all(isinstance(o, DataProto) for o in output):
+        merged = concat(output)
+    else:
+        from tensordict import TensorDict
+        from verl.utils.tensordict_utils import concat_tensordict
+
+        if not output or not all(isinstance(o, TensorDict) for o in output):
+            kinds = sorted({type(o).__name__ for o in output})
+            raise TypeError(f"DataProtoFuture.get: cannot concatenate outputs of types {kinds}")
+        merged = concat_tensordict(output)
+    return merged if self.dispatch_fn is None else self.dispatch_fn(merged)
+
+
 def _without_field(data: DataProto) -> DataProto:
     """``data`` (same type, shared batches) without the metrics entry in ``meta_info``."""
     if METRICS_KEY not in data.meta_info:
@@ -151,5 +193,6 @@ __all__ = [
     "attach_metrics",
     "concat",
     "get_metrics",
+    "merge_futures",
     "metrics_field",
 ]
