@@ -4,10 +4,13 @@ outputs merged by verl's real collect functions, equal bit for bit to one Tracke
 from __future__ import annotations
 
 import pickle
+from itertools import pairwise
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from verl.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor, unpad_dataproto
 from verl.single_controller.base.decorator import (
     Dispatch,
@@ -258,9 +261,13 @@ def check_merged(collected: DataProto, outputs: list[DataProto], data: DataProto
         else:
             assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
     loss, mask = data.batch["loss"].numpy(), data.batch["mask"].numpy()
+    assert got["rows"] == len(loss)
+    if not mask.any():  # every row masked: no value to report
+        assert "loss" not in got and "loss_max" not in got
+        return
     np.testing.assert_allclose(got["loss"], loss[mask].mean(), rtol=1e-12)
     np.testing.assert_allclose(got["loss_std"], loss[mask].std(), rtol=1e-9)
-    assert got["loss_max"] == loss[mask].max() and got["rows"] == len(loss)
+    assert got["loss_max"] == loss[mask].max()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -274,6 +281,19 @@ def test_dp_compute_proto_collect_merges_the_ranks_metrics(world_size: int) -> N
     check_merged(collected, outputs, data)
     registered = get_predefined_dispatch_fn(Dispatch.DP_COMPUTE_PROTO)["collect_fn"]
     check_merged(registered(group, outputs), outputs, data)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=5),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_any_partition_collects_to_the_same_numbers(sizes: list[int], seed: int) -> None:
+    """Ranks with any numbers of rows: verl's collect gives the ranks' merged states."""
+    data = make_data(seed, sum(sizes))
+    bounds = np.cumsum([0, *sizes])
+    outputs = [run_rank(data.slice(a, b)) for a, b in pairwise(bounds)]
+    check_merged(collect_dp_compute_data_proto(fake_group(len(sizes)), outputs), outputs, data)
 
 
 def test_nd_compute_collect_merges_the_collected_ranks_only() -> None:
