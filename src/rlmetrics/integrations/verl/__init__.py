@@ -10,7 +10,8 @@ What ``enable()`` changes, and nothing else: verl builds its actor's inner worke
 ``ActorRolloutRefWorker.actor_worker_cls`` (a class attribute meant for this) and its
 critic from ``verl.workers.engine_workers.TrainingWorker``; both are pointed at
 ``ExactTrainingWorker``, a subclass whose update metrics are partition invariant.
-No verl function is replaced. Other verl versions are refused with an error, since
+No verl function is replaced but one, for DataProto metrics (``DataProtoFuture.get``:
+see ``rlmetrics.integrations.verl.dataproto``). Other verl versions are refused with an error, since
 the subclass relies on how 0.9.1 produces its metrics.
 """
 
@@ -59,6 +60,9 @@ def enable() -> None:
         RuntimeError: the installed verl is not a tested version.
     """
     check_version()
+    from rlmetrics.integrations.verl.dataproto import merge_futures
+
+    merge_futures(True)
     if WORKERS_MODULE in sys.modules:
         _switch()
     elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
@@ -83,6 +87,9 @@ def _switch() -> None:
 def disable() -> None:
     """Undo ``enable()`` (verl's own classes again, in every module ``enable`` changed)."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
+    from rlmetrics.integrations.verl.dataproto import merge_futures
+
+    merge_futures(False)
     if not _ORIGINAL:
         return
     engine_workers = sys.modules[WORKERS_MODULE]
