@@ -225,8 +225,9 @@ def test_sync_counts_per_logged_step(two_processes: dict) -> None:
         counts = exact["counts"]
         assert counts.get("loss/collectives", 0) == 0 and counts.get("loss/host_reads", 0) == 0
         first, second = exact["log_counts"][:2]
-        assert first["log/collectives"] <= 3
-        assert (second["log/collectives"], second["log/host_reads"]) == (1, 0)
+        assert first.get("log/collectives", 0) <= 3
+        # a count that never rose is absent from the per-call dicts
+        assert (second.get("log/collectives", 0), second.get("log/host_reads", 0)) == (1, 0)
 
 
 def test_bnpo_loss_is_split_dependent_and_says_so(model_dir: Path, tmp_path: Path) -> None:
