@@ -301,7 +301,7 @@ PEAK_LR = 1e-3
 
 
 def collect(rank: int, world_size: int, port: int, model_path: str) -> dict[str, Any]:
-    """Everything the tests check, from one rank (run under ``ranks.spawn_ranks``,
+    """Everything the tests check, from one rank (run under ``gloo_ranks.run_ranks``,
     which has created the gloo group)."""
     init_rank(rank, world_size, port)
     import sys

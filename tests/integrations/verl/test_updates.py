@@ -12,7 +12,6 @@ import json
 import os
 
 import pytest
-from ranks import spawn_ranks
 from scenarios import (
     ACTOR_METRICS,
     CRITIC_METRICS,
@@ -21,6 +20,8 @@ from scenarios import (
     SPLITS,
     collect,
 )
+
+from gloo_ranks import free_port, ok_results, run_ranks
 
 # the fixtures spawn verl (an import of ~11 s per process, more on a loaded machine)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -36,7 +37,11 @@ NAMES = {"actor": ACTOR_METRICS, "critic": CRITIC_METRICS}
 def _run(world_size: int, model_path: str) -> list[dict]:
     """Every rank's results; also written as JSON to $RLMETRICS_VERL_RESULTS_DIR when set
     (the numbers docs/verl.md quotes)."""
-    results = spawn_ranks(collect, world_size, model_path)
+    # verl's Worker records MASTER_PORT (collect sets it); the group itself is gloo_ranks'
+    outcome = run_ranks(
+        collect, world_size, free_port(), model_path, timeout=900.0, pg_timeout=600.0
+    )
+    results = ok_results(outcome)
     folder = os.environ.get("RLMETRICS_VERL_RESULTS_DIR")
     if folder:
         with open(os.path.join(folder, f"ranks{world_size}.json"), "w") as f:
