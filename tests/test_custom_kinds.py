@@ -21,7 +21,7 @@ from rlmetrics import (
     register_kind,
     unregister_kind,
 )
-from rlmetrics.kinds import check_kind, get_kind
+from rlmetrics.kinds import Batch, check_kind, get_kind
 from rlmetrics.kinds.histogram import Histogram
 
 from gloo_ranks import ok_results, run_ranks
@@ -36,24 +36,22 @@ class Distinct(Kind):
 
     name = "test_distinct"
     num_sums = 1
-    takes_weight = False
     has_extra = True
 
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        kept = values.numel() if weights is None else (weights > 0).sum()
-        return torch.as_tensor(kept, dtype=torch.float64).reshape(1), values.new_empty(0)
+    def reduce(self, batch: Batch) -> tuple[Any, Any]:
+        return batch.columns(batch.count()), batch.columns()
+
+    def reduce_extra(self, batch: Batch) -> list[Any]:
+        pieces = zip(batch.split(batch.values), batch.split(batch.selected()), strict=True)
+        if batch.on_host:  # host extras: the sets themselves
+            return [frozenset(values[kept].tolist()) for values, kept in pieces]
+        return list(pieces)  # device: select on the host, at step end
 
     def empty_extra(self) -> frozenset:
         return frozenset()
 
-    def batch_extra(self, values: Tensor, weights: Tensor | None) -> Tensor:
-        return values.clone() if weights is None else values[weights > 0]
-
-    def merge_dev_extra(self, acc_extra: Any, batch: Tensor) -> list:
-        return [*(acc_extra or []), batch]
-
     def host_extra(self, dev_extra: Any) -> frozenset:
-        return frozenset(float(x) for batch in dev_extra or [] for x in batch.tolist())
+        return frozenset(x for values, kept in dev_extra or [] for x in values[kept].tolist())
 
     def merge_extra(self, a: Any, b: Any) -> frozenset:
         return frozenset(a) | frozenset(b)
@@ -190,8 +188,8 @@ class Malformed(Kind):
     name = "test_malformed"
     num_sums = 2
 
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        return values.sum().reshape(1), values.new_empty(0)  # one slot, not two
+    def reduce(self, batch: Batch) -> tuple[Any, Any]:
+        return batch.columns(batch.sum_by(batch.values)), batch.columns()  # one slot, not two
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         return {"": state.sums[0]}
@@ -209,32 +207,32 @@ def make(base: type[Kind], **attrs: Any) -> Kind:
         (make(Malformed, num_sums=-1), ValueError, "num_sums must be an int >= 0, got -1"),
         (make(Malformed, num_maxes=True), ValueError, "num_maxes must be an int >= 0, got True"),
         (make(Malformed, has_extra=1), ValueError, "has_extra must be a bool, got 1"),
-        (make(Kind, name="test_empty"), ValueError, r"must implement update\(\), result\(\)"),
+        (make(Kind, name="test_empty"), ValueError, r"must implement reduce\(\), result\(\)"),
         (
             make(Malformed, has_extra=True),
             ValueError,
-            r"must implement batch_extra\(\), merge_dev_extra\(\), merge_extra\(\) \(has_extra",
+            r"must implement reduce_extra\(\), merge_extra\(\) \(has_extra",
         ),
         (
             make(Malformed),
             ValueError,
-            r"'test_malformed' \(Custom\): update\(\) returned sums of shape \(1,\).*expected "
-            r"shape \(2,\) float64, as num_sums=2 declares",
+            r"'test_malformed' \(Custom\): reduce\(\) returned sums of shape \(3, 1\).*"
+            r"expected shape \(3, 2\) float64, as num_sums=2 declares",
         ),
         (
-            make(Malformed, update=lambda self, v, w: (v.float()[:2], v[:0])),
+            make(Malformed, reduce=lambda self, b: (b.columns(b.count(), b.count())[:, :2] * 1, 1)),
             ValueError,
-            "dtype torch.float32",
+            r"must return a \(sums, maxes\) pair of ndarrays on the host",
         ),
         (
-            make(Malformed, update=lambda self, v, w: [v, v]),
+            make(Malformed, reduce=lambda self, b: (b.columns(b.count(), b.count()) * 1j, 0)),
             ValueError,
-            r"must return a \(sums, maxes\) pair of tensors",
+            "dtype complex128",
         ),
         (
-            make(Malformed, update=lambda self, v, w: (v[-1].reshape(1).repeat(2), v[:0])),
+            make(Malformed, reduce=lambda self, b: (b.values[7], b.columns())),
             ValueError,
-            r"update\(\) failed on a probe batch \(values \[\], weights None\): index -1",
+            r"reduce\(\) failed on a probe batch on the host: index 7",
         ),
         (
             make(Malformed, result_formula=ResultFormula(value=0, present=2)),
@@ -348,9 +346,11 @@ class VectorMean(Kind):
     def __init__(self, refuse: bool = False) -> None:
         self.refuse = refuse
 
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        weights = torch.ones_like(values) if weights is None else weights
-        return torch.stack(((values * weights).sum(), weights.sum())), values.new_empty(0)
+    def reduce(self, batch: Batch) -> tuple[Any, Any]:
+        weights = batch.weights
+        return batch.columns(batch.sum_by(batch.values * weights), batch.sum_by(weights)), (
+            batch.columns()
+        )
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, weight = state.sums

@@ -19,6 +19,8 @@ from rlmetrics import (
     register_kind,
     unregister_kind,
 )
+from rlmetrics.fold import ModifiedInputError
+from rlmetrics.kinds import Batch
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
 
 from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
@@ -425,8 +427,9 @@ def test_dist_quantile_labels_are_exact_and_unique() -> None:
         Histogram(name="h", edges=[0.0, 1.0], quantiles=(0.5, 0.5))
 
 
-def test_dist_copies_what_it_keeps() -> None:
-    """Reusing a buffer after logging it must not rewrite what was logged."""
+def test_reusing_a_logged_buffer_never_rewrites_what_was_logged() -> None:
+    """A logged numpy array is copied; a logged tensor changed in place before compute()
+    raises, naming the metric (its logged value is gone), and the other metrics stay."""
     t = Tracker()
     buffer, array = torch.zeros(2, dtype=torch.float64), np.zeros(2)
     for value in (1.0, 2.0):
@@ -434,8 +437,11 @@ def test_dist_copies_what_it_keeps() -> None:
         array.fill(value + 2)
         t.dist("t", buffer)
         t.dist("a", array)
+    with pytest.raises(ModifiedInputError, match=r"changed in place.*'t'"):
+        t.compute()
     out = t.compute()
-    assert (out["t/min"], out["t/max"], out["a/min"], out["a/max"]) == (1.0, 2.0, 3.0, 4.0)
+    assert (out["a/min"], out["a/max"], out["a/mean"]) == (3.0, 4.0, 3.5)
+    assert not any(key.startswith("t/") for key in out)
 
 
 @pytest.mark.parametrize(
@@ -464,14 +470,17 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def test_cpu_and_array_data_accumulate_on_the_host_device_tensors_do_not(log_path: str) -> None:
+def test_cpu_and_array_data_reduce_on_the_host_device_tensors_do_not() -> None:
     t = Tracker()
     t.host_arrays = True
     t.mean("cpu", torch.ones(3))
     t.mean("array", np.ones(3))
-    assert t.accumulators["cpu"].dev_sums is None and t.accumulators["array"].dev_sums is None
     t.host_arrays = False
     t.mean("tensor_path", torch.ones(3))
+    devices = {name: acc.record_device for name, acc in t.accumulators.items()}
+    assert devices == {"cpu": None, "array": None, "tensor_path": torch.device("cpu")}
+    t.device()  # folds the records into the states
+    assert t.accumulators["cpu"].dev_sums is None and t.accumulators["array"].dev_sums is None
     assert t.accumulators["tensor_path"].dev_sums is not None
 
 
@@ -675,14 +684,13 @@ class Range(Kind):
     name = "test_range"
     num_sums = 1  # number of elements selected
     num_maxes = 2  # (max x, max -x)
-    takes_weight = False  # a weight is a mask
 
-    def update(self, values: torch.Tensor, weights: torch.Tensor | None) -> tuple:
-        keep = torch.ones_like(values, dtype=torch.bool) if weights is None else weights > 0
-        floor = values.new_full((1,), -math.inf)  # keeps amax defined on empty batches
-        high = torch.cat((torch.where(keep, values, -math.inf), floor)).amax()
-        neg_low = torch.cat((torch.where(keep, -values, -math.inf), floor)).amax()
-        return keep.sum().double().reshape(1), torch.stack((high, neg_low))
+    def reduce(self, batch: Batch) -> tuple:
+        """A weight selects (> 0); empty metrics get -inf, which max merges away."""
+        selected, values = batch.selected(), batch.values
+        high = batch.max_by(batch.where(selected, values, -math.inf))
+        neg_low = batch.max_by(batch.where(selected, -values, -math.inf))
+        return batch.columns(batch.count()), batch.columns(high, neg_low)
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         if state.sums[0] == 0:
@@ -820,11 +828,11 @@ class ValuePerExcess(Kind):
     num_sums = 3  # Σ w·x, Σ (w - 1), count
     result_formula = ResultFormula(value=0, divisor=1, present=2)
 
-    def update(self, values: torch.Tensor, weights: torch.Tensor | None) -> tuple:
-        weights = torch.ones_like(values) if weights is None else weights
-        count = values.new_full((), float(len(values)))
-        excess = (weights - 1).sum()
-        return torch.stack(((values * weights).sum(), excess, count)), values.new_empty(0)
+    def reduce(self, batch: Batch) -> tuple:
+        weights = batch.weights
+        excess = batch.sum_by(batch.where(batch.selected(), weights - 1, 0.0))
+        total = batch.sum_by(batch.values * weights)
+        return batch.columns(total, excess, batch.count()), batch.columns()
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, excess, count = state.sums

@@ -1,8 +1,8 @@
 """Turning what users log (numbers, arrays, tensors) into float64 values and weights.
 
 Checks here look at types, shapes and dtypes only: never at tensor data, which would
-need a device-to-host sync. Data checks on tensors (negative weights, non-finite values
-under ``nonfinite="error"``) run on the device and are reported at step end.
+need a device-to-host sync. Data checks (negative weights, non-finite values under
+``nonfinite="error"``) run when the step's records are reduced (``rlmetrics.fold``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 NUMBER_TYPES = (float, int, bool, np.floating, np.integer, np.bool_)
-NUMPY_DTYPES = frozenset(
-    {torch.float64, torch.float32, torch.float16, torch.bool, torch.uint8, torch.int8}
-    | {torch.int16, torch.int32, torch.int64}
+REAL_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8}
+    | {torch.int8, torch.int16, torch.int32, torch.int64}
 )
-"""Tensor dtypes whose CPU data numpy can view directly."""
+"""Tensor dtypes a log call takes (float8 and unsigned 16-64-bit ints are left out)."""
 
 
 def check_name(name: object) -> str:
@@ -48,17 +48,9 @@ def as_number(name: str, value: object, what: str = "value") -> float | None:
     return None
 
 
-def as_tensor(name: str, value: object, what: str = "value") -> Tensor:
-    """``value`` (array, tensor, sequence) as a detached float64 tensor, same device."""
-    if isinstance(value, Tensor):
-        _check_tensor(name, value, what)
-        tensor = value.detach()
-        return tensor if tensor.dtype is torch.float64 else tensor.to(torch.float64)
-    return torch.from_numpy(numeric_array(name, value, what))
-
-
 def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
-    """``value`` (numpy array, list, tuple) as a contiguous float64 numpy array."""
+    """``value`` (numpy array, list, tuple) as a new contiguous float64 numpy array (a
+    copy: a record must not change when the caller's array does)."""
     if not isinstance(value, np.ndarray | list | tuple):
         raise TypeError(
             f"metric {name!r}: {what} must be a number, numpy array or tensor, "
@@ -77,8 +69,7 @@ def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
             if array.dtype.kind != "c"
             else f"metric {name!r}: {what} must be real, got complex dtype {array.dtype}"
         )
-    array = np.ascontiguousarray(array, dtype=np.float64)
-    return array if array.flags.writeable else array.copy()
+    return np.array(array, dtype=np.float64, order="C")
 
 
 def unmask(name: str, value: object, weight: object) -> tuple[object, object]:
@@ -95,56 +86,36 @@ def unmask(name: str, value: object, weight: object) -> tuple[object, object]:
         return data, weight
     if weight is None:
         return data, ~masked
-    if not in_host_memory(weight):
-        raise TypeError(
-            f"metric {name!r}: a numpy masked array's weight must be in host memory, got a "
-            f"tensor on {weight.device}"  # type: ignore[union-attr]
-        )
-    number = None if isinstance(weight, Tensor) else as_number(name, weight, "weight")
+    if isinstance(weight, Tensor):
+        if weight.device.type != "cpu":
+            raise TypeError(
+                f"metric {name!r}: a numpy masked array's weight must be in host memory, got "
+                f"a tensor on {weight.device}"
+            )
+        weight = check_tensor(name, weight, "weight").to(torch.float64).numpy()
+    number = as_number(name, weight, "weight")
     if number is not None:
         check_weight_number(name, number)
         return data, np.where(masked, 0.0, number)
-    weights = host_array(name, weight, "weight")
-    _check_shapes(name, weights.shape, data.shape)
+    weights = numeric_array(name, weight, "weight")
+    if weights.shape != data.shape:
+        raise ValueError(
+            f"metric {name!r}: weight shape {weights.shape} does not match value shape {data.shape}"
+        )
     return data, np.where(masked, 0.0, weights)
 
 
-def in_host_memory(value: object) -> bool:
-    """Whether ``value`` is not a tensor or is a plain CPU tensor (subclasses, like device
-    tensors, keep the tensor path)."""
-    return not isinstance(value, Tensor) or (type(value) is Tensor and value.device.type == "cpu")
-
-
-def host_array(name: str, value: object, what: str = "value") -> np.ndarray:
-    """``value`` (numpy array, list, tuple or CPU tensor: see ``in_host_memory``) as a
-    float64 numpy array; a float64 CPU tensor is viewed, not copied."""
-    if not isinstance(value, Tensor):
-        return numeric_array(name, value, what)
-    _check_tensor(name, value, what)
-    tensor = value.detach() if value.requires_grad else value
-    if tensor.dtype not in NUMPY_DTYPES:  # bfloat16 and friends have no numpy twin
-        tensor = tensor.to(torch.float64)
-    elif tensor.is_neg():
-        tensor = tensor.resolve_neg()
-    return tensor.numpy().astype(np.float64, copy=False)
-
-
-def host_weights(name: str, weight: object, values: np.ndarray) -> np.ndarray | None:
-    """``weight`` (number, bool mask, array, CPU tensor) matching ``values`` as a float64
-    array, or None when there is no weight."""
-    if weight is None:
-        return None
-    number = None if isinstance(weight, Tensor) else as_number(name, weight, "weight")
-    if number is not None:
-        check_weight_number(name, number)
-        return np.full_like(values, number)
-    weights = host_array(name, weight, "weight")
-    _check_shapes(name, weights.shape, values.shape)
-    return weights
-
-
-def _check_tensor(name: str, tensor: Tensor, what: str) -> None:
-    """A tensor must be real, dense (strided), not nested and hold data (not meta)."""
+def check_tensor(name: str, tensor: Tensor, what: str = "value") -> Tensor:
+    """A tensor must be real, dense (strided), not nested and hold data (not meta);
+    returned detached when it requires grad (a view: the record must not keep the
+    autograd graph alive)."""
+    if (
+        tensor.dtype in REAL_DTYPES
+        and tensor.layout is torch.strided
+        and not tensor.is_nested
+        and tensor.device.type != "meta"
+    ):
+        return tensor.detach() if tensor.requires_grad else tensor
     if tensor.is_complex():
         raise TypeError(f"metric {name!r}: {what} must be real, got complex dtype {tensor.dtype}")
     if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_meta:
@@ -155,27 +126,9 @@ def _check_tensor(name: str, tensor: Tensor, what: str) -> None:
         else:
             problem = f"a {tensor.layout} tensor; pass a dense one (tensor.to_dense())"
         raise TypeError(f"metric {name!r}: {what} must be a dense tensor with data, got {problem}")
-
-
-def _check_shapes(name: str, weight_shape: tuple[int, ...], value_shape: tuple[int, ...]) -> None:
-    if weight_shape != value_shape:
-        raise ValueError(
-            f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
-            f"value shape {tuple(value_shape)}"
-        )
-
-
-def as_weights(name: str, weight: object, values: Tensor) -> Tensor | None:
-    """A weight (number, bool mask, array, tensor) matching ``values``, as float64."""
-    if weight is None:
-        return None
-    number = as_number(name, weight, "weight")
-    if number is not None:
-        check_weight_number(name, number)
-        return torch.full_like(values, number)
-    weights = as_tensor(name, weight, "weight")
-    _check_shapes(name, weights.shape, values.shape)
-    return weights if weights.device == values.device else weights.to(values.device)
+    if tensor.dtype not in REAL_DTYPES:
+        raise TypeError(f"metric {name!r}: {what} has unsupported dtype {tensor.dtype}")
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def check_weight_number(name: str, weight: float) -> None:

@@ -10,14 +10,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlmetrics.accumulate import Prepared, add_number, add_prepared, prepare
 from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
+from rlmetrics.fold import fold
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
 from rlmetrics.kinds.base import NUM_FLAGS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
 from rlmetrics.packing import RejectedInputError, local_reduce
+from rlmetrics.record import Prepared, prepare, record_number, record_prepared
 from rlmetrics.reduced import Reduced
 from rlmetrics.state import TrackerState, check_metric
 
@@ -130,11 +131,12 @@ def _alias(name: str, weight: Any, mask: Any) -> Any:
 class Tracker(LogMethods):
     """Named metrics of one step, each accumulated by its kind, merged exactly.
 
-    Log calls never synchronise with the device: device tensors accumulate on their
-    device, python numbers and host data (CPU tensors, arrays) on the host.
-    ``compute()`` ends the step: it packs every state, syncs over a process group when
-    one is initialised (one collective for all scalar kinds in a steady-state step),
-    transfers once and returns ``dict[str, float]``.
+    A log call records its value and weight (python numbers, arrays, tensors as they
+    are: no arithmetic, no torch operation, no host sync); once per step, each kind
+    reduces all its records in one vectorised pass per device (``rlmetrics.fold``).
+    ``compute()`` ends the step: it folds, packs every state, syncs over a process group
+    when one is initialised (one collective for all scalar kinds in a steady-state
+    step), transfers once and returns ``dict[str, float]``.
 
     Args:
         empty: "omit" leaves empty metrics out of ``compute()``; "nan" reports NaN.
@@ -145,11 +147,15 @@ class Tracker(LogMethods):
         quantiles: the quantiles ``dist`` metrics report.
 
     Attributes:
-        host_arrays: True (the default) accumulates CPU tensors, numpy arrays and lists
-            with numpy on the host, which costs a few microseconds where torch's
-            dispatch costs tens, and needs no asynchrony (the data is on the host
-            already); device tensors always take the tensor path. False sends host data
-            down the tensor path too (tests use it to run that path on the CPU).
+        host_arrays: True (the default) reduces CPU tensors, numpy arrays and lists with
+            numpy on the host, which costs less than torch's dispatch for the small
+            arrays metrics see; device tensors always take the device path. False sends
+            host data down the device path too (tests use it to run that path on the
+            CPU).
+        record_limit: the tensor and array elements (plus one per python number) a
+            tracker records before it folds them into its states mid-step, which bounds
+            the memory its records keep alive (the logged tensors); the fold is the
+            step-end one, without a host sync.
 
     Threads: a tracker may be shared by threads. Each log call holds the tracker's lock
     (uncontended, a fraction of the call's cost), and ``compute()``, ``state()``,
@@ -191,8 +197,10 @@ class Tracker(LogMethods):
         self.sync_cache: Any = None  # owned by rlmetrics.distributed
         self._local_layout: Layout | None = None
         self._lock = threading.RLock()  # see "Threads" above
+        self._recorded = 0  # elements recorded since the last fold
 
     host_arrays: bool = True
+    record_limit: int = 1 << 22
 
     # -- logging ------------------------------------------------------------------
     def kind(self, kind_name: str) -> Kind:
@@ -236,17 +244,26 @@ class Tracker(LogMethods):
                 as_number(name, value)
                 as_number(name, weight, "weight")
                 raise
-            add_number(acc, name, number, weight, self.nonfinite)
-            return
-        if value_type is not Prepared:
-            value = prepare(name, value, weight, host_arrays=self.host_arrays)
-        add_prepared(acc, name, value, self.nonfinite)
+            record_number(acc, name, number, weight, self.nonfinite)
+            self._recorded += 1
+        else:
+            if value_type is not Prepared:
+                value = prepare(name, value, weight, host_arrays=self.host_arrays)
+            record_prepared(acc, name, value, self.nonfinite)
+            self._recorded += value.size
+        if self._recorded > self.record_limit:
+            self._fold()
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
             prepared = prepare(metrics[0][0], value, weight, host_arrays=self.host_arrays)
             for name, kind_name in metrics:
                 self._log(name, kind_name, prepared, None)
+
+    def _fold(self) -> None:
+        """Reduce every record into the states (see ``rlmetrics.fold``)."""
+        self._recorded = 0
+        fold(self._accumulators.items(), self.nonfinite)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -291,6 +308,7 @@ class Tracker(LogMethods):
     @_locked
     def device(self) -> torch.device:
         """Where this tracker's tensors live (the CPU when it holds none)."""
+        self._fold()
         for acc in self._accumulators.values():
             device = acc.device
             if device is not None:
@@ -310,6 +328,7 @@ class Tracker(LogMethods):
 
     def _local_reduce(self) -> Reduced:
         """This process's step in packed form (one host transfer)."""
+        self._fold()
         accumulators = self._accumulators
         layout = self._local_layout
         if (
@@ -353,6 +372,7 @@ class Tracker(LogMethods):
         state = other.state() if isinstance(other, Tracker) else other
         if not isinstance(state, TrackerState):
             raise TypeError(f"merge expects a Tracker or TrackerState, got {type(other).__name__}")
+        self._fold()  # this tracker's own calls come first: a merged state is another source
         self._merge_checked(state, self._checked_kinds(state, self._accumulators))
         return self
 
@@ -385,6 +405,7 @@ class Tracker(LogMethods):
         """Pickle without the caches (the sync cache holds this process's groups, weakly)
         and the lock."""
         with self._lock:
+            self._fold()
             state = {**self.__dict__, "sync_cache": None, "_local_layout": None}
             del state["_lock"]
             return {**state, "_pool": dict(self._accumulators)}
@@ -405,6 +426,8 @@ class Tracker(LogMethods):
     @_locked
     def reset(self) -> None:
         """Forget every metric (a new step begins)."""
+        for acc in self._accumulators.values():
+            acc.clear()  # drops the records (the tensors they keep alive) now
         if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
             self._pool = dict(self._accumulators)
         self._accumulators = {}
@@ -436,6 +459,7 @@ class Tracker(LogMethods):
                 and calling ``compute()`` again returns every other call's metrics.
         """
         as_timeout(timeout)  # a bad timeout raises even where nothing syncs
+        self._fold()
         if sync and should_sync(group):
             try:
                 reduced = sync_reduce(self, group=group, timeout=timeout)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator, Kind, MetricState, ResultFormula
+from rlmetrics.kinds.batch import Batch, DeviceBatch
 from rlmetrics.kinds.dist import Dist
 from rlmetrics.kinds.extrema import Max, Min
 from rlmetrics.kinds.last import Last
@@ -61,9 +63,9 @@ def register_kind(kind: Kind, *, exist_ok: bool = False) -> Kind:
 def check_kind(kind: Kind) -> None:
     """Check a kind against the protocol: slot counts, required methods, one probe.
 
-    The probe calls ``update`` on a two-element float64 CPU batch, with and without
-    weights (and on an empty batch, which empty micro-batches produce), and checks the
-    shapes and dtypes it returns. ``register_kind`` calls this.
+    The probe runs ``reduce`` on a three-metric batch (two elements, one of weight 0;
+    no element; one element), on the host and through the device path on the CPU, and
+    checks the shapes and dtypes it returns. ``register_kind`` calls this.
 
     Raises:
         ValueError: naming the kind and what is wrong.
@@ -73,25 +75,26 @@ def check_kind(kind: Kind) -> None:
         count = getattr(kind, attr)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"{label}: {attr} must be an int >= 0, got {count!r}")
-    for attr in ("takes_weight", "has_extra", "replaces"):
+    for attr in ("has_extra", "replaces"):
         if not isinstance(getattr(kind, attr), bool):
             raise ValueError(f"{label}: {attr} must be a bool, got {getattr(kind, attr)!r}")
-    required = ["update", "result"]
+    required = ["reduce", "result"]
     if kind.has_extra:
-        required += ["batch_extra", "merge_dev_extra", "merge_extra"]
+        required += ["reduce_extra", "merge_extra"]
         if _overrides(kind, "extra_vector"):
             required += ["vector_length", "extra_from_vector"]
     _check_formula(kind, label)
     missing = [f"{method}()" for method in required if not _overrides(kind, method)]
     if missing:
-        why = " (has_extra=True needs the *_extra methods)" if kind.has_extra else ""
+        why = " (has_extra=True needs reduce_extra and merge_extra)" if kind.has_extra else ""
         raise ValueError(f"{label} must implement {', '.join(missing)}{why}")
-    values = torch.tensor([1.0, 2.0], dtype=torch.float64)
-    probes = [(values, None), (values, torch.tensor([1.0, 0.0], dtype=torch.float64))]
-    if not kind.replaces:
-        probes.append((values[:0], None))
-    for probe, weights in probes:
-        _probe_update(kind, label, probe, weights)
+    values, weights = np.array([1.0, 0.0, 3.0]), np.array([1.0, 0.0, 1.0])
+    segments, lengths = np.array([0, 0, 2]), [2, 0, 1]
+    for batch in (
+        Batch(values, weights, segments, lengths, [2, 1]),
+        DeviceBatch(*map(torch.from_numpy, (values, weights, segments)), lengths, [2, 1]),
+    ):
+        _probe_reduce(kind, label, batch)
 
 
 def _check_formula(kind: Kind, label: str) -> None:
@@ -118,25 +121,24 @@ def _overrides(kind: Kind, method: str) -> bool:
     return getattr(type(kind), method) is not getattr(Kind, method)
 
 
-def _probe_update(kind: Kind, label: str, values: Tensor, weights: Tensor | None) -> None:
-    what = f"values {values.tolist()}, weights {None if weights is None else weights.tolist()}"
+def _probe_reduce(kind: Kind, label: str, batch: Batch) -> None:
+    where = "on the host" if batch.on_host else "through the device path"
     try:
-        out = kind.update(values, weights)
+        out = kind.reduce(batch)
     except Exception as error:
-        raise ValueError(f"{label}: update() failed on a probe batch ({what}): {error}") from error
-    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+        raise ValueError(f"{label}: reduce() failed on a probe batch {where}: {error}") from error
+    array = np.ndarray if batch.on_host else Tensor
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(a, array) for a in out)):
         raise ValueError(
-            f"{label}: update() must return a (sums, maxes) pair of tensors, got {out!r}"
+            f"{label}: reduce() must return a (sums, maxes) pair of "
+            f"{array.__name__}s {where}, got {out!r}"
         )
-    for slots, tensor, count in (
-        ("sums", out[0], kind.num_sums),
-        ("maxes", out[1], kind.num_maxes),
-    ):
-        if tensor.dtype != torch.float64 or tuple(tensor.shape) != (count,):
+    for slots, block, count in (("sums", out[0], kind.num_sums), ("maxes", out[1], kind.num_maxes)):
+        if str(block.dtype) not in ("float64", "torch.float64") or tuple(block.shape) != (3, count):
             raise ValueError(
-                f"{label}: update() returned {slots} of shape {tuple(tensor.shape)} and dtype "
-                f"{tensor.dtype} for a probe batch ({what}); expected shape ({count},) float64, "
-                f"as num_{slots}={count} declares"
+                f"{label}: reduce() returned {slots} of shape {tuple(block.shape)} and dtype "
+                f"{block.dtype} for a probe batch of 3 metrics {where}; expected shape "
+                f"(3, {count}) float64, as num_{slots}={count} declares"
             )
 
 
@@ -160,6 +162,8 @@ def get_kind(name: str) -> Kind:
 __all__ = [
     "BUILTIN_KINDS",
     "Accumulator",
+    "Batch",
+    "DeviceBatch",
     "Dist",
     "Kind",
     "Last",

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlmetrics.kinds.batch import Array, Batch
+
 NUM_FLAGS = 2
 """Framework counts every metric carries besides its kind's slots: [num_nonfinite,
 num_rejected] (additive; on the host kept apart, appended to ``dev_sums`` on a device)."""
@@ -104,84 +106,58 @@ def nan_max(a: float, b: float) -> float:
 class Kind:
     """Base class of aggregation kinds; subclass it to define your own.
 
-    A subclass sets ``name``, ``num_sums`` and ``num_maxes`` and implements
-    ``update`` (device tensors in, device tensors out: no host sync) and ``result``.
-    Kinds with a payload that is neither additive nor a max (``has_extra = True``)
-    also implement the ``*_extra`` methods; their payload is gathered at sync.
+    A kind declares its state (``num_sums`` additive slots, ``num_maxes`` max slots)
+    and implements ``reduce`` (a step's records of all its metrics, to one state row per
+    metric, in one vectorised pass: see ``rlmetrics.kinds.batch``) and ``result``. The
+    merge follows from the declaration: sums add, maxes take the max. A kind whose new
+    value replaces the rank's state (``last``) sets ``replaces``.
 
-    The built-in kinds override ``add_float`` with a pure-Python fast path.
+    Extension: a kind with a payload that is neither additive nor a max (std's moments,
+    dist's values) sets ``has_extra = True`` and implements ``reduce_extra`` and the
+    ``*_extra`` methods; its payload is gathered at sync.
     """
 
     name: str = ""
     num_sums: int = 0
     num_maxes: int = 0
-    takes_weight: bool = True
     has_extra: bool = False
     replaces: bool = False
     """True for kinds whose new value replaces the rank's state (``last``)."""
 
-    # -- accumulation (device side) -------------------------------------------------
     def fingerprint(self) -> str:
         """What must match across processes for two states of this kind to merge: the
         name and slot layout. Kinds with parameters that change the meaning of their
         slots (a histogram's edges) override it to include them."""
         return f"{self.name}:{self.num_sums}:{self.num_maxes}:{int(self.has_extra)}"
 
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Return one batch's (sums, maxes) contributions as float64 device tensors.
+    def reduce(self, batch: Batch) -> tuple[Array, Array]:
+        """One state row per metric of ``batch``: (sums, maxes) of shapes
+        (batch.num_rows, num_sums) and (batch.num_rows, num_maxes), float64, on the
+        batch's backend, with a fixed number of operations (no host sync on a device).
 
-        ``values`` is 1-D float64; ``weights`` is None (weight 1 each) or 1-D float64
-        and non-negative. An element with weight 0 must not contribute.
-        """
+        An element with weight 0 must not contribute (its value is 0 by then)."""
         raise NotImplementedError
 
-    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
-        """Accumulate one python number (override for a fast path)."""
-        self.add_array(acc, np.array([value]), None if weight == 1.0 else np.array([weight]))
-
-    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
-        """Accumulate host data: 1-D float64 numpy arrays, as ``update`` takes tensors
-        (CPU tensors, numpy arrays and lists come here; only device tensors go through
-        ``update`` on their device). Checked like ``update``'s inputs.
-
-        The default runs ``update`` on CPU tensors viewing the arrays; built-in kinds
-        override it with numpy, which costs less than torch's dispatch for the small
-        arrays metrics see.
-        """
-        value_tensor = torch.from_numpy(values)
-        weight_tensor = None if weights is None else torch.from_numpy(weights)
-        sums, maxes = self.update(value_tensor, weight_tensor)
-        if self.replaces:
-            acc.clear_value()
-        acc.add_host(sums.tolist(), maxes.tolist())
-        if self.has_extra:
-            batch = self.batch_extra(value_tensor, weight_tensor)
-            dev_extra = self.merge_dev_extra(None, batch)
-            acc.extra = self.merge_extra(acc.extra, self.host_extra(dev_extra))
-
     # -- extra payload (only when has_extra) ----------------------------------------
+    def reduce_extra(self, batch: Batch) -> list[Any]:
+        """One batch extra per metric of ``batch``, in ``merge_dev_extra``'s format."""
+        raise NotImplementedError
+
     def empty_extra(self) -> Any:
         """The host extra of an empty state."""
         return None
 
-    def batch_extra(self, values: Tensor, weights: Tensor | None) -> Any:
-        """One batch's device-side extra."""
-        return None
-
-    def reject_extra(self, batch: Any, rejected: Tensor) -> Any:
-        """The batch extra with the whole batch dropped where ``rejected`` (device bool)."""
-        return batch
-
     def merge_dev_extra(self, acc_extra: Any, batch: Any) -> Any:
-        """Fold a batch extra into the device accumulator (None when empty)."""
-        return None
+        """Fold a batch extra into an accumulator's batch extras (None when empty)."""
+        return batch if acc_extra is None else [*acc_extra, batch]
 
     def merge_extra(self, a: Any, b: Any) -> Any:
         """Merge two host extras (associative, commutative; inputs unchanged)."""
         return None
 
     def host_extra(self, dev_extra: Any) -> Any:
-        """Turn a device extra into a host extra (may sync; called at step end only)."""
+        """Turn batch extras (host arrays or device tensors) into a host extra (may sync;
+        called at step end only)."""
         return dev_extra
 
     def extra_size(self, acc: Accumulator) -> int:
@@ -234,10 +210,13 @@ class Kind:
 
 @dataclass(slots=True, eq=False)
 class Accumulator:
-    """One metric's live state in a Tracker: host floats plus optional device tensors.
+    """One metric in a Tracker: this step's records, and the state they fold into.
 
-    Python numbers add into the host lists (no torch call); tensors add into device
-    tensors (no host sync). The two halves meet only at step end, when packed.
+    A log call appends its value and weight to ``values`` and ``weights`` as logged
+    (python floats, host arrays, tensors): no arithmetic. ``rlmetrics.fold`` reduces
+    the records into the state at step end (or when the tracker's records pass their
+    memory bound): host data into the host floats, a metric with a tensor record on its
+    device into device tensors (no host sync). The two halves meet only when packed.
 
     ``sums`` holds the kind's own additive slots; the framework counts live in
     ``flags`` (host, None until a call is counted) and at the end of ``dev_sums``.
@@ -256,6 +235,11 @@ class Accumulator:
     # dropped when they are reported, as a python call that raises creates no metric
     num_checked: int = 0
     kept_call: bool = False
+    # the records since the last fold, in call order (see rlmetrics.record)
+    values: list[Any] = field(default_factory=list)
+    weights: list[Any] = field(default_factory=list)
+    record_device: torch.device | None = None  # a tensor record's device: the fold's
+    watched: list[tuple[Tensor, int]] = field(default_factory=list)  # (tensor, version)
 
     @classmethod
     def empty(cls, kind: Kind) -> Accumulator:
@@ -273,6 +257,10 @@ class Accumulator:
         self.extra = kind.empty_extra()
         self.num_checked = 0
         self.kept_call = False
+        self.values.clear()
+        self.weights.clear()
+        self.watched.clear()
+        self.record_device = None
 
     def host_empty(self) -> bool:
         """Whether the host half holds nothing: no python number was added (or, for a

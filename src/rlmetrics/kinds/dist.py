@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.batch import Array, Batch
 
 DEFAULT_QUANTILES = (0.5, 0.9, 0.99)
 
@@ -54,46 +55,32 @@ class Dist(Kind):
 
     name = "dist"
     num_sums = 1  # elements kept
-    takes_weight = False
     has_extra = True
 
     def __init__(self, quantiles: Sequence[float] = DEFAULT_QUANTILES) -> None:
         self.quantiles = check_quantiles(quantiles, "dist")
 
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        if weights is None:
-            kept = values.new_full((1,), float(values.numel()))  # a fill: no host copy
-        else:
-            kept = (weights > 0).sum().double().reshape(1)
-        return kept, values.new_empty(0)
+    def reduce(self, batch: Batch) -> tuple[Array, Array]:
+        return batch.columns(batch.count()), batch.columns()
 
-    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
-        acc.sums[0] += 1.0
-        acc.extra.append(value)
-
-    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
-        # a copy: ``values`` may view the caller's tensor or array, reused after the call
-        kept = values.copy() if weights is None else values[weights > 0]
-        acc.sums[0] += kept.size
-        acc.extra.append(kept)
+    def reduce_extra(self, batch: Batch) -> list[Any]:
+        """Per metric, its selected values on the host; on a device, its (values,
+        selected) pieces: the selection is applied on the host after the transfer, which
+        a device cannot do without a sync."""
+        values, selected = batch.split(batch.values), batch.split(batch.selected())
+        if batch.on_host:
+            return [[v[kept]] for v, kept in zip(values, selected, strict=True)]
+        return list(zip(values, selected, strict=True))
 
     def empty_extra(self) -> list:
         return []
-
-    def batch_extra(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        # a copy: ``values`` may alias the caller's tensor or array, reused after the call
-        return values.clone(), None if weights is None else weights > 0
-
-    def reject_extra(self, batch: Any, rejected: Tensor) -> Any:
-        values, kept = batch
-        keep = ~rejected if kept is None else kept & ~rejected
-        return values, keep.expand(values.shape)
 
     def merge_dev_extra(self, acc_extra: list | None, batch: Any) -> list:
         return [*(acc_extra or []), batch]
 
     def merge_extra(self, a: Any, b: Any) -> list:
-        return [np.concatenate((as_array(a), as_array(b)))]
+        values = np.concatenate((as_array(a), as_array(b)))
+        return [values] if values.size else []
 
     def extra_size(self, acc: Accumulator) -> int:
         """Elements stored, kept or not (known without a host sync)."""
@@ -126,10 +113,7 @@ class Dist(Kind):
         return [vector[:n][vector[n:] > 0]]
 
     def host_extra(self, dev_extra: Any) -> list:
-        return [
-            (v if kept is None else v[kept]).cpu().numpy().astype(np.float64)
-            for v, kept in dev_extra or []
-        ]
+        return [_host(v)[_host(kept)].astype(np.float64) for v, kept in dev_extra or []]
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         values = as_array(state.extra)
@@ -149,6 +133,10 @@ class Dist(Kind):
 
     def result_names(self) -> tuple[str, ...]:
         return ("mean", "std", "min", "max", *map(quantile_suffix, self.quantiles))
+
+
+def _host(x: Any) -> np.ndarray:
+    return x.cpu().numpy() if isinstance(x, Tensor) else x
 
 
 def as_array(extra: Any) -> np.ndarray:

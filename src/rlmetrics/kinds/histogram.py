@@ -11,16 +11,14 @@ bin ``x >= edges[-1]``.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Kind, MetricState
+from rlmetrics.kinds.batch import Array, Batch
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, check_quantiles, quantile_suffix
 
 
@@ -51,8 +49,6 @@ class Histogram(Kind):
         >>> unregister_kind("doc_hist")
     """
 
-    takes_weight = True
-
     def __init__(
         self,
         *,
@@ -76,35 +72,17 @@ class Histogram(Kind):
         self.report_bins = bool(report_bins)
         self.num_sums = len(self.edges) + 1  # under, n - 1 inner bins, over
         self.num_maxes = 2  # max, -min
-        self._device_edges: dict[torch.device, Tensor] = {}
 
     # -- accumulation -----------------------------------------------------------------
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+    def reduce(self, batch: Batch) -> tuple[Array, Array]:
         """Per-bin Σ weight (SUM) and (max, -min) of the weighted elements (MAX)."""
-        device = values.device
-        edges = self._device_edges.get(device)
-        if edges is None:
-            edges = self._device_edges[device] = torch.tensor(
-                self.edges, dtype=torch.float64, device=device
-            )
-        bins = torch.bucketize(values, edges, right=True)
-        if weights is None:
-            weights = torch.ones_like(values)
-        counts = torch.zeros(self.num_sums, dtype=torch.float64, device=device)
-        counts.index_add_(0, bins, weights)
-        if values.numel() == 0:  # a shape check, not a data check: no sync
-            return counts, torch.full((2,), -math.inf, dtype=torch.float64, device=device)
-        kept = weights > 0
-        high = torch.where(kept, values, -math.inf).amax()
-        neg_low = torch.where(kept, -values, -math.inf).amax()
-        return counts, torch.stack((high, neg_low))
-
-    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
-        """Pure-python fast path for one number."""
-        if weight == 0:
-            return
-        acc.sums[bisect.bisect_right(self.edges, value)] += weight
-        acc.add_host([], [value, -value])
+        values, bins = batch.values, self.num_sums
+        keys = batch.segments * bins + batch.searchsorted(self.edges, values, right=True)
+        counts = batch.sum_by(batch.weights, keys, batch.num_rows * bins)
+        selected = batch.selected()
+        high = batch.max_by(batch.where(selected, values, -math.inf))
+        neg_low = batch.max_by(batch.where(selected, -values, -math.inf))
+        return counts.reshape(batch.num_rows, bins), batch.columns(high, neg_low)
 
     # -- result -------------------------------------------------------------------------
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:

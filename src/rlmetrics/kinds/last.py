@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import warnings
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from rlmetrics.kinds.base import NUM_FLAGS, Accumulator, Kind, MetricState, ResultFormula
+from rlmetrics.kinds.batch import Array, Batch
 
 _warned: set[str] = set()
 
@@ -35,24 +35,13 @@ class Last(Kind):
     num_maxes = 2
     # state: [Σ v, sources, v, -v]; ranks that disagree go through ``result`` (it warns)
     result_formula = ResultFormula(value=2, present=1, negated_copy=3)
-    takes_weight = False
     replaces = True
 
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        value = values[-1]
-        one = torch.ones((), dtype=torch.float64, device=values.device)
-        return torch.stack((value, one)), torch.stack((value, -value))
-
-    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
-        acc.clear_value()
-        acc.sums[0] = value
-        acc.sums[1] = 1.0
-        acc.maxes[0] = value
-        acc.maxes[1] = -value
-
-    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
-        if weights is None or weights[-1] > 0:  # a weight selects: 0 keeps the old value
-            self.add_float(acc, float(values[-1]), 1.0)
+    def reduce(self, batch: Batch) -> tuple[Array, Array]:
+        value, present = batch.last_by(batch.values)
+        high = batch.where(present > 0, value, -math.inf)
+        neg_low = batch.where(present > 0, -value, -math.inf)
+        return batch.columns(value, present), batch.columns(high, neg_low)
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, sources = state.sums

@@ -1,6 +1,9 @@
 """Population standard deviation with an O(1) state merged by Chan's parallel update.
 
-State (extra): (W, mean, M2) with W = Σ w, M2 = Σ w (x - mean)^2. Two states merge as
+State (extra): (W, mean, M2) with W = Σ w, M2 = Σ w (x - mean)^2. A step's records
+reduce to one triple per metric in two passes (the mean, then the deviations from it,
+corrected by their weighted sum, which holds the first pass's rounding), and two
+states merge as
     delta = mean_b - mean_a;  W = W_a + W_b
     mean  = mean_a + delta * W_b / W
     M2    = M2_a + M2_b + delta^2 * W_a * W_b / W
@@ -17,115 +20,72 @@ import torch
 from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.batch import Array, Batch
 
-EMPTY = (0.0, 0.0, 0.0)
 
+def chan_merge(a: Array, b: Array) -> Array:
+    """Merge (..., 3) arrays or tensors of (W, mean, M2) triples, triple by triple.
 
-def chan_merge(a: tuple[float, float, float], b: tuple[float, float, float]) -> tuple:
-    """Merge two (W, mean, M2) triples of python floats."""
-    wa, ma, m2a = a
-    wb, mb, m2b = b
-    if wb == 0:
-        return a
-    if wa == 0:
-        return b
+    An empty triple (W = 0) has mean 0 and M2 0, so merging with it returns the other
+    triple exactly; no branch, so it runs on a device without a host sync.
+    """
+    wa, ma, m2a = a[..., 0], a[..., 1], a[..., 2]
+    wb, mb, m2b = b[..., 0], b[..., 1], b[..., 2]
     w = wa + wb
+    safe_w = w + (w == 0)
     delta = mb - ma
-    return (w, ma + delta * (wb / w), m2a + m2b + delta * delta * (wa * wb / w))
-
-
-def chan_merge_tensor(a: Tensor, b: Tensor) -> Tensor:
-    """Merge two (W, mean, M2) float64 tensors of shape (3,) on device (no host sync)."""
-    wa, ma, m2a = a.unbind()
-    wb, mb, m2b = b.unbind()
-    w = wa + wb
-    safe_w = torch.where(w > 0, w, 1.0)
-    delta = torch.where((wa > 0) & (wb > 0), mb - ma, 0.0)
-    mean = torch.where(wa > 0, ma, mb) + torch.where(wa > 0, delta * (wb / safe_w), 0.0)
-    m2 = m2a + m2b + delta * delta * (wa * wb / safe_w)
-    return torch.stack((w, mean, m2))
-
-
-def chan_merge_many(a: tuple, b: tuple) -> tuple:
-    """Merge two flat tuples of consecutive (W, mean, M2) triples, triple by triple."""
-    out: tuple = ()
-    for i in range(0, len(a), 3):
-        out += chan_merge(tuple(a[i : i + 3]), tuple(b[i : i + 3]))
-    return out
-
-
-def chan_merge_many_tensor(a: Tensor, b: Tensor) -> Tensor:
-    """``chan_merge_many`` for flat float64 tensors of 3k elements, on device."""
-    return torch.cat([chan_merge_tensor(x, y) for x, y in zip(a.split(3), b.split(3), strict=True)])
-
-
-def moment_triple(values: Tensor, weights: Tensor | None) -> Tensor:
-    """One batch's (W, mean, M2) by two passes on device: exact when |mean| >> std."""
-    if weights is None:
-        weights = torch.ones_like(values)
-    w = weights.sum()
-    mean = (values * weights).sum() / torch.where(w > 0, w, 1.0)
-    deviation = torch.where(weights > 0, values - mean, 0.0)
-    return torch.stack((w, mean, (weights * deviation * deviation).sum()))
-
-
-def moment_triple_array(values: np.ndarray, weights: np.ndarray | None) -> tuple:
-    """``moment_triple`` on host arrays, as python floats."""
-    if weights is None:
-        w = float(values.size)
-        mean = float(values.sum()) / (w or 1.0)
-        deviation = values - mean
-        return (w, mean, float(np.dot(deviation, deviation)))
-    w = float(weights.sum())
-    mean = float(np.dot(values, weights)) / (w if w > 0 else 1.0)
-    deviation = np.where(weights > 0, values - mean, 0.0)
-    return (w, mean, float(np.dot(weights, deviation * deviation)))
+    parts = (w, ma + delta * (wb / safe_w), m2a + m2b + delta * delta * (wa * wb / safe_w))
+    return torch.stack(parts, -1) if isinstance(a, Tensor) else np.stack(parts, -1)
 
 
 class MomentTriples(Kind):
     """Base of kinds whose state is ``num_triples`` (W, mean, M2) triples, Chan-merged.
 
-    A logged tensor is split into ``num_triples`` equal parts, one per triple; the
-    states travel as float64 vectors of 3 * ``num_triples`` (one gather at sync).
+    Each logged call is split into ``num_triples`` equal parts (as ``torch.chunk``
+    splits it), one per triple; the states travel as float64 vectors of
+    3 * ``num_triples`` (one gather at sync).
     """
 
-    num_sums = 0
     has_extra = True
     num_triples = 1
 
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        empty = values.new_empty(0)
-        return empty, empty
+    def reduce(self, batch: Batch) -> tuple[Array, Array]:
+        return batch.columns(), batch.columns()
 
-    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
-        if self.num_triples > 1:  # torch.chunk decides the parts: the tensor path
-            super().add_array(acc, values, weights)
-        else:
-            acc.extra = chan_merge(tuple(acc.extra), moment_triple_array(values, weights))
+    def reduce_extra(self, batch: Batch) -> list[Any]:
+        parts = self.num_triples
+        keys = batch.segments
+        if parts > 1:
+            keys = keys * parts + batch.chunk_index(parts)
+        size = batch.num_rows * parts
+        values, weights = batch.values, batch.weights
+        w = batch.sum_by(weights, keys, size)
+        safe_w = batch.where(w > 0, w, 1.0)
+        mean = batch.sum_by(values * weights, keys, size) / safe_w
+        deviation = batch.where(weights > 0, values - mean[keys], 0.0)
+        # the corrected two-pass algorithm: Σ w·deviation is the first pass's rounding
+        correction = batch.sum_by(weights * deviation, keys, size)
+        m2 = batch.sum_by(weights * deviation * deviation, keys, size) - correction**2 / safe_w
+        mean = mean + correction / safe_w
+        triples = batch.columns(w, mean, m2).reshape(batch.num_rows, 3 * parts)
+        if batch.on_host:
+            return [tuple(row) for row in triples.tolist()]
+        return list(triples.unbind(0))
 
     def empty_extra(self) -> tuple[float, ...]:
-        return EMPTY * self.num_triples
-
-    def batch_extra(self, values: Tensor, weights: Tensor | None) -> Tensor:
-        parts = values.chunk(self.num_triples) if self.num_triples > 1 else (values,)
-        weight_parts = (
-            [None] * len(parts)
-            if weights is None
-            else (weights.chunk(self.num_triples) if self.num_triples > 1 else (weights,))
-        )
-        return torch.cat([moment_triple(v, w) for v, w in zip(parts, weight_parts, strict=True)])
-
-    def reject_extra(self, batch: Tensor, rejected: Tensor) -> Tensor:
-        return torch.where(rejected, 0.0, batch)
+        return (0.0, 0.0, 0.0) * self.num_triples
 
     def merge_dev_extra(self, acc_extra: Tensor | None, batch: Tensor) -> Tensor:
-        return batch if acc_extra is None else chan_merge_many_tensor(acc_extra, batch)
+        if acc_extra is None:
+            return batch
+        return chan_merge(acc_extra.reshape(-1, 3), batch.reshape(-1, 3)).reshape(-1)
 
     def merge_extra(self, a: Any, b: Any) -> tuple[float, ...]:
-        return chan_merge_many(tuple(a), tuple(b))
+        merged = chan_merge(np.reshape(a, (-1, 3)), np.reshape(b, (-1, 3)))
+        return tuple(merged.reshape(-1).tolist())
 
-    def host_extra(self, dev_extra: Tensor) -> tuple[float, ...]:
-        return tuple(dev_extra.tolist())
+    def host_extra(self, dev_extra: Any) -> tuple[float, ...]:
+        return tuple(float(x) for x in dev_extra.tolist())
 
     def extra_size(self, acc: Accumulator) -> int:
         return 1
@@ -136,7 +96,7 @@ class MomentTriples(Kind):
         host = torch.tensor(acc.extra, dtype=torch.float64, device=device)
         if acc.dev_extra is None:
             return host
-        return chan_merge_many_tensor(host, acc.dev_extra.to(device))
+        return self.merge_dev_extra(host, acc.dev_extra.to(device))
 
     def vector_length(self, size: int) -> int:
         return 3 * self.num_triples
@@ -157,16 +117,6 @@ class Std(MomentTriples):
     """
 
     name = "std"
-
-    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
-        if weight == 0:
-            return
-        w, mean, m2 = acc.extra
-        w += weight
-        delta = value - mean
-        mean += delta * (weight / w)
-        m2 += weight * delta * (value - mean)
-        acc.extra = (w, mean, m2)
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         w, _, m2 = state.extra

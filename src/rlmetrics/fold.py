@@ -1,0 +1,294 @@
+"""Step end: every metric's records reduced into its state, one pass per kind and device.
+
+A log call only records its value and weight (``rlmetrics.record``). Here the records
+of all metrics of a kind on one backend (host data with numpy; a metric with a tensor
+record on that tensor's device) become one ``Batch``, with a number of torch operations
+that depends on the kinds, devices and shapes logged but not on how many calls there
+were; the framework's rules apply to the whole batch at once (below), then the kind's
+``reduce`` makes one state row per metric, which folds into the metric's accumulator.
+
+Rules, the same on every backend:
+
+* An element with weight 0 contributes nothing, whatever its value: its value becomes 0
+  before any arithmetic (``NaN * 0`` is NaN).
+* A call with a negative or non-finite weight, or (``nonfinite="error"``) a non-finite
+  selected value, is rejected whole: it contributes nothing and is counted, and
+  ``compute()`` reports it.
+* ``nonfinite="skip"`` drops non-finite selected elements and counts them.
+
+A tensor changed in place between its log call and the fold (its version counter moved)
+raises ``ModifiedInputError`` naming the metric: its value at the log call is gone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlmetrics.kinds.base import NONFINITE_SLOT, REJECTED_SLOT, Accumulator, Kind
+from rlmetrics.kinds.batch import Array, Batch, DeviceBatch, to_device
+from rlmetrics.kinds.last import replace_dev
+
+
+class ModifiedInputError(ValueError):
+    """A logged tensor was changed in place before the step's end."""
+
+
+def fold(metrics: Iterable[tuple[str, Accumulator]], nonfinite: str) -> None:
+    """Reduce the records of ``metrics`` into their states and clear the records.
+
+    Raises:
+        ModifiedInputError: a logged tensor changed in place; the records of the metrics
+            named are dropped (reported once), every other metric is folded.
+    """
+    groups: dict[tuple[Kind, Any], list[Accumulator]] = {}
+    modified = []
+    for name, acc in metrics:
+        if not acc.values:
+            continue
+        if any(tensor._version != version for tensor, version in acc.watched):
+            modified.append(name)
+            _clear_records(acc)
+            continue
+        groups.setdefault((acc.kind, acc.record_device), []).append(acc)
+    with torch.no_grad():
+        for (kind, device), accs in groups.items():
+            _fold_group(kind, device, accs, nonfinite)
+    if modified:
+        raise ModifiedInputError(
+            "tensors logged this step were changed in place before compute(), so the "
+            "values they had when logged are gone; log a copy (tensor.clone()) or log "
+            f"after the change. Metrics dropped from this step: {', '.join(map(repr, modified))}"
+        )
+
+
+def _clear_records(acc: Accumulator) -> None:
+    acc.values.clear()
+    acc.weights.clear()
+    acc.watched.clear()
+
+
+def _fold_group(
+    kind: Kind, device: torch.device | None, accs: list[Accumulator], nonfinite: str
+) -> None:
+    with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
+        batch, flags = _batch(accs, device, nonfinite)
+        sums, maxes = kind.reduce(batch)
+        extras = kind.reduce_extra(batch) if kind.has_extra else None
+    if batch.on_host:
+        _fold_host(kind, accs, sums, maxes, flags, extras)
+    else:
+        _fold_device(kind, accs, sums, maxes, flags, extras)
+    for acc in accs:
+        if any(type(value) is float for value in acc.values):
+            acc.kept_call = True  # a python number: checked when logged, never rejected
+        _clear_records(acc)
+
+
+def _batch(
+    accs: list[Accumulator], device: torch.device | None, nonfinite: str
+) -> tuple[Batch, Array | None]:
+    """The records of ``accs`` as one screened batch, and per metric its framework counts
+    ([non-finite, rejected], None when no call needed a data check)."""
+    value_parts: list[Any] = []
+    weight_parts: list[Any] = []
+    call_lengths: list[int] = []
+    lengths: list[int] = []
+    for acc in accs:
+        start = len(call_lengths)
+        _parts(acc, value_parts, weight_parts, call_lengths)
+        lengths.append(sum(call_lengths[start:]))
+    call_rows = np.repeat(np.arange(len(accs)), [len(acc.values) for acc in accs])
+    host = device is None
+    make = Batch if host else DeviceBatch
+    values = assemble(value_parts, device)
+    weights = assemble(weight_parts, device)
+    segments = np.repeat(np.arange(len(accs)), lengths)
+    batch = make(values, weights, _on(segments, device), lengths, call_lengths)
+    checks = nonfinite == "error" or any(acc.num_checked for acc in accs)
+    flags = None
+    zero = 0.0
+    if checks or nonfinite == "skip":
+        calls = _on(np.repeat(np.arange(len(call_lengths)), call_lengths), device)
+        selected = weights > 0
+        bad = ~((weights >= 0) & (weights < math.inf))  # NaN fails both
+        if nonfinite == "error":
+            bad = bad | (selected & ~batch.isfinite(values))
+        call_bad = batch.sum_by(bad * 1.0, calls, len(call_lengths)) > 0
+        rejected = batch.sum_by(call_bad * 1.0, _on(call_rows, device), len(accs))
+        weights = batch.where(call_bad[calls], zero, weights)
+        skipped = batch.sum_by(weights * 0.0)
+        if nonfinite == "skip":
+            finite = batch.isfinite(values)
+            skipped = batch.sum_by(((weights > 0) & ~finite) * 1.0)
+            weights = batch.where(finite, weights, zero)
+        flags = batch.columns(skipped, rejected)
+    batch.weights = weights
+    batch.values = batch.where(weights > 0, values, zero)
+    return batch, flags
+
+
+def _parts(
+    acc: Accumulator, value_parts: list[Any], weight_parts: list[Any], call_lengths: list[int]
+) -> None:
+    """One metric's records as flat parts (host arrays or tensors), in call order; runs
+    of python numbers become one array each."""
+    numbers: list[float] = []
+    number_weights: list[float] = []
+    for value, weight in zip(acc.values, acc.weights, strict=True):
+        if type(value) is float:
+            numbers.append(value)
+            number_weights.append(weight)
+            call_lengths.append(1)
+            continue
+        if numbers:
+            value_parts.append(np.array(numbers))
+            weight_parts.append(np.array(number_weights))
+            numbers, number_weights = [], []
+        size = value.numel() if isinstance(value, Tensor) else value.size
+        value_parts.append(value)
+        if weight is None or type(weight) is float:
+            weight_parts.append(np.full(size, 1.0 if weight is None else weight))
+        else:
+            weight_parts.append(weight)
+        call_lengths.append(size)
+    if numbers:
+        value_parts.append(np.array(numbers))
+        weight_parts.append(np.array(number_weights))
+
+
+def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
+    """Flat parts (host arrays of any shape and real dtype, tensors) as one 1-D float64
+    array (``device`` None) or tensor on ``device``, in order.
+
+    Tensors are concatenated by shape class (0-d ones stacked; others by their trailing
+    shape), so the number of torch operations depends on the classes, not on the number
+    of parts; a permutation restores the order when there are several classes.
+    """
+    host = [i for i, part in enumerate(parts) if not isinstance(part, Tensor)]
+    classes: dict[tuple[Any, ...], list[int]] = {}
+    for i, part in enumerate(parts):
+        if isinstance(part, Tensor):
+            classes.setdefault((part.device, part.dim() == 0, part.shape[1:]), []).append(i)
+    blocks: list[Any] = []
+    order: list[int] = []
+    if host:
+        flat = [np.asarray(parts[i], dtype=np.float64).reshape(-1) for i in host]
+        blocks.append(np.concatenate(flat) if len(flat) > 1 else flat[0])
+        order += host
+    target = device or torch.device("cpu")
+    for (part_device, scalar, _), members in classes.items():
+        tensors = [parts[i] for i in members]
+        blocks.append(_tensor_block(tensors, scalar, target, part_device))
+        order += members
+    if device is None:
+        blocks = [b if isinstance(b, np.ndarray) else b.numpy() for b in blocks]
+        flat_all = np.concatenate(blocks) if len(blocks) > 1 else blocks[0] if blocks else None
+        if flat_all is None:
+            return np.zeros(0)
+    else:
+        blocks = [to_device(b, device) if isinstance(b, np.ndarray) else b for b in blocks]
+        if not blocks:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        flat_all = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+    if len(blocks) > 1 and order != sorted(order):
+        sizes = [_size(parts[i]) for i in order]
+        permutation = _permutation(order, sizes)
+        flat_all = flat_all[permutation if device is None else _on(permutation, device)]
+    return flat_all
+
+
+def _tensor_block(
+    tensors: list[Tensor], scalar: bool, target: torch.device, source: torch.device
+) -> Tensor:
+    """Tensors of one shape class as one flat float64 tensor on ``target``."""
+    if scalar:
+        out = torch.empty(len(tensors), dtype=torch.float64, device=source)
+        torch.stack(tensors, out=out)
+    else:
+        rows = sum(t.shape[0] for t in tensors)
+        out = torch.empty((rows, *tensors[0].shape[1:]), dtype=torch.float64, device=source)
+        torch.cat(tensors, out=out)
+        out = out.view(-1)
+    return out if source == target else out.to(target)
+
+
+def _size(part: Any) -> int:
+    return part.numel() if isinstance(part, Tensor) else np.size(part)
+
+
+def _permutation(order: list[int], sizes: list[int]) -> np.ndarray:
+    """Where each element of the parts, in their original order, lies in the blocks
+    laid out in ``order`` (part indices) with ``sizes`` elements each."""
+    sizes_arr = np.asarray(sizes, dtype=np.int64)
+    laid_start = np.cumsum(sizes_arr) - sizes_arr
+    original = np.argsort(np.asarray(order), kind="stable")  # part i's place in order
+    lengths = sizes_arr[original]
+    source_start = laid_start[original]
+    target_start = np.cumsum(lengths) - lengths
+    return np.repeat(source_start - target_start, lengths) + np.arange(int(lengths.sum()))
+
+
+def _on(array: np.ndarray, device: torch.device | None) -> Array:
+    return array if device is None else to_device(array, device)
+
+
+def _fold_host(
+    kind: Kind,
+    accs: list[Accumulator],
+    sums: np.ndarray,
+    maxes: np.ndarray,
+    flags: np.ndarray | None,
+    extras: list[Any] | None,
+) -> None:
+    sum_rows, max_rows = sums.tolist(), maxes.tolist()
+    for i, acc in enumerate(accs):
+        if kind.replaces:
+            if any(x != 0 for x in sum_rows[i]) or any(x != -math.inf for x in max_rows[i]):
+                acc.clear_value()
+                acc.add_host(sum_rows[i], max_rows[i])
+        else:
+            acc.add_host(sum_rows[i], max_rows[i])
+        if extras is not None:
+            acc.extra = kind.merge_extra(acc.extra, extras[i])
+    if flags is not None:
+        for acc, (skipped, rejected) in zip(accs, flags.tolist(), strict=True):
+            if skipped:
+                acc.count(NONFINITE_SLOT, skipped)
+            if rejected:
+                acc.count(REJECTED_SLOT, rejected)
+
+
+def _fold_device(
+    kind: Kind,
+    accs: list[Accumulator],
+    sums: Tensor,
+    maxes: Tensor,
+    flags: Tensor | None,
+    extras: list[Any] | None,
+) -> None:
+    """Fold device rows into the accumulators: a fixed number of operations per metric,
+    none per call, no host sync."""
+    counts = flags if flags is not None else sums.new_zeros((len(accs), 2))
+    rows = torch.cat((sums, counts), 1).unbind(0)
+    max_rows = maxes.unbind(0) if kind.num_maxes else [None] * len(accs)
+    if kind.replaces:
+        present = ((sums != 0).any(1) | (maxes != -math.inf).any(1)).unbind(0)
+        for acc, row, high, kept in zip(accs, rows, max_rows, present, strict=True):
+            replace_dev(acc, row[: kind.num_sums], high, ~kept, row[kind.num_sums :])
+        return
+    for i, (acc, row, high) in enumerate(zip(accs, rows, max_rows, strict=True)):
+        if acc.dev_sums is None:
+            acc.dev_sums = row
+        else:
+            acc.dev_sums = acc.dev_sums + row.to(acc.dev_sums.device)
+        if high is not None:
+            previous = acc.dev_maxes
+            acc.dev_maxes = high if previous is None else torch.maximum(previous, high)
+        if extras is not None:
+            acc.dev_extra = kind.merge_dev_extra(acc.dev_extra, extras[i])

@@ -1,0 +1,189 @@
+"""A step's records of one kind, as the flat arrays a kind reduces in one pass.
+
+The framework concatenates every call of every metric of a kind on one backend (host
+data with numpy, each device with torch) into a ``Batch``: values and weights in call
+order, metric by metric, and the metric (row) of each element. A kind's ``reduce``
+turns a batch into per-metric state rows with a fixed number of array operations,
+however many calls and metrics there were, through the segment operations below; the
+same code runs on numpy arrays and on tensors of any device.
+
+The framework's rules are applied before a kind sees the batch: an element whose weight
+is 0 (deselected, in a rejected call, or non-finite under ``nonfinite="skip"``) has
+weight 0 and value 0, so no NaN hides behind a zero weight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+Array = Any  # np.ndarray on the host, torch.Tensor on a device
+
+
+class Batch:
+    """One backend's records of one kind (see the module docstring).
+
+    Attributes:
+        values: float64, 1-D, every element in call order, metric by metric.
+        weights: float64, 1-D, the elements' weights (> 0: selected).
+        segments: int64, 1-D, the row (metric) of each element, ascending.
+        lengths: the number of elements of each row (known on the host).
+        call_lengths: the number of elements of each log call, in order.
+        num_rows: how many metrics the batch holds.
+    """
+
+    on_host: bool = True
+
+    def __init__(
+        self,
+        values: Array,
+        weights: Array,
+        segments: Array,
+        lengths: Sequence[int],
+        call_lengths: Sequence[int],
+    ) -> None:
+        self.values = values
+        self.weights = weights
+        self.segments = segments
+        self.lengths = list(lengths)
+        self.call_lengths = call_lengths
+        self.num_rows = len(self.lengths)
+
+    # -- operations a kind's reduce uses ---------------------------------------------
+    def selected(self) -> Array:
+        """Bool per element: weight > 0."""
+        return self.weights > 0
+
+    def count(self) -> Array:
+        """Per row, the number of selected elements."""
+        return self.sum_by(self.selected() * 1.0)
+
+    def sum_by(self, x: Array, keys: Array | None = None, size: int | None = None) -> Array:
+        """Per row, the sum of ``x`` over the row's elements (0 for an empty row); with
+        ``keys``, the sums of ``x`` by key in ``range(size)`` instead."""
+        if keys is None:
+            keys, size = self.segments, self.num_rows
+        return np.bincount(keys, weights=x, minlength=size)[:size]
+
+    def max_by(self, x: Array) -> Array:
+        """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
+        out = np.full(self.num_rows, -math.inf)
+        rows = np.flatnonzero(self.lengths)
+        if len(rows):
+            starts = np.cumsum([0, *self.lengths[:-1]])[rows]
+            out[rows] = np.maximum.reduceat(x, starts)
+        return out
+
+    def last_by(self, x: Array) -> tuple[Array, Array]:
+        """Per row, the last selected element of ``x`` and whether there is one (0/1)."""
+        position = self.where(self.selected(), self.positions(), -1.0)
+        last = self.max_by(position)
+        present = last >= 0
+        return self.where(present, self.take(x, last), 0.0), present * 1.0
+
+    def chunk_index(self, parts: int) -> Array:
+        """Per element, which of ``parts`` chunks of its call it falls in, as
+        ``torch.chunk`` cuts a call (chunks of ceil(length / parts) elements)."""
+        lengths = np.asarray(self.call_lengths, dtype=np.int64)
+        starts = np.cumsum(lengths) - lengths
+        position = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+        chunk = np.repeat(np.maximum(-(-lengths // parts), 1), lengths)
+        return self.constant(position // chunk)
+
+    def constant(self, array: np.ndarray) -> Array:
+        """A host array on this batch's backend."""
+        return array
+
+    def by_row(self, per_row: Array) -> Array:
+        """A per-row array spread to the rows' elements."""
+        return per_row[self.segments]
+
+    def where(self, condition: Array, a: Any, b: Any) -> Array:
+        return np.where(condition, a, b)
+
+    def isfinite(self, x: Array) -> Array:
+        return np.isfinite(x)
+
+    def columns(self, *columns: Array) -> Array:
+        """Per-row columns as a (rows, len(columns)) state block."""
+        if not columns:
+            return np.zeros((self.num_rows, 0))
+        return np.stack(columns, axis=1).astype(np.float64, copy=False)
+
+    def split(self, x: Array) -> list[Array]:
+        """``x`` cut into its rows' pieces."""
+        return np.split(x, np.cumsum(self.lengths[:-1]))
+
+    def positions(self) -> Array:
+        return np.arange(len(self.values), dtype=np.float64)
+
+    def take(self, x: Array, index: Array) -> Array:
+        """``x`` at float positions ``index`` (negative ones read element 0)."""
+        if len(x) == 0:
+            return np.zeros(len(index))
+        return x[np.maximum(index, 0).astype(np.int64)]
+
+    def searchsorted(self, edges: Sequence[float], x: Array, right: bool = False) -> Array:
+        """Bin indices of ``x`` among ``edges``, as ``np.searchsorted``."""
+        return np.searchsorted(np.asarray(edges, dtype=np.float64), x, "right" if right else "left")
+
+
+class DeviceBatch(Batch):
+    """A batch of tensors on one device (no host sync in any operation)."""
+
+    on_host = False
+
+    def sum_by(self, x: Tensor, keys: Tensor | None = None, size: int | None = None) -> Tensor:
+        if keys is None:
+            keys, size = self.segments, self.num_rows
+        out = torch.zeros(size, dtype=torch.float64, device=self.values.device)
+        return out.index_add_(0, keys, x.to(torch.float64))
+
+    def constant(self, array: np.ndarray) -> Tensor:
+        return to_device(array, self.values.device)
+
+    def max_by(self, x: Tensor) -> Tensor:
+        out = torch.full((self.num_rows,), -math.inf, dtype=torch.float64, device=x.device)
+        return out.scatter_reduce_(0, self.segments, x.to(torch.float64), "amax")
+
+    def where(self, condition: Tensor, a: Any, b: Any) -> Tensor:
+        return torch.where(condition, a, b)
+
+    def isfinite(self, x: Tensor) -> Tensor:
+        return torch.isfinite(x)
+
+    def columns(self, *columns: Tensor) -> Tensor:
+        if not columns:
+            return torch.zeros((self.num_rows, 0), dtype=torch.float64, device=self.values.device)
+        return torch.stack([c.to(torch.float64) for c in columns], dim=1)
+
+    def split(self, x: Tensor) -> list[Tensor]:
+        return list(x.split(self.lengths))
+
+    def positions(self) -> Tensor:
+        return torch.arange(len(self.values), dtype=torch.float64, device=self.values.device)
+
+    def take(self, x: Tensor, index: Tensor) -> Tensor:
+        if len(x) == 0:
+            return torch.zeros_like(index)
+        return x[index.clamp(min=0).long()]
+
+    def searchsorted(self, edges: Sequence[float], x: Tensor, right: bool = False) -> Tensor:
+        bounds = self.constant(np.asarray(edges, dtype=np.float64))
+        return torch.bucketize(x, bounds, right=right)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """A host array on ``device`` without waiting for the device: a CUDA copy goes
+    through pinned memory, asynchronously (a pageable copy would wait for the stream)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

@@ -1,0 +1,155 @@
+"""One log call: the checks that need no data, then the value and weight recorded.
+
+A log call converts nothing and computes nothing: python numbers, host arrays and
+tensors are appended to the metric's records as they are (``Accumulator.values`` and
+``weights``), to be reduced once per step by ``rlmetrics.fold``. What needs no data is
+checked here and raises at once, naming the metric: types, shapes, dtypes, python
+numbers (a negative weight; a non-finite value under ``nonfinite="error"``). What
+needs data (negative or non-finite weights in an array, non-finite values under
+``nonfinite="error"``) is checked at the fold, which rejects and counts the call.
+
+Records keep references, so nothing logged may change before the step ends: a numpy
+array or list is copied here (numpy has no way to notice a later write), and a tensor's
+version counter is recorded, so an in-place change before the fold raises there. A
+tensor that requires grad is detached (one view), so the record does not keep its
+autograd graph alive.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlmetrics.inputs import (
+    as_number,
+    check_tensor,
+    check_weight_number,
+    numeric_array,
+    unmask,
+)
+from rlmetrics.kinds import Accumulator
+from rlmetrics.kinds.base import NONFINITE_SLOT
+
+BOOL_DTYPES = (torch.bool, np.dtype(bool))
+
+
+def record_number(acc: Accumulator, name: str, value: float, weight: float, nonfinite: str) -> None:
+    """Record one python number with a python weight (checked now: it is on the host)."""
+    if weight != 1.0:
+        check_weight_number(name, weight)
+        if weight == 0.0:  # contributes nothing, NaN or not, under every policy
+            acc.kept_call = True  # but the metric exists (see Tracker._forget_rejected)
+            return
+    if nonfinite != "propagate" and not math.isfinite(value):
+        if nonfinite == "error":
+            raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
+        acc.count(NONFINITE_SLOT)
+        return
+    acc.values.append(value)
+    acc.weights.append(weight)
+
+
+class Prepared(NamedTuple):
+    """One log call's value and weight, checked once (``prepare``); it may be recorded
+    into several metrics (``Tracker.log_shared``)."""
+
+    number: float | None  # a python number with a python weight: the number path
+    weight_number: float
+    value: np.ndarray | Tensor | None  # as logged (a host copy for arrays)
+    weight: np.ndarray | Tensor | float | None
+    size: int  # elements
+    shape: tuple[int, ...]  # of the value as logged, for messages
+    check_weights: bool  # weights are an array that is not a bool mask
+    device: torch.device | None  # where the fold runs: None for the host
+
+
+def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepared:
+    """Check a value (number, array, tensor) and its weight without reading tensor data.
+
+    Raises:
+        TypeError, ValueError: naming ``name`` and what is wrong.
+    """
+    if isinstance(value, np.ma.MaskedArray) or isinstance(weight, np.ma.MaskedArray):
+        value, weight = unmask(name, value, weight)
+    if isinstance(value, Tensor):
+        value = check_tensor(name, value)
+    else:
+        number = as_number(name, value)
+        if number is not None:
+            # a tensor is never a number (0-d ones included: reading one would sync)
+            weight_number = None
+            if not isinstance(weight, Tensor):
+                weight_number = as_number(name, weight, "weight")
+            if weight is None or weight_number is not None:
+                weight_number = 1.0 if weight is None else weight_number
+                return Prepared(number, weight_number, None, None, 1, (), False, None)
+            value = np.array(number)
+        else:
+            value = numeric_array(name, value)
+    shape = tuple(value.shape)
+    check = False
+    if weight is not None:
+        weight, check = _weight(name, weight, shape)
+    device = None
+    if not (host_arrays and _on_host(value) and _on_host(weight)):
+        tensor = value if isinstance(value, Tensor) else weight
+        device = tensor.device if isinstance(tensor, Tensor) else torch.device("cpu")
+    size = value.numel() if isinstance(value, Tensor) else value.size
+    return Prepared(None, 1.0, value, weight, size, shape, check, device)
+
+
+def _weight(name: str, weight: Any, shape: tuple[int, ...]) -> tuple[Any, bool]:
+    """A weight as recorded (a number, a host copy or a tensor) and whether its data
+    needs checking (an array that is not a bool mask)."""
+    if isinstance(weight, Tensor):
+        weight = check_tensor(name, weight, "weight")
+        check = weight.dtype is not torch.bool
+    else:
+        number = as_number(name, weight, "weight")
+        if number is not None:
+            check_weight_number(name, number)
+            return number, False
+        check = getattr(weight, "dtype", None) not in BOOL_DTYPES
+        weight = numeric_array(name, weight, "weight")
+    if tuple(weight.shape) != shape:
+        raise ValueError(
+            f"metric {name!r}: weight shape {tuple(weight.shape)} does not match "
+            f"value shape {shape}"
+        )
+    return weight, check
+
+
+def _on_host(value: Any) -> bool:
+    """Whether ``value`` is not a tensor or is a plain CPU tensor (subclasses, like
+    device tensors, take the device path)."""
+    return not isinstance(value, Tensor) or (type(value) is Tensor and value.device.type == "cpu")
+
+
+def record_prepared(acc: Accumulator, name: str, prepared: Prepared, nonfinite: str) -> None:
+    """Record a prepared value into ``acc`` (the metric called ``name``)."""
+    value = prepared.value
+    if value is None:
+        record_number(acc, name, prepared.number, prepared.weight_number, nonfinite)
+        return
+    if acc.kind.replaces and prepared.size != 1:
+        raise ValueError(
+            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {prepared.shape}"
+        )
+    if prepared.check_weights or nonfinite == "error":
+        acc.num_checked += 1  # may be rejected: compute() tells
+    else:
+        acc.kept_call = True
+    weight = prepared.weight
+    if type(value) is Tensor or isinstance(value, Tensor):
+        acc.watched.append((value, value._version))
+    if isinstance(weight, Tensor):
+        acc.watched.append((weight, weight._version))
+    device = prepared.device
+    if device is not None and acc.record_device is None:
+        acc.record_device = device
+    acc.values.append(value)
+    acc.weights.append(weight)
