@@ -225,7 +225,10 @@ def make(base: type[Kind], **attrs: Any) -> Kind:
             r"must return a \(sums, maxes\) pair of ndarrays on the host",
         ),
         (
-            make(Malformed, reduce=lambda self, b: (b.columns(b.count(), b.count()) * 1j, 0)),
+            make(
+                Malformed,
+                reduce=lambda self, b: (b.columns(b.count(), b.count()) * 1j, b.columns()),
+            ),
             ValueError,
             "dtype complex128",
         ),

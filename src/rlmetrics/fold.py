@@ -46,19 +46,22 @@ def fold(metrics: Iterable[tuple[str, Accumulator]], nonfinite: str) -> None:
         ModifiedInputError: a logged tensor changed in place; the records of the metrics
             named are dropped (reported once), every other metric is folded.
     """
-    groups: dict[tuple[Kind, Any], list[Accumulator]] = {}
+    devices: dict[Any, dict[Kind, list[Accumulator]]] = {}
     modified = []
     for name, acc in metrics:
         if not acc.values:
             continue
-        if any(tensor._version != version for tensor, version in acc.watched):
+        if acc.watched and any(tensor._version != version for tensor, version in acc.watched):
             modified.append(name)
             _clear_records(acc)
             continue
-        groups.setdefault((acc.kind, acc.record_device), []).append(acc)
-    with torch.no_grad():
-        for (kind, device), accs in groups.items():
-            _fold_group(kind, device, accs, nonfinite)
+        devices.setdefault(acc.record_device, {}).setdefault(acc.kind, []).append(acc)
+    for device, kinds in devices.items():
+        if device is None:
+            _fold_device_records(device, kinds, nonfinite)
+        else:
+            with torch.no_grad():
+                _fold_device_records(device, kinds, nonfinite)
     if modified:
         raise ModifiedInputError(
             "tensors logged this step were changed in place before compute(), so the "
@@ -71,22 +74,32 @@ def _clear_records(acc: Accumulator) -> None:
     acc.values.clear()
     acc.weights.clear()
     acc.watched.clear()
+    acc.num_arrays = 0
 
 
-def _fold_group(
-    kind: Kind, device: torch.device | None, accs: list[Accumulator], nonfinite: str
+def _fold_device_records(
+    device: torch.device | None, kinds: dict[Kind, list[Accumulator]], nonfinite: str
 ) -> None:
+    """Fold one device's (or the host's) records: one batch for all its metrics, each
+    kind reducing its own rows."""
+    accs = [acc for members in kinds.values() for acc in members]
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
         batch, flags = _batch(accs, device, nonfinite)
-        sums, maxes = kind.reduce(batch)
-        extras = kind.reduce_extra(batch) if kind.has_extra else None
-    if batch.on_host:
-        _fold_host(kind, accs, sums, maxes, flags, extras)
-    else:
-        _fold_device(kind, accs, sums, maxes, flags, extras)
+        row = element = call = 0
+        for kind, members in kinds.items():
+            rows = slice(row, row + len(members))
+            size = sum(batch.lengths[rows])
+            calls = sum(len(acc.values) for acc in members)
+            part = batch.part(rows, slice(element, element + size), slice(call, call + calls))
+            row, element, call = rows.stop, element + size, call + calls
+            sums, maxes = kind.reduce(part)
+            extras = kind.reduce_extra(part) if kind.has_extra else None
+            counts = None if flags is None else flags[rows]
+            if batch.on_host:
+                _fold_host(kind, members, sums, maxes, counts, extras)
+            else:
+                _fold_device(kind, members, sums, maxes, counts, extras)
     for acc in accs:
-        if any(type(value) is float for value in acc.values):
-            acc.kept_call = True  # a python number: checked when logged, never rejected
         _clear_records(acc)
 
 
@@ -95,19 +108,14 @@ def _batch(
 ) -> tuple[Batch, Array | None]:
     """The records of ``accs`` as one screened batch, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
-    value_parts: list[Any] = []
-    weight_parts: list[Any] = []
-    call_lengths: list[int] = []
-    lengths: list[int] = []
+    parts = _Parts()
     for acc in accs:
-        start = len(call_lengths)
-        _parts(acc, value_parts, weight_parts, call_lengths)
-        lengths.append(sum(call_lengths[start:]))
-    call_rows = np.repeat(np.arange(len(accs)), [len(acc.values) for acc in accs])
-    host = device is None
-    make = Batch if host else DeviceBatch
-    values = assemble(value_parts, device)
-    weights = assemble(weight_parts, device)
+        parts.add(acc)
+    parts.flush()
+    call_lengths, lengths = parts.call_lengths, parts.lengths
+    make = Batch if device is None else DeviceBatch
+    values = assemble(parts.values, device)
+    weights = assemble(parts.weights, device)
     segments = np.repeat(np.arange(len(accs)), lengths)
     batch = make(values, weights, _on(segments, device), lengths, call_lengths)
     checks = nonfinite == "error" or any(acc.num_checked for acc in accs)
@@ -115,6 +123,7 @@ def _batch(
     zero = 0.0
     if checks or nonfinite == "skip":
         calls = _on(np.repeat(np.arange(len(call_lengths)), call_lengths), device)
+        call_rows = np.repeat(np.arange(len(accs)), [len(acc.values) for acc in accs])
         selected = weights > 0
         bad = ~((weights >= 0) & (weights < math.inf))  # NaN fails both
         if nonfinite == "error":
@@ -122,7 +131,7 @@ def _batch(
         call_bad = batch.sum_by(bad * 1.0, calls, len(call_lengths)) > 0
         rejected = batch.sum_by(call_bad * 1.0, _on(call_rows, device), len(accs))
         weights = batch.where(call_bad[calls], zero, weights)
-        skipped = batch.sum_by(weights * 0.0)
+        skipped = rejected * 0.0
         if nonfinite == "skip":
             finite = batch.isfinite(values)
             skipped = batch.sum_by(((weights > 0) & ~finite) * 1.0)
@@ -133,33 +142,51 @@ def _batch(
     return batch, flags
 
 
-def _parts(
-    acc: Accumulator, value_parts: list[Any], weight_parts: list[Any], call_lengths: list[int]
-) -> None:
-    """One metric's records as flat parts (host arrays or tensors), in call order; runs
-    of python numbers become one array each."""
-    numbers: list[float] = []
-    number_weights: list[float] = []
-    for value, weight in zip(acc.values, acc.weights, strict=True):
-        if type(value) is float:
-            numbers.append(value)
-            number_weights.append(weight)
-            call_lengths.append(1)
-            continue
-        if numbers:
-            value_parts.append(np.array(numbers))
-            weight_parts.append(np.array(number_weights))
-            numbers, number_weights = [], []
-        size = value.numel() if isinstance(value, Tensor) else value.size
-        value_parts.append(value)
-        if weight is None or type(weight) is float:
-            weight_parts.append(np.full(size, 1.0 if weight is None else weight))
-        else:
-            weight_parts.append(weight)
-        call_lengths.append(size)
-    if numbers:
-        value_parts.append(np.array(numbers))
-        weight_parts.append(np.array(number_weights))
+class _Parts:
+    """Metrics' records as flat parts (host arrays or tensors), metric by metric in call
+    order; each run of python numbers, across metrics, becomes one array."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.weights: list[Any] = []
+        self.call_lengths: list[int] = []
+        self.lengths: list[int] = []
+        self.numbers: list[float] = []
+        self.number_weights: list[float] = []
+
+    def add(self, acc: Accumulator) -> None:
+        values, weights = acc.values, acc.weights
+        if not acc.num_arrays:  # python numbers only: checked when logged, never rejected
+            self.numbers += values
+            self.number_weights += weights
+            self.call_lengths += [1] * len(values)
+            self.lengths.append(len(values))
+            acc.kept_call = True
+            return
+        start = len(self.call_lengths)
+        for value, weight in zip(values, weights, strict=True):
+            if type(value) is float:
+                self.numbers.append(value)
+                self.number_weights.append(weight)
+                self.call_lengths.append(1)
+                acc.kept_call = True
+                continue
+            self.flush()
+            size = value.numel() if isinstance(value, Tensor) else value.size
+            self.values.append(value)
+            if weight is None or type(weight) is float:
+                self.weights.append(np.full(size, 1.0 if weight is None else weight))
+            else:
+                self.weights.append(weight)
+            self.call_lengths.append(size)
+        self.lengths.append(sum(self.call_lengths[start:]))
+
+    def flush(self) -> None:
+        """End the current run of python numbers."""
+        if self.numbers:
+            self.values.append(np.array(self.numbers))
+            self.weights.append(np.array(self.number_weights))
+            self.numbers, self.number_weights = [], []
 
 
 def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
@@ -247,13 +274,14 @@ def _fold_host(
     extras: list[Any] | None,
 ) -> None:
     sum_rows, max_rows = sums.tolist(), maxes.tolist()
+    if kind.replaces:  # a row with no selected value leaves the old one in place
+        present = ((sums != 0).any(1) | (maxes != -math.inf).any(1)).tolist()
     for i, acc in enumerate(accs):
         if kind.replaces:
-            if any(x != 0 for x in sum_rows[i]) or any(x != -math.inf for x in max_rows[i]):
-                acc.clear_value()
-                acc.add_host(sum_rows[i], max_rows[i])
-        else:
-            acc.add_host(sum_rows[i], max_rows[i])
+            if not present[i]:
+                continue
+            acc.clear_value()
+        acc.add_host(sum_rows[i], max_rows[i])
         if extras is not None:
             acc.extra = kind.merge_extra(acc.extra, extras[i])
     if flags is not None:

@@ -129,6 +129,45 @@ def _on_host(value: Any) -> bool:
     return not isinstance(value, Tensor) or (type(value) is Tensor and value.device.type == "cpu")
 
 
+def record_tensor(
+    acc: Accumulator, name: str, value: Tensor, weight: Tensor | None, nonfinite: str, host: bool
+) -> int:
+    """Record a plain tensor value with no weight or a plain tensor weight (the common
+    call, so its checks are written out here, in a few attribute reads); ``host``: CPU
+    tensors go down the host path. Returns the number of elements recorded."""
+    value = check_tensor(name, value)
+    needs_check = nonfinite == "error"
+    device = value.device
+    if weight is not None:
+        weight = check_tensor(name, weight, "weight")
+        if weight.shape != value.shape:
+            raise ValueError(
+                f"metric {name!r}: weight shape {tuple(weight.shape)} does not match "
+                f"value shape {tuple(value.shape)}"
+            )
+        needs_check = needs_check or weight.dtype is not torch.bool
+        acc.watched.append((weight, weight._version))
+        if host and device.type == "cpu" and weight.device.type != "cpu":
+            device = weight.device
+    size = value.numel()
+    if size != 1 and acc.kind.replaces:
+        raise ValueError(
+            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape "
+            f"{tuple(value.shape)}"
+        )
+    if needs_check:
+        acc.num_checked += 1  # may be rejected: compute() tells
+    else:
+        acc.kept_call = True
+    acc.watched.append((value, value._version))
+    if not (host and device.type == "cpu") and acc.record_device is None:
+        acc.record_device = device
+    acc.num_arrays += 1
+    acc.values.append(value)
+    acc.weights.append(weight)
+    return size
+
+
 def record_prepared(acc: Accumulator, name: str, prepared: Prepared, nonfinite: str) -> None:
     """Record a prepared value into ``acc`` (the metric called ``name``)."""
     value = prepared.value
@@ -151,5 +190,6 @@ def record_prepared(acc: Accumulator, name: str, prepared: Prepared, nonfinite: 
     device = prepared.device
     if device is not None and acc.record_device is None:
         acc.record_device = device
+    acc.num_arrays += 1
     acc.values.append(value)
     acc.weights.append(weight)

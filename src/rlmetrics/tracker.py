@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
 
 from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
 from rlmetrics.fold import fold
@@ -18,7 +19,7 @@ from rlmetrics.kinds.base import NUM_FLAGS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
 from rlmetrics.packing import RejectedInputError, local_reduce
-from rlmetrics.record import Prepared, prepare, record_number, record_prepared
+from rlmetrics.record import Prepared, prepare, record_number, record_prepared, record_tensor
 from rlmetrics.reduced import Reduced
 from rlmetrics.state import TrackerState, check_metric
 
@@ -152,8 +153,9 @@ class Tracker(LogMethods):
             arrays metrics see; device tensors always take the device path. False sends
             host data down the device path too (tests use it to run that path on the
             CPU).
-        record_limit: the tensor and array elements (plus one per python number) a
-            tracker records before it folds them into its states mid-step, which bounds
+        record_limit: the elements and calls (a python number counts once, an array or
+            tensor its size plus one) a tracker records before it folds them into its
+            states mid-step, which bounds
             the memory its records keep alive (the logged tensors); the fold is the
             step-end one, without a host sync.
 
@@ -197,7 +199,7 @@ class Tracker(LogMethods):
         self.sync_cache: Any = None  # owned by rlmetrics.distributed
         self._local_layout: Layout | None = None
         self._lock = threading.RLock()  # see "Threads" above
-        self._recorded = 0  # elements recorded since the last fold
+        self._recorded = 0  # elements and calls recorded since the last fold
 
     host_arrays: bool = True
     record_limit: int = 1 << 22
@@ -246,11 +248,15 @@ class Tracker(LogMethods):
                 raise
             record_number(acc, name, number, weight, self.nonfinite)
             self._recorded += 1
+        elif value_type is Tensor and (weight is None or type(weight) is Tensor):
+            self._recorded += 1 + record_tensor(
+                acc, name, value, weight, self.nonfinite, self.host_arrays
+            )
         else:
             if value_type is not Prepared:
                 value = prepare(name, value, weight, host_arrays=self.host_arrays)
             record_prepared(acc, name, value, self.nonfinite)
-            self._recorded += value.size
+            self._recorded += 1 + value.size
         if self._recorded > self.record_limit:
             self._fold()
 
@@ -262,8 +268,9 @@ class Tracker(LogMethods):
 
     def _fold(self) -> None:
         """Reduce every record into the states (see ``rlmetrics.fold``)."""
-        self._recorded = 0
-        fold(self._accumulators.items(), self.nonfinite)
+        if self._recorded:
+            self._recorded = 0
+            fold(self._accumulators.items(), self.nonfinite)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -427,7 +434,8 @@ class Tracker(LogMethods):
     def reset(self) -> None:
         """Forget every metric (a new step begins)."""
         for acc in self._accumulators.values():
-            acc.clear()  # drops the records (the tensors they keep alive) now
+            if acc.values:
+                acc.clear()  # drops the records (the tensors they keep alive) now
         if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
             self._pool = dict(self._accumulators)
         self._accumulators = {}

@@ -239,6 +239,7 @@ class Accumulator:
     values: list[Any] = field(default_factory=list)
     weights: list[Any] = field(default_factory=list)
     record_device: torch.device | None = None  # a tensor record's device: the fold's
+    num_arrays: int = 0  # records that are not python numbers
     watched: list[tuple[Tensor, int]] = field(default_factory=list)  # (tensor, version)
 
     @classmethod
@@ -261,6 +262,7 @@ class Accumulator:
         self.weights.clear()
         self.watched.clear()
         self.record_device = None
+        self.num_arrays = 0
 
     def host_empty(self) -> bool:
         """Whether the host half holds nothing: no python number was added (or, for a

@@ -54,6 +54,18 @@ class Batch:
         self.call_lengths = call_lengths
         self.num_rows = len(self.lengths)
 
+    def part(self, rows: slice, elements: slice, calls: slice) -> Batch:
+        """The batch of ``rows`` (whose elements and calls are ``elements`` and
+        ``calls``), its rows numbered from 0: the metrics of one kind."""
+        segments = self.segments[elements]
+        return type(self)(
+            self.values[elements],
+            self.weights[elements],
+            segments - rows.start if rows.start else segments,
+            self.lengths[rows],
+            self.call_lengths[calls],
+        )
+
     # -- operations a kind's reduce uses ---------------------------------------------
     def selected(self) -> Array:
         """Bool per element: weight > 0."""

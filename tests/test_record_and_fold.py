@@ -1,0 +1,189 @@
+"""Log calls record, the fold reduces: no torch op per log call, a number of torch ops
+at compute() that does not grow with the calls, in-place changes caught, memory bound."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlmetrics import Tracker
+from rlmetrics.fold import ModifiedInputError
+
+from helpers import reference
+
+KINDS = ("mean", "sum", "max", "min", "std", "last", "dist")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operations dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting() -> Iterator[OpCounter]:
+    with OpCounter() as counter:
+        yield counter
+
+
+CALLS = {  # (method, inputs made before counting, keyword arguments)
+    "0-d tensor": ("mean", lambda: (torch.tensor(2.5, dtype=torch.float64),), {}),
+    "1k tensor + bool mask": ("mean", lambda: (torch.ones(1000), torch.ones(1000) > 0), {}),
+    "2-d float32 + float weights": ("std", lambda: (torch.ones(4, 8), torch.rand(4, 8)), {}),
+    "int tensor, number weight": ("sum", lambda: (torch.arange(5),), {"weight": 2.0}),
+    "bf16 dist": ("dist", lambda: (torch.ones(3, dtype=torch.bfloat16),), {}),
+    "0-d last": ("last", lambda: (torch.tensor(0.1),), {}),
+}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+def test_a_tensor_log_call_dispatches_no_torch_op(call: tuple, host_arrays: bool) -> None:
+    method, make, kwargs = call
+    t = Tracker()
+    t.host_arrays = host_arrays
+    inputs = [make() for _ in range(4)]
+    log = getattr(t, method)
+    log("x", *inputs[0], **kwargs)  # a name's first call creates its accumulator
+    with counting() as counter:
+        for args in inputs[1:]:
+            log("x", *args, **kwargs)
+        t.log_shared([("a", "mean"), ("b", method)], *inputs[1], **kwargs)
+    assert counter.ops == []
+    assert t.compute()  # and the records reduce
+
+
+def log_step(t: Tracker, calls: int, rng: np.random.Generator) -> None:
+    """``calls`` rounds over 8 metrics of every shape class: 0-d, 1-D with a mask, 2-D."""
+    for i in range(calls):
+        t.mean("loss", torch.tensor(float(i), dtype=torch.float64))
+        t.mean("entropy", torch.rand(16), weight=torch.rand(16) > 0.3)
+        t.max("len/max", torch.randint(0, 9, (4,)))
+        t.min("len/min", torch.randint(0, 9, (4,)))
+        t.sum("tokens", torch.ones(2, 3), weight=torch.ones(2, 3) > 0)
+        t.std("adv", torch.rand(2, 4))
+        t.last("lr", torch.tensor(1e-3 * (i + 1)))
+        t.dist("score", torch.rand(3))
+    t.mean("python", float(rng.normal()))
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_compute_dispatches_as_many_torch_ops_for_100_calls_as_for_10000(host_arrays: bool):
+    rng = np.random.default_rng(0)
+    counts = []
+    for calls in (100, 10_000):
+        t = Tracker()
+        t.host_arrays = host_arrays
+        t.record_limit = 10**9  # one fold, at compute()
+        log_step(t, calls, rng)
+        with counting() as counter:
+            out = t.compute()
+        assert out["lr"] == pytest.approx(1e-3 * calls)
+        counts.append(len(counter.ops))
+    assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("where", ["value", "weight", "a view's base"])
+def test_a_tensor_changed_in_place_before_compute_raises_naming_it(where: str, host_arrays: bool):
+    t = Tracker()
+    t.host_arrays = host_arrays
+    base = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    value, weight = base[:2], torch.tensor([1.0, 1.0])
+    t.mean("kept", torch.tensor([5.0]))
+    t.mean("changed", value, weight=weight)
+    {"value": value, "weight": weight, "a view's base": base}[where].mul_(2)
+    with pytest.raises(ModifiedInputError, match=r"in place.*dropped from this step: 'changed'"):
+        t.compute()
+    assert t.compute() == {"kept": 5.0}  # the rest of the step is intact
+
+
+def test_a_tensor_that_requires_grad_is_recorded_detached() -> None:
+    t = Tracker()
+    x = torch.ones(3, requires_grad=True)
+    loss = (x * 2).sum()
+    t.mean("loss", loss)
+    (recorded,) = t.accumulators["loss"].values
+    assert not recorded.requires_grad and recorded.grad_fn is None
+    loss.backward()
+    assert t.compute() == {"loss": 6.0}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_the_record_folds_past_its_bound_with_the_same_result(host_arrays: bool) -> None:
+    """A bound small enough to fold every few calls gives the one-fold result (to
+    rounding), for every kind, and keeps the records short."""
+    rng = np.random.default_rng(3)
+    chunks = [(rng.normal(3, 2, 7), rng.random(7) > 0.2) for _ in range(40)]
+    results = []
+    for limit in (10**9, 20):
+        t = Tracker()
+        t.host_arrays = host_arrays
+        t.record_limit = limit
+        for i, (x, keep) in enumerate(chunks):
+            for kind in KINDS:
+                value = torch.from_numpy(x[:1] if kind == "last" else x)
+                t.log(
+                    kind, value, torch.from_numpy(keep[:1] if kind == "last" else keep), kind=kind
+                )
+            t.mean("number", float(i))
+            assert all(len(acc.values) <= limit + 1 for acc in t.accumulators.values())
+        results.append(t.compute())
+    assert results[0] == pytest.approx(results[1], rel=1e-13)
+    x = np.concatenate([x for x, _ in chunks])
+    keep = np.concatenate([k for _, k in chunks])
+    assert results[1]["mean"] == pytest.approx(reference("mean", "m", x, keep)["m"], rel=1e-13)
+    last_x, last_keep = chunks[-1]
+    assert results[1]["last"] == (last_x[0] if last_keep[0] else results[1]["last"])
+
+
+def test_records_of_numbers_and_tensors_keep_call_order_for_last() -> None:
+    """``last`` reads the latest selected call, whatever mixes of python numbers, host
+    arrays and device-path tensors came before it."""
+    for host_arrays in (True, False):
+        t = Tracker()
+        t.host_arrays = host_arrays
+        t.last("lr", 1.0)
+        t.last("lr", torch.tensor(2.0))
+        t.last("lr", 3.0)
+        t.last("lr", torch.tensor([4.0]), weight=torch.tensor([False]))  # deselected
+        t.last("lr", np.array(5.0), weight=0.0)  # deselected
+        assert t.compute() == {"lr": 3.0}
+
+
+def test_mixed_shapes_and_dtypes_reduce_in_call_order() -> None:
+    """Shape classes are concatenated apart and put back in order: a dist of calls of
+    every class and dtype, interleaved, equals numpy on the whole batch."""
+    rng = np.random.default_rng(1)
+    parts = []
+    t = Tracker(quantiles=(0.0, 0.25, 0.5, 1.0))
+    t.host_arrays = False
+    for i in range(30):
+        shape = [(), (3,), (2, 2), (1, 4)][i % 4]
+        x = rng.normal(size=shape)
+        dtype = [torch.float64, torch.float32, torch.bfloat16][i % 3]
+        tensor = torch.from_numpy(np.asarray(x)).to(dtype)
+        parts.append(tensor.double().reshape(-1).numpy())
+        t.dist("d", tensor)
+        t.last("order", tensor.reshape(-1)[:1])
+        last = float(tensor.reshape(-1)[0])
+        if i % 5 == 0:
+            t.dist("d", float(i))
+            parts.append(np.array([float(i)]))
+    whole = np.concatenate(parts)
+    out = t.compute()
+    assert out["d/p50"] == np.quantile(whole, 0.5) and out["d/max"] == whole.max()
+    assert out["d/mean"] == pytest.approx(whole.mean(), rel=1e-14)
+    assert out["order"] == last
