@@ -44,6 +44,8 @@ def record_number(acc: Accumulator, name: str, value: float, weight: float, nonf
         if weight == 0.0:  # contributes nothing, NaN or not, under every policy
             acc.kept_call = True  # but the metric exists (see Tracker._forget_rejected)
             return
+    if acc.kind.parts != 1:
+        _check_parts(acc, name, 1)
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
@@ -51,6 +53,15 @@ def record_number(acc: Accumulator, name: str, value: float, weight: float, nonf
         return
     acc.values.append(value)
     acc.weights.append(weight)
+
+
+def _check_parts(acc: Accumulator, name: str, size: int) -> None:
+    parts = acc.kind.parts
+    if size % parts:
+        raise TypeError(
+            f"metric {name!r} (kind {acc.kind.name!r}) splits each call into {parts} equal "
+            f"parts, so a call must hold a multiple of {parts} elements; got {size}"
+        )
 
 
 class Prepared(NamedTuple):
@@ -150,6 +161,8 @@ def record_tensor(
         if host and device.type == "cpu" and weight.device.type != "cpu":
             device = weight.device
     size = value.numel()
+    if acc.kind.parts != 1:
+        _check_parts(acc, name, size)
     if size != 1 and acc.kind.replaces:
         raise ValueError(
             f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape "
@@ -174,6 +187,8 @@ def record_prepared(acc: Accumulator, name: str, prepared: Prepared, nonfinite: 
     if value is None:
         record_number(acc, name, prepared.number, prepared.weight_number, nonfinite)
         return
+    if acc.kind.parts != 1:
+        _check_parts(acc, name, prepared.size)
     if acc.kind.replaces and prepared.size != 1:
         raise ValueError(
             f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {prepared.shape}"

@@ -122,7 +122,11 @@ class Kind:
     num_maxes: int = 0
     has_extra: bool = False
     replaces: bool = False
-    """True for kinds whose new value replaces the rank's state (``last``)."""
+    """True for kinds whose new value replaces the rank's state (``last``); a call then
+    takes one element."""
+    parts: int = 1
+    """Into how many equal parts each call's elements split (``Batch.chunk_index``); a
+    call must hold a multiple of it (checked in the log call)."""
 
     def fingerprint(self) -> str:
         """What must match across processes for two states of this kind to merge: the

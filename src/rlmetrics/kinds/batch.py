@@ -99,8 +99,8 @@ class Batch:
         return self.where(present, self.take(x, last), 0.0), present * 1.0
 
     def chunk_index(self, parts: int) -> Array:
-        """Per element, which of ``parts`` chunks of its call it falls in, as
-        ``torch.chunk`` cuts a call (chunks of ceil(length / parts) elements)."""
+        """Per element, which of ``parts`` equal chunks of its call it falls in (calls
+        hold a multiple of ``parts`` elements: see ``Kind.parts``)."""
         lengths = np.asarray(self.call_lengths, dtype=np.int64)
         starts = np.cumsum(lengths) - lengths
         position = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)

@@ -41,13 +41,16 @@ def chan_merge(a: Array, b: Array) -> Array:
 class MomentTriples(Kind):
     """Base of kinds whose state is ``num_triples`` (W, mean, M2) triples, Chan-merged.
 
-    Each logged call is split into ``num_triples`` equal parts (as ``torch.chunk``
-    splits it), one per triple; the states travel as float64 vectors of
-    3 * ``num_triples`` (one gather at sync).
+    Each logged call is split into ``num_triples`` equal parts, one per triple; the
+    states travel as float64 vectors of 3 * ``num_triples`` (one gather at sync).
     """
 
     has_extra = True
     num_triples = 1
+
+    @property
+    def parts(self) -> int:  # type: ignore[override]
+        return self.num_triples
 
     def reduce(self, batch: Batch) -> tuple[Array, Array]:
         return batch.columns(), batch.columns()

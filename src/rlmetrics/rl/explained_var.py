@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds import Accumulator, MetricState, get_kind, register_kind
+from rlmetrics.kinds import MetricState, get_kind, register_kind
 from rlmetrics.kinds.std import MomentTriples
 from rlmetrics.rl.updates import MetricUpdate, bool_mask
 
@@ -29,11 +29,6 @@ class ExplainedVar(MomentTriples):
 
     name = KIND_NAME
     num_triples = 2
-
-    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
-        raise TypeError(
-            f"kind {KIND_NAME!r} takes a tensor cat((returns, returns - values)), got a number"
-        )
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         w_ret, _, m2_ret, w_res, _, m2_res = state.extra
