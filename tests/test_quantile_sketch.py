@@ -8,6 +8,7 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ from rlmetrics.kinds.quantile import (
     bucket_bounds,
     bucket_slots,
     bucket_values,
+    sketch_update,
+    sketch_update_host,
 )
 
 from gloo_ranks import ok_results, run_ranks
@@ -147,6 +150,23 @@ def test_python_numbers_land_in_the_slots_tensors_do() -> None:
     zero_slot = bounds.size + 1
     assert slots[: bounds.size] == list(range(zero_slot + 1, zero_slot + 1 + bounds.size))
     assert slots[-3:] == [2 * zero_slot + 1, zero_slot + 1, 2 * zero_slot]  # NaN, under, over
+
+
+def test_host_and_tensor_updates_give_the_same_counts() -> None:
+    rng = np.random.default_rng(8)
+    bounds = SKETCH.bounds
+    x = np.concatenate([bounds, -np.nextafter(bounds, np.inf), rng.standard_cauchy(500)])
+    x = np.concatenate([x, [0.0, math.nan, math.inf, -math.inf]])
+    w = rng.integers(0, 3, x.size).astype(np.float64)
+    for weights in (None, w):
+        host_sums, host_maxes = sketch_update_host(x, weights, bounds)
+        sums, maxes = sketch_update(
+            torch.from_numpy(x),
+            None if weights is None else torch.from_numpy(weights),
+            torch.from_numpy(bounds),
+        )
+        assert counts(tuple(host_sums)) == counts(tuple(sums.tolist()))
+        np.testing.assert_array_equal(host_maxes, maxes.numpy())
 
 
 def test_each_representative_is_within_alpha_of_its_bucket() -> None:
@@ -373,3 +393,12 @@ def test_empty_metric_is_omitted_or_nan() -> None:
     out = tracker.compute()
     assert set(out) == {f"{m}/{s}" for m in "xy" for s in SKETCH.result_names()}
     assert all(math.isnan(v) for v in out.values())
+
+
+def test_the_docs_example_runs() -> None:
+    text = (Path(__file__).parents[1] / "docs" / "quantiles.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    try:
+        exec(compile(example, "docs/quantiles.md", "exec"), {})
+    finally:
+        unregister_kind("quantile_len")

@@ -26,8 +26,9 @@ the magnitude otherwise. Every estimate is clamped to the observed ``[min, max]`
 ``p0`` and ``p100`` are exact and a constant batch is reported exactly.
 
 The arithmetic is in module-level functions (``bucket_bounds``, ``bucket_slots``,
-``sketch_update``, ``sketch_results``) that the kind calls, so that it does not depend
-on the kind protocol's shape.
+``sketch_update`` for tensors and ``sketch_update_host`` for numpy arrays,
+``sketch_results``) that the kind calls, so that it does not depend on the kind
+protocol's shape.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +50,7 @@ NUM_MOMENTS = 3
 MAX_SLOTS = 200_000
 """The largest state (SUM slots) a configuration may ask for: 1.6 MB per metric."""
 STAT_NAMES = ("mean", "std", "min", "max")
+ArrayT = TypeVar("ArrayT", Tensor, np.ndarray)
 
 
 def bucket_bounds(alpha: float, min_positive: float, max_value: float) -> np.ndarray:
@@ -88,16 +91,17 @@ def bucket_error(bounds: np.ndarray) -> float:
     return float(np.max((high - low) / (high + low)))
 
 
-def bucket_slots(values: Tensor, bounds: Tensor) -> Tensor:
-    """Each value's count slot (int64, same device): see the module docstring for the
-    order; NaN goes to the last slot, ``2K + 5`` for ``K + 1`` bounds. No host sync."""
-    num_bounds = bounds.numel()
-    zero_slot = num_bounds + 1  # K + 2 negative buckets come first
-    # right=False: slot j for b[j-1] < |x| <= b[j]; 0 below b[0]; K + 1 above b[K] (inf)
-    index = torch.bucketize(values.abs(), bounds)
-    slots = torch.where(values > 0, zero_slot + 1 + index, zero_slot - 1 - index)
-    slots = torch.where(values == 0, zero_slot, slots)
-    return torch.where(torch.isnan(values), 2 * zero_slot + 1, slots)
+def bucket_slots(values: ArrayT, bounds: ArrayT) -> ArrayT:
+    """Each value's count slot (int64), for a torch tensor (no host sync, same device)
+    or a numpy array, by the same comparisons: see the module docstring for the order;
+    NaN goes to the last slot, ``2K + 5`` for ``K + 1`` bounds."""
+    xp = torch if isinstance(values, Tensor) else np
+    zero_slot = len(bounds) + 1  # K + 2 negative buckets come first
+    # side "left": slot j for b[j-1] < |x| <= b[j]; 0 up to b[0]; K + 1 above b[K] (inf)
+    index = xp.searchsorted(bounds, abs(values))
+    slots = xp.where(values > 0, zero_slot + 1 + index, zero_slot - 1 - index)
+    slots = xp.where(values == 0, zero_slot, slots)
+    return xp.where(xp.isnan(values), 2 * zero_slot + 1, slots)
 
 
 def sketch_update(values: Tensor, weights: Tensor | None, bounds: Tensor) -> tuple[Tensor, Tensor]:
@@ -106,16 +110,15 @@ def sketch_update(values: Tensor, weights: Tensor | None, bounds: Tensor) -> tup
     An element counts when its weight is > 0 (None: every element); the others add
     nothing, NaN included. The sums' shape depends on ``bounds`` only.
     """
-    num_counts = 2 * bounds.numel() + 4
     if weights is None:
         kept = torch.ones_like(values, dtype=torch.bool)
         x = values
     else:
         kept = weights > 0
         x = torch.where(kept, values, 0.0)
-    counts = values.new_zeros(num_counts)
-    counts.index_add_(0, bucket_slots(x, bounds), kept.to(values.dtype))
+    counts = values.new_zeros(2 * len(bounds) + 4)
     # a deselected element sits in the zero slot with weight 0: it adds nothing
+    counts.index_add_(0, bucket_slots(x, bounds), kept.to(values.dtype))
     moments = torch.stack((kept.sum().to(values.dtype), x.sum(), (x * x).sum()))
     sums = torch.cat((moments, counts))
     if values.numel() == 0:  # a shape check, not a data check: no sync
@@ -123,6 +126,28 @@ def sketch_update(values: Tensor, weights: Tensor | None, bounds: Tensor) -> tup
     high = torch.where(kept, values, -math.inf).amax()
     neg_low = torch.where(kept, -values, -math.inf).amax()
     return sums, torch.stack((high, neg_low))
+
+
+def sketch_update_host(
+    values: np.ndarray, weights: np.ndarray | None, bounds: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``sketch_update`` for host data (1-D float64 numpy arrays), with numpy: the same
+    slots and counts (the moments may differ in the last bit: another summation order)."""
+    if weights is None:
+        kept, x, num = None, values, float(values.size)
+    else:
+        kept = weights > 0
+        x, num = np.where(kept, values, 0.0), float(np.count_nonzero(kept))
+    counts = np.bincount(
+        bucket_slots(x, bounds),
+        weights=None if kept is None else kept.astype(np.float64),
+        minlength=2 * len(bounds) + 4,
+    )
+    with np.errstate(all="ignore"):  # inf - inf, overflow: what the arithmetic gives
+        sums = np.concatenate(([num, x.sum(), (x * x).sum()], counts))
+    selected = values if kept is None else np.where(kept, values, -math.inf)
+    negated = -values if kept is None else np.where(kept, -values, -math.inf)
+    return sums, np.array([selected.max(initial=-math.inf), negated.max(initial=-math.inf)])
 
 
 def sketch_quantiles(
@@ -244,12 +269,11 @@ class QuantileSketch(Kind):
         return sketch_update(values, weights, bounds)
 
     def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
-        """Host data through ``update`` (one code path), adding the non-zero slots only."""
-        weight_tensor = None if weights is None else torch.from_numpy(weights)
-        sums, maxes = self.update(torch.from_numpy(values), weight_tensor)
-        array = sums.numpy()
-        for i in np.flatnonzero(array).tolist():
-            acc.sums[i] += float(array[i])
+        """Host data with numpy (the slots ``update`` gives), adding the non-zero slots."""
+        sums, maxes = sketch_update_host(values, weights, self.bounds)
+        acc_sums = acc.sums
+        for i in np.flatnonzero(sums).tolist():
+            acc_sums[i] += float(sums[i])
         acc.add_host([], maxes.tolist())
 
     def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
