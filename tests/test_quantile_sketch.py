@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -206,6 +207,19 @@ def test_state_size_does_not_depend_on_n() -> None:
     assert sizes == {(SKETCH.num_sums, 2, None)}
     assert SKETCH.num_sums == NUM_MOMENTS + 2 * SKETCH.bounds.size + 4
     assert not SKETCH.has_extra  # nothing is gathered beyond the packed buffers
+
+
+def test_state_dict_and_pickle_round_trips() -> None:
+    tracker = Tracker()
+    tracker.log(
+        "x", torch.from_numpy(np.random.default_rng(9).lognormal(0, 2, 500)), kind=SKETCH.name
+    )
+    tracker.log("x", -3.0, kind=SKETCH.name)
+    expected = tracker.state()
+    restored = Tracker()
+    restored.load_state_dict(tracker.state_dict())
+    assert restored.state() == expected == pickle.loads(pickle.dumps(expected))
+    assert restored.compute() == tracker.compute()
 
 
 # -- merge invariance ---------------------------------------------------------------------
