@@ -229,6 +229,7 @@ class QuantileSketch(Kind):
         >>> unregister_kind("doc_sketch")
     """
 
+    name = "quantile"  # the default; an instance may take another
     takes_weight = False  # a selector, as dist's
     num_maxes = 2  # max, -min
 
