@@ -11,6 +11,7 @@ import random
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -282,24 +283,65 @@ def rank_tracker(rank: int) -> Tracker:
     return tracker
 
 
-def gloo_compute(rank: int, world_size: int) -> dict[str, float]:
-    return rank_tracker(rank).compute(timeout=60)
+def count_collectives() -> dict[str, int]:
+    """Count this rank's all_gather and all_reduce calls from now on."""
+    import torch.distributed as dist
+
+    counts = {"n": 0}
+    for name in ("all_gather", "all_reduce"):
+        original = getattr(dist, name)
+
+        def wrapped(*args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+            counts["n"] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    return counts
 
 
-def test_two_gloo_ranks_equal_one_process() -> None:
-    gloo = ok_results(run_ranks(gloo_compute, 2))
+def gloo_steps(rank: int, world_size: int) -> list[tuple[dict[str, float], int, int]]:
+    """Per step, on the gather path then on the all-reduce pair: (the sketch's results,
+    collectives with the sketch and a mean, collectives with the mean alone)."""
+    from rlmetrics import distributed as rd
+
+    counts = count_collectives()
+    out = []
+    for limit in (rd.GATHER_LIMIT, 0):
+        rd.GATHER_LIMIT = limit
+        for _ in range(2):  # the first step agrees on the schema; the second is steady
+            tracker = rank_tracker(rank)
+            tracker.mean("m", float(rank))
+            before = counts["n"]
+            result = tracker.compute(timeout=60)
+            with_sketch = counts["n"] - before
+            alone = Tracker()
+            alone.mean("m", float(rank))
+            before = counts["n"]
+            alone.compute(timeout=60)
+            result.pop("m")
+            out.append((result, with_sketch, counts["n"] - before))
+    return out
+
+
+def test_two_gloo_ranks_equal_one_process_with_no_collective_of_its_own() -> None:
+    rank0, rank1 = ok_results(run_ranks(gloo_steps, 2, timeout=300))
     driver = TrackerState.merge_all([rank_tracker(r).state() for r in range(2)]).compute()
-    assert gloo[0] == gloo[1] == driver
     whole = Tracker()
     x = np.concatenate([shard(0), [shard(0)[0]], shard(1), [shard(1)[0]]])
     whole.log("x", torch.from_numpy(x), kind=SKETCH.name)
     one = whole.compute()
-    for key, value in one.items():
-        if key.endswith(("/mean", "/std")):
-            assert gloo[0][key] == pytest.approx(value, rel=1e-12), key
-        else:
-            assert gloo[0][key] == value, key
-    check_against_numpy(SKETCH, gloo[0], x)
+    check_against_numpy(SKETCH, one, x)
+    for step, ((got0, count0, alone0), (got1, _, _)) in enumerate(zip(rank0, rank1, strict=True)):
+        assert got0 == got1, step
+        if step < 2:  # the gather path merges the states as the driver does: same bits
+            assert got0 == driver, step
+        for key, value in one.items():
+            if key.endswith(("/mean", "/std")):
+                assert got0[key] == pytest.approx(value, rel=1e-12), (step, key)
+            else:
+                assert got0[key] == value, (step, key)
+        if step % 2:  # steady: the sketch adds no collective (1 gather, or 2 all-reduces)
+            assert count0 == alone0 == (1 if step < 2 else 2), step
 
 
 # -- non-finite values ----------------------------------------------------------------------
