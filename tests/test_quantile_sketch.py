@@ -27,8 +27,6 @@ from rlmetrics.kinds.quantile import (
     bucket_bounds,
     bucket_slots,
     bucket_values,
-    sketch_update,
-    sketch_update_host,
 )
 
 from gloo_ranks import ok_results, run_ranks
@@ -141,35 +139,43 @@ def test_out_of_range_values_follow_the_stated_clamping() -> None:
     check_against_numpy(COARSE, out, x, std=False)
 
 
-def test_python_numbers_land_in_the_slots_tensors_do() -> None:
+def test_numpy_and_torch_put_values_in_the_same_slots() -> None:
     bounds = SKETCH.bounds
     edges = np.concatenate([bounds, np.nextafter(bounds, 0), np.nextafter(bounds, np.inf)])
     values = np.concatenate(
         [edges, -edges, [0.0, -0.0, math.inf, -math.inf, math.nan, 5e-324, 1e300]]
     )
     slots = bucket_slots(torch.from_numpy(values), torch.from_numpy(bounds)).tolist()
-    assert slots == [SKETCH.slot_of(v) for v in values.tolist()]
+    assert slots == bucket_slots(values, bounds).tolist()
     # upper-inclusive buckets: b[j] is in bucket j, its next float up in bucket j + 1
     zero_slot = bounds.size + 1
     assert slots[: bounds.size] == list(range(zero_slot + 1, zero_slot + 1 + bounds.size))
     assert slots[-3:] == [2 * zero_slot + 1, zero_slot + 1, 2 * zero_slot]  # NaN, under, over
 
 
-def test_host_and_tensor_updates_give_the_same_counts() -> None:
+def test_numbers_host_arrays_and_the_device_path_give_the_same_counts() -> None:
     rng = np.random.default_rng(8)
     bounds = SKETCH.bounds
     x = np.concatenate([bounds, -np.nextafter(bounds, np.inf), rng.standard_cauchy(500)])
     x = np.concatenate([x, [0.0, math.nan, math.inf, -math.inf]])
     w = rng.integers(0, 3, x.size).astype(np.float64)
     for weights in (None, w):
-        host_sums, host_maxes = sketch_update_host(x, weights, bounds)
-        sums, maxes = sketch_update(
-            torch.from_numpy(x),
-            None if weights is None else torch.from_numpy(weights),
-            torch.from_numpy(bounds),
-        )
-        assert counts(tuple(host_sums)) == counts(tuple(sums.tolist()))
-        np.testing.assert_array_equal(host_maxes, maxes.numpy())
+        states = []
+        for route in ("numbers", "host", "device"):
+            t = Tracker()
+            t.host_arrays = route != "device"
+            if route == "numbers":
+                for i, value in enumerate(x.tolist()):
+                    t.log(
+                        "x", value, None if weights is None else float(weights[i]), kind=SKETCH.name
+                    )
+            else:
+                tw = None if weights is None else torch.from_numpy(weights)
+                t.log("x", torch.from_numpy(x), tw, kind=SKETCH.name)
+            states.append(t.state().metrics["x"])
+        for state in states[1:]:
+            assert counts(state.sums) == counts(states[0].sums)
+            np.testing.assert_array_equal(state.maxes, states[0].maxes)
 
 
 def test_each_representative_is_within_alpha_of_its_bucket() -> None:

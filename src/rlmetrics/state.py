@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics.kinds import Dist, Kind, MetricState, get_kind
+from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
 
 STATE_VERSION = 1
 
@@ -80,10 +80,8 @@ class TrackerState:
             raise ValueError(f"compute(empty=...) must be one of ('omit', 'nan'), got {empty!r}")
         if quantiles is None:
             return results(self.metrics, get_kind, empty=empty)
-        dist = Dist(quantiles)
-        return results(
-            self.metrics, lambda name: dist if name == "dist" else get_kind(name), empty=empty
-        )
+        own = {"dist": Dist(quantiles), "quantile": QuantileSketch(quantiles=quantiles)}
+        return results(self.metrics, lambda name: own.get(name) or get_kind(name), empty=empty)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain python (JSON-friendly except numpy arrays) for checkpoints."""

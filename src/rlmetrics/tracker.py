@@ -14,7 +14,7 @@ from torch import Tensor
 from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
 from rlmetrics.fold import fold
 from rlmetrics.inputs import as_number, check_name
-from rlmetrics.kinds import Accumulator, Dist, Kind, get_kind
+from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
 from rlmetrics.kinds.base import NUM_FLAGS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
@@ -85,6 +85,11 @@ class LogMethods:
     def dist(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
         """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
         self._log(name, "dist", value, weight if mask is None else _alias(name, weight, mask))
+
+    def quantile(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+        """Every element with weight > 0 into a fixed-size sketch: the keys ``dist``
+        reports, quantiles within a relative error (see docs/quantiles.md)."""
+        self._log(name, "quantile", value, weight if mask is None else _alias(name, weight, mask))
 
     def log(
         self, name: str, value: Any, weight: Any = None, mask: Any = None, *, kind: str
@@ -190,7 +195,10 @@ class Tracker(LogMethods):
             )
         self.empty = empty
         self.nonfinite = nonfinite
-        self._own_kinds: dict[str, Kind] = {"dist": Dist(quantiles)}
+        self._own_kinds: dict[str, Kind] = {
+            "dist": Dist(quantiles),
+            "quantile": QuantileSketch(quantiles=quantiles),
+        }
         self._accumulators: dict[str, Accumulator] = {}
         # every name's accumulator, kept across steps and cleared on reuse: no
         # allocation per name per step, and the sync code can recognise a step's

@@ -12,10 +12,11 @@ from rlmetrics.kinds.dist import Dist
 from rlmetrics.kinds.extrema import Max, Min
 from rlmetrics.kinds.last import Last
 from rlmetrics.kinds.mean import Mean
+from rlmetrics.kinds.quantile import QuantileSketch
 from rlmetrics.kinds.std import Std
 from rlmetrics.kinds.sum import Sum
 
-BUILTIN_KINDS: tuple[type[Kind], ...] = (Mean, Sum, Max, Min, Std, Last, Dist)
+BUILTIN_KINDS: tuple[type[Kind], ...] = (Mean, Sum, Max, Min, Std, Last, Dist, QuantileSketch)
 _registry: dict[str, Kind] = {cls.name: cls() for cls in BUILTIN_KINDS}
 
 
@@ -171,6 +172,7 @@ __all__ = [
     "Mean",
     "MetricState",
     "Min",
+    "QuantileSketch",
     "ResultFormula",
     "Std",
     "Sum",

@@ -152,8 +152,9 @@ class Kind:
         return None
 
     def merge_dev_extra(self, acc_extra: Any, batch: Any) -> Any:
-        """Fold a batch extra into an accumulator's batch extras (None when empty)."""
-        return batch if acc_extra is None else [*acc_extra, batch]
+        """Fold a batch extra into an accumulator's batch extras (None when empty); the
+        default keeps them in a list."""
+        return [*(acc_extra or []), batch]
 
     def merge_extra(self, a: Any, b: Any) -> Any:
         """Merge two host extras (associative, commutative; inputs unchanged)."""

@@ -127,6 +127,10 @@ class Batch:
             return np.zeros((self.num_rows, 0))
         return np.stack(columns, axis=1).astype(np.float64, copy=False)
 
+    def concat(self, *blocks: Array) -> Array:
+        """(rows, k) state blocks side by side."""
+        return np.concatenate(blocks, axis=1)
+
     def split(self, x: Array) -> list[Array]:
         """``x`` cut into its rows' pieces."""
         return np.split(x, np.cumsum(self.lengths[:-1]))
@@ -173,6 +177,9 @@ class DeviceBatch(Batch):
         if not columns:
             return torch.zeros((self.num_rows, 0), dtype=torch.float64, device=self.values.device)
         return torch.stack([c.to(torch.float64) for c in columns], dim=1)
+
+    def concat(self, *blocks: Tensor) -> Tensor:
+        return torch.cat(blocks, dim=1)
 
     def split(self, x: Tensor) -> list[Tensor]:
         return list(x.split(self.lengths))

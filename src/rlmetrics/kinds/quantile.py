@@ -25,15 +25,12 @@ Magnitudes below the range (underflow) are reported with an absolute error below
 the magnitude otherwise. Every estimate is clamped to the observed ``[min, max]``, so
 ``p0`` and ``p100`` are exact and a constant batch is reported exactly.
 
-The arithmetic is in module-level functions (``bucket_bounds``, ``bucket_slots``,
-``sketch_update`` for tensors and ``sketch_update_host`` for numpy arrays,
-``sketch_results``) that the kind calls, so that it does not depend on the kind
-protocol's shape.
+The bucket arithmetic is in module-level functions (``bucket_bounds``,
+``bucket_slots``, ``sketch_results``) that work on numpy arrays and tensors alike.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from typing import TypeVar
@@ -42,7 +39,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Kind, MetricState
+from rlmetrics.kinds.batch import Array, Batch
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, check_quantiles, quantile_suffix
 
 NUM_MOMENTS = 3
@@ -102,52 +100,6 @@ def bucket_slots(values: ArrayT, bounds: ArrayT) -> ArrayT:
     slots = xp.where(values > 0, zero_slot + 1 + index, zero_slot - 1 - index)
     slots = xp.where(values == 0, zero_slot, slots)
     return xp.where(xp.isnan(values), 2 * zero_slot + 1, slots)
-
-
-def sketch_update(values: Tensor, weights: Tensor | None, bounds: Tensor) -> tuple[Tensor, Tensor]:
-    """One batch's (sums, maxes) state, float64 on the values' device, no host sync.
-
-    An element counts when its weight is > 0 (None: every element); the others add
-    nothing, NaN included. The sums' shape depends on ``bounds`` only.
-    """
-    if weights is None:
-        kept = torch.ones_like(values, dtype=torch.bool)
-        x = values
-    else:
-        kept = weights > 0
-        x = torch.where(kept, values, 0.0)
-    counts = values.new_zeros(2 * len(bounds) + 4)
-    # a deselected element sits in the zero slot with weight 0: it adds nothing
-    counts.index_add_(0, bucket_slots(x, bounds), kept.to(values.dtype))
-    moments = torch.stack((kept.sum().to(values.dtype), x.sum(), (x * x).sum()))
-    sums = torch.cat((moments, counts))
-    if values.numel() == 0:  # a shape check, not a data check: no sync
-        return sums, values.new_full((2,), -math.inf)
-    high = torch.where(kept, values, -math.inf).amax()
-    neg_low = torch.where(kept, -values, -math.inf).amax()
-    return sums, torch.stack((high, neg_low))
-
-
-def sketch_update_host(
-    values: np.ndarray, weights: np.ndarray | None, bounds: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """``sketch_update`` for host data (1-D float64 numpy arrays), with numpy: the same
-    slots and counts (the moments may differ in the last bit: another summation order)."""
-    if weights is None:
-        kept, x, num = None, values, float(values.size)
-    else:
-        kept = weights > 0
-        x, num = np.where(kept, values, 0.0), float(np.count_nonzero(kept))
-    counts = np.bincount(
-        bucket_slots(x, bounds),
-        weights=None if kept is None else kept.astype(np.float64),
-        minlength=2 * len(bounds) + 4,
-    )
-    with np.errstate(all="ignore"):  # inf - inf, overflow: what the arithmetic gives
-        sums = np.concatenate(([num, x.sum(), (x * x).sum()], counts))
-    selected = values if kept is None else np.where(kept, values, -math.inf)
-    negated = -values if kept is None else np.where(kept, -values, -math.inf)
-    return sums, np.array([selected.max(initial=-math.inf), negated.max(initial=-math.inf)])
 
 
 def sketch_quantiles(
@@ -230,7 +182,6 @@ class QuantileSketch(Kind):
     """
 
     name = "quantile"  # the default; an instance may take another
-    takes_weight = False  # a selector, as dist's
     num_maxes = 2  # max, -min
 
     def __init__(
@@ -257,44 +208,22 @@ class QuantileSketch(Kind):
         self.num_sums = NUM_MOMENTS + 2 * self.bounds.size + 4
         self.reps = bucket_values(self.bounds)
         self.relative_error = bucket_error(self.bounds)
-        self._bound_list = self.bounds.tolist()
-        self._device_bounds: dict[torch.device, Tensor] = {}
 
     # -- accumulation -----------------------------------------------------------------
-    def update(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The batch's moments and bucket counts (SUM) and (max, -min) (MAX)."""
-        bounds = self._device_bounds.get(values.device)
-        if bounds is None:
-            bounds = torch.tensor(self.bounds, dtype=torch.float64, device=values.device)
-            self._device_bounds[values.device] = bounds
-        return sketch_update(values, weights, bounds)
-
-    def add_array(self, acc: Accumulator, values: np.ndarray, weights: np.ndarray | None) -> None:
-        """Host data with numpy (the slots ``update`` gives), adding the non-zero slots."""
-        sums, maxes = sketch_update_host(values, weights, self.bounds)
-        acc_sums = acc.sums
-        for i in np.flatnonzero(sums).tolist():
-            acc_sums[i] += float(sums[i])
-        acc.add_host([], maxes.tolist())
-
-    def add_float(self, acc: Accumulator, value: float, weight: float) -> None:
-        """One python number (weight > 0 here), in the slot ``bucket_slots`` gives it."""
-        sums = acc.sums
-        sums[0] += 1.0
-        sums[1] += value
-        sums[2] += value * value
-        sums[NUM_MOMENTS + self.slot_of(value)] += 1.0
-        acc.add_host([], [value, -value])
-
-    def slot_of(self, value: float) -> int:
-        """``bucket_slots`` for one python number (the same comparisons, via bisect)."""
-        zero_slot = len(self._bound_list) + 1
-        if value != value:
-            return 2 * zero_slot + 1
-        if value == 0.0:
-            return zero_slot
-        index = bisect.bisect_left(self._bound_list, abs(value))
-        return zero_slot + 1 + index if value > 0 else zero_slot - 1 - index
+    def reduce(self, batch: Batch) -> tuple[Array, Array]:
+        """Per metric, the moments and bucket counts of the selected elements (SUM) and
+        their (max, -min) (MAX). A deselected element is 0 by now, in the zero slot with
+        weight 0: it adds nothing."""
+        values, selected = batch.values, batch.selected()
+        width = self.num_sums - NUM_MOMENTS
+        bounds = self.bounds if batch.on_host else batch.constant(self.bounds)
+        keys = batch.segments * width + bucket_slots(values, bounds)
+        counts = batch.sum_by(selected * 1.0, keys, batch.num_rows * width)
+        moments = batch.columns(batch.count(), batch.sum_by(values), batch.sum_by(values * values))
+        high = batch.max_by(batch.where(selected, values, -math.inf))
+        neg_low = batch.max_by(batch.where(selected, -values, -math.inf))
+        sums = batch.concat(moments, counts.reshape(batch.num_rows, width))
+        return sums, batch.columns(high, neg_low)
 
     # -- result -------------------------------------------------------------------------
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
