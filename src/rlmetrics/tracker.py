@@ -58,7 +58,7 @@ class LogMethods:
         raise NotImplementedError
 
     def mean(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
-        """Weighted mean: adds (Σ value·weight, Σ weight)."""
+        """Weighted mean: Σ value·weight / Σ weight."""
         self._log(name, "mean", value, weight if mask is None else _alias(name, weight, mask))
 
     def sum(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
@@ -135,7 +135,7 @@ def _alias(name: str, weight: Any, mask: Any) -> Any:
 
 
 class Tracker(LogMethods):
-    """Named metrics of one step, each accumulated by its kind, merged exactly.
+    """Named metrics of one step, each reduced by its kind, merged exactly.
 
     A log call records its value and weight (python numbers, arrays, tensors as they
     are: no arithmetic, no torch operation, no host sync); once per step, each kind

@@ -25,8 +25,9 @@ def register_kind(kind: Kind, *, exist_ok: bool = False) -> Kind:
 
     Every process that logs, merges or computes the kind's metrics must register it,
     under the same name, before it does so. The kind is checked here (its attributes,
-    the methods it must implement, and one probe ``update`` on a two-element CPU batch),
-    so a malformed kind fails now rather than at a step's sync.
+    the methods it must implement, and one probe ``reduce`` on a small batch, on the host
+    and through the device path), so a malformed kind fails now rather than at a step's
+    sync.
 
     Args:
         kind: the kind instance.

@@ -1,6 +1,7 @@
-"""The aggregation-kind protocol: fixed state slots, update, merge, result.
+"""The aggregation-kind protocol: fixed state slots, reduce, merge, result.
 
-A kind describes how values accumulate into a small state and how two states merge.
+A kind describes how a step's logged values reduce to a small state (``reduce``, over a
+``Batch`` of all its metrics' records) and how two states merge.
 Every state has the same shape:
 
 * ``sums``: slots merged by addition,
@@ -208,6 +209,17 @@ class Kind:
     def result_names(self) -> tuple[str, ...]:
         """The suffixes ``result`` may return ('' for the bare name), for NaN reports."""
         return ("",)
+
+    def config(self) -> tuple:
+        """What makes two instances the same kind (``==`` and ``hash``): by default the
+        instance itself; configurable kinds return their parameters."""
+        return (id(self),)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.config() == self.config()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.config()))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

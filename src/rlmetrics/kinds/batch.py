@@ -38,6 +38,7 @@ class Batch:
     """
 
     on_host: bool = True
+    xp: Any = np  # the array namespace: numpy here, torch on a device
 
     def __init__(
         self,
@@ -116,10 +117,10 @@ class Batch:
         return per_row[self.segments]
 
     def where(self, condition: Array, a: Any, b: Any) -> Array:
-        return np.where(condition, a, b)
+        return self.xp.where(condition, a, b)
 
     def isfinite(self, x: Array) -> Array:
-        return np.isfinite(x)
+        return self.xp.isfinite(x)
 
     def columns(self, *columns: Array) -> Array:
         """Per-row columns as a (rows, len(columns)) state block."""
@@ -129,7 +130,7 @@ class Batch:
 
     def concat(self, *blocks: Array) -> Array:
         """(rows, k) state blocks side by side."""
-        return np.concatenate(blocks, axis=1)
+        return self.xp.concatenate(blocks, axis=1)
 
     def split(self, x: Array) -> list[Array]:
         """``x`` cut into its rows' pieces."""
@@ -153,6 +154,7 @@ class DeviceBatch(Batch):
     """A batch of tensors on one device (no host sync in any operation)."""
 
     on_host = False
+    xp = torch
 
     def sum_by(self, x: Tensor, keys: Tensor | None = None, size: int | None = None) -> Tensor:
         if keys is None:
@@ -167,19 +169,10 @@ class DeviceBatch(Batch):
         out = torch.full((self.num_rows,), -math.inf, dtype=torch.float64, device=x.device)
         return out.scatter_reduce_(0, self.segments, x.to(torch.float64), "amax")
 
-    def where(self, condition: Tensor, a: Any, b: Any) -> Tensor:
-        return torch.where(condition, a, b)
-
-    def isfinite(self, x: Tensor) -> Tensor:
-        return torch.isfinite(x)
-
     def columns(self, *columns: Tensor) -> Tensor:
         if not columns:
             return torch.zeros((self.num_rows, 0), dtype=torch.float64, device=self.values.device)
         return torch.stack([c.to(torch.float64) for c in columns], dim=1)
-
-    def concat(self, *blocks: Tensor) -> Tensor:
-        return torch.cat(blocks, dim=1)
 
     def split(self, x: Tensor) -> list[Tensor]:
         return list(x.split(self.lengths))

@@ -14,9 +14,9 @@ class Max(Kind):
     Example:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
-        >>> t.max("len", 3); t.max("len", 7)
-        >>> t.compute()["len"]
-        7.0
+        >>> t.max("len/max", 3); t.max("len/max", 7); t.min("len/min", [3, 7])
+        >>> t.compute()
+        {'len/max': 7.0, 'len/min': 3.0}
     """
 
     name = "max"
@@ -38,15 +38,8 @@ class Max(Kind):
 
 
 class Min(Max):
-    """Smallest element logged, stored as the max of the negated values.
-
-    Example:
-        >>> from rlmetrics import Tracker
-        >>> t = Tracker()
-        >>> t.min("len", 3); t.min("len", 7)
-        >>> t.compute()["len"]
-        3.0
-    """
+    """Smallest element logged (a weight or mask > 0 selects), stored as the max of the
+    negated values so that it merges, packs and syncs as ``Max`` does."""
 
     name = "min"
     result_formula = ResultFormula(value=1, present=0, negate=True)  # state: [count, -min]

@@ -120,17 +120,11 @@ class Histogram(Kind):
         return ("count", *(bins if self.report_bins else ()), *map(quantile_suffix, self.quantiles))
 
     # -- identity: equal configurations are the same kind ---------------------------------
-    def _config(self) -> tuple:
+    def config(self) -> tuple:
         return (self.name, self.edges, self.quantiles, self.report_bins)
 
     def fingerprint(self) -> str:
         return f"{super().fingerprint()}:{list(self.edges)!r}"
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._config() == self._config()
-
-    def __hash__(self) -> int:
-        return hash((type(self), self._config()))
 
     def __repr__(self) -> str:
         return f"Histogram(name={self.name!r}, edges={list(self.edges)!r})"

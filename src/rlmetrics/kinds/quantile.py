@@ -239,17 +239,11 @@ class QuantileSketch(Kind):
         return (*STAT_NAMES, *map(quantile_suffix, self.quantiles))
 
     # -- identity: equal configurations are the same kind ---------------------------------
-    def _config(self) -> tuple:
+    def config(self) -> tuple:
         return (self.name, self.alpha, self.min_positive, self.max_value, self.quantiles)
 
     def fingerprint(self) -> str:
         return f"{super().fingerprint()}:{self.alpha!r}:{self.min_positive!r}:{self.max_value!r}"
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._config() == self._config()
-
-    def __hash__(self) -> int:
-        return hash((type(self), self._config()))
 
     def __repr__(self) -> str:
         return (
