@@ -137,8 +137,9 @@ def _batch(
             skipped = batch.sum_by(((weights > 0) & ~finite) * 1.0)
             weights = batch.where(finite, weights, zero)
         flags = batch.columns(skipped, rejected)
-    batch.weights = weights
-    batch.values = batch.where(weights > 0, values, zero)
+    selected = weights > 0
+    batch.weights, batch.values = weights, batch.where(selected, values, zero)
+    batch._selected = selected
     return batch, flags
 
 
@@ -205,7 +206,7 @@ def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
     blocks: list[Any] = []
     order: list[int] = []
     if host:
-        flat = [np.asarray(parts[i], dtype=np.float64).reshape(-1) for i in host]
+        flat = [_flat_host(parts[i]) for i in host]
         blocks.append(np.concatenate(flat) if len(flat) > 1 else flat[0])
         order += host
     target = device or torch.device("cpu")
@@ -228,6 +229,12 @@ def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
         permutation = _permutation(order, sizes)
         flat_all = flat_all[permutation if device is None else _on(permutation, device)]
     return flat_all
+
+
+def _flat_host(part: np.ndarray) -> np.ndarray:
+    if part.ndim == 1 and part.dtype == np.float64:
+        return part
+    return np.asarray(part, dtype=np.float64).reshape(-1)
 
 
 def _tensor_block(

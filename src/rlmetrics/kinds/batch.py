@@ -54,27 +54,32 @@ class Batch:
         self.lengths = list(lengths)
         self.call_lengths = call_lengths
         self.num_rows = len(self.lengths)
+        self._selected: Array | None = None
 
     def part(self, rows: slice, elements: slice, calls: slice) -> Batch:
         """The batch of ``rows`` (whose elements and calls are ``elements`` and
         ``calls``), its rows numbered from 0: the metrics of one kind."""
         segments = self.segments[elements]
-        return type(self)(
+        part = type(self)(
             self.values[elements],
             self.weights[elements],
             segments - rows.start if rows.start else segments,
             self.lengths[rows],
             self.call_lengths[calls],
         )
+        part._selected = self.selected()[elements]
+        return part
 
     # -- operations a kind's reduce uses ---------------------------------------------
     def selected(self) -> Array:
         """Bool per element: weight > 0."""
-        return self.weights > 0
+        if self._selected is None:
+            self._selected = self.weights > 0
+        return self._selected
 
     def count(self) -> Array:
         """Per row, the number of selected elements."""
-        return self.sum_by(self.selected() * 1.0)
+        return self.sum_by(self.selected())
 
     def sum_by(self, x: Array, keys: Array | None = None, size: int | None = None) -> Array:
         """Per row, the sum of ``x`` over the row's elements (0 for an empty row); with
@@ -85,10 +90,13 @@ class Batch:
 
     def max_by(self, x: Array) -> Array:
         """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
+        lengths = self.lengths
+        if 0 not in lengths:
+            return np.maximum.reduceat(x, np.cumsum([0, *lengths[:-1]]))
         out = np.full(self.num_rows, -math.inf)
-        rows = np.flatnonzero(self.lengths)
+        rows = np.flatnonzero(lengths)
         if len(rows):
-            starts = np.cumsum([0, *self.lengths[:-1]])[rows]
+            starts = np.cumsum([0, *lengths[:-1]])[rows]
             out[rows] = np.maximum.reduceat(x, starts)
         return out
 
@@ -97,7 +105,7 @@ class Batch:
         position = self.where(self.selected(), self.positions(), -1.0)
         last = self.max_by(position)
         present = last >= 0
-        return self.where(present, self.take(x, last), 0.0), present * 1.0
+        return self.where(present, self.take(x, last), 0.0), self.where(present, 1.0, 0.0)
 
     def chunk_index(self, parts: int) -> Array:
         """Per element, which of ``parts`` equal chunks of its call it falls in (calls
@@ -126,7 +134,7 @@ class Batch:
         """Per-row columns as a (rows, len(columns)) state block."""
         if not columns:
             return np.zeros((self.num_rows, 0))
-        return np.stack(columns, axis=1).astype(np.float64, copy=False)
+        return np.array(columns, dtype=np.float64).T
 
     def concat(self, *blocks: Array) -> Array:
         """(rows, k) state blocks side by side."""
