@@ -34,6 +34,7 @@ import argparse
 import gc
 import io
 import json
+import socket
 import time
 import traceback
 from pathlib import Path
@@ -50,7 +51,6 @@ from rlmetrics import Tracker
 from rlmetrics import distributed as rd
 from rlmetrics.kinds import register_kind
 from rlmetrics.kinds.histogram import Histogram
-from sync_bench import free_port
 
 MICRO = 4  # values per metric per step (micro-batches)
 DIST_N = 1_000  # elements per dist metric per rank
@@ -297,6 +297,13 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_world(world: int, timeout: float) -> list[tuple[str, list[dict]]]:

@@ -134,7 +134,8 @@ def gloo_ring_allreduce(total: int, ranks: int, rank: int) -> tuple[int, int]:
     """(bytes, messages) ``rank`` sends in gloo's ring all_reduce of ``total`` bytes of
     float64 (gloo/allreduce.cc: at least 2R segments of at most 1 MiB; a reduce-scatter
     and an all_gather phase each send R-1 segments per segment-per-rank; empty
-    segments past the end are not sent)."""
+    segments past the end are not sent). The group's total is exact; the gloo bundled
+    with torch may place a partial segment on another rank than this count does."""
     segments = _round_up(max(math.ceil(total / (1 << 20)), 2 * ranks), ranks)
     per_rank = segments // ranks
     seg_bytes = _round_up(math.ceil(total / segments), FLOAT)
