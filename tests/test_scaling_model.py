@@ -82,6 +82,7 @@ def _both(rank: int, world: int, n: int) -> list[list[tuple[str, int]]]:
     return [_issued(rank, world, n, dists) for dists in (0, 2)]
 
 
+@pytest.mark.slow  # spawns gloo ranks: left out by `make test-fast`
 def test_collectives_equal_the_model() -> None:
     """Scalars only (one gather), then with two dist metrics (and their extras gather:
     n values and n keep flags, padded to the largest rank's n)."""
