@@ -27,7 +27,9 @@ from helpers import (
 )
 
 pytestmark = pytest.mark.usefixtures("log_path")  # host and tensor paths
-KINDS = [cls.name for cls in BUILTIN_KINDS]
+# every exact kind; the quantile sketch is approximate by design and is checked against
+# its stated error in test_quantile_sketch.py
+KINDS = [cls.name for cls in BUILTIN_KINDS if cls.name != "quantile"]
 WEIGHTED = {"mean", "std", "sum"}  # real weights; the other kinds select weight > 0
 NAME = "m"
 
