@@ -51,7 +51,7 @@ def fold(metrics: Iterable[tuple[str, Accumulator]], nonfinite: str) -> None:
     for name, acc in metrics:
         if not acc.values:
             continue
-        if acc.watched and any(tensor._version != version for tensor, version in acc.watched):
+        if acc.versions and _modified(acc):
             modified.append(name)
             _clear_records(acc)
             continue
@@ -70,10 +70,23 @@ def fold(metrics: Iterable[tuple[str, Accumulator]], nonfinite: str) -> None:
         )
 
 
+def _modified(acc: Accumulator) -> bool:
+    """Whether a tensor record changed in place since its log call (its version counter
+    moved); ``versions`` holds, per tensor record in call order, the weight's then the
+    value's version at the log call."""
+    versions = iter(acc.versions)
+    for value, weight in zip(acc.values, acc.weights, strict=True):
+        if isinstance(weight, Tensor) and weight._version != next(versions):
+            return True
+        if isinstance(value, Tensor) and value._version != next(versions):
+            return True
+    return False
+
+
 def _clear_records(acc: Accumulator) -> None:
     acc.values.clear()
     acc.weights.clear()
-    acc.watched.clear()
+    acc.versions.clear()
     acc.num_arrays = 0
 
 

@@ -113,7 +113,7 @@ def check_tensor(name: str, tensor: Tensor, what: str = "value") -> Tensor:
         tensor.dtype in REAL_DTYPES
         and tensor.layout is torch.strided
         and not tensor.is_nested
-        and tensor.device.type != "meta"
+        and not tensor.is_meta
     ):
         return tensor.detach() if tensor.requires_grad else tensor
     if tensor.is_complex():

@@ -148,7 +148,7 @@ def record_tensor(
     tensors go down the host path. Returns the number of elements recorded."""
     value = check_tensor(name, value)
     needs_check = nonfinite == "error"
-    device = value.device
+    on_host = host and value.is_cpu  # else the fold runs on the value's device
     if weight is not None:
         weight = check_tensor(name, weight, "weight")
         if weight.shape != value.shape:
@@ -157,9 +157,10 @@ def record_tensor(
                 f"value shape {tuple(value.shape)}"
             )
         needs_check = needs_check or weight.dtype is not torch.bool
-        acc.watched.append((weight, weight._version))
-        if host and device.type == "cpu" and weight.device.type != "cpu":
-            device = weight.device
+        if on_host and not weight.is_cpu:  # a CPU value with a device weight
+            on_host = False
+            if acc.record_device is None:
+                acc.record_device = weight.device
     size = value.numel()
     if acc.kind.parts != 1:
         _check_parts(acc, name, size)
@@ -172,9 +173,11 @@ def record_tensor(
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
         acc.kept_call = True
-    acc.watched.append((value, value._version))
-    if not (host and device.type == "cpu") and acc.record_device is None:
-        acc.record_device = device
+    if weight is not None:
+        acc.versions.append(weight._version)
+    acc.versions.append(value._version)
+    if not on_host and acc.record_device is None:
+        acc.record_device = value.device
     acc.num_arrays += 1
     acc.values.append(value)
     acc.weights.append(weight)
@@ -198,10 +201,10 @@ def record_prepared(acc: Accumulator, name: str, prepared: Prepared, nonfinite: 
     else:
         acc.kept_call = True
     weight = prepared.weight
-    if type(value) is Tensor or isinstance(value, Tensor):
-        acc.watched.append((value, value._version))
     if isinstance(weight, Tensor):
-        acc.watched.append((weight, weight._version))
+        acc.versions.append(weight._version)
+    if isinstance(value, Tensor):
+        acc.versions.append(value._version)
     device = prepared.device
     if device is not None and acc.record_device is None:
         acc.record_device = device

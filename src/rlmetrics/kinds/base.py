@@ -257,7 +257,7 @@ class Accumulator:
     weights: list[Any] = field(default_factory=list)
     record_device: torch.device | None = None  # a tensor record's device: the fold's
     num_arrays: int = 0  # records that are not python numbers
-    watched: list[tuple[Tensor, int]] = field(default_factory=list)  # (tensor, version)
+    versions: list[int] = field(default_factory=list)  # tensor records' (weight, value)
 
     @classmethod
     def empty(cls, kind: Kind) -> Accumulator:
@@ -277,7 +277,7 @@ class Accumulator:
         self.kept_call = False
         self.values.clear()
         self.weights.clear()
-        self.watched.clear()
+        self.versions.clear()
         self.record_device = None
         self.num_arrays = 0
 
