@@ -1,6 +1,6 @@
 """Benchmark one step's metric sync over gloo: rlmetrics vs bare, verl, torchmetrics, torcheval.
 
-Run from the repository root (about 3-4 minutes on 2 shared cores):
+Run from the repository root (about 14 minutes at a load average of ~18 on 2 cores):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_bench.py
 
@@ -369,7 +369,8 @@ def section(
             "",
             f"Torch ops dispatched by one `compute()` after {sync_ops.CALLS[0]:,} and "
             f"{sync_ops.CALLS[-1]:,} log calls of {sync_ops.NUM_METRICS} metrics of 0-d CPU "
-            "tensors (rank 0; a `TorchDispatchMode` counting every aten op; the tensor path "
+            "tensors (rank 0; a `TorchDispatchMode` counting every op through torch's "
+            "dispatcher, the c10d collective included; the tensor path "
             "is the one a CUDA tensor takes, `host_arrays = False`):",
             "",
             *sync_ops.markdown(ops),
