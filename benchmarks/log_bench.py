@@ -75,6 +75,8 @@ def make_calls() -> dict[tuple[str, str], tuple[Call, Call]]:
     mask = torch.rand(1000) > 0.3
     inputs = {"python float": (scalar, None), "0-d tensor": (zero_d, None)}
     inputs["1k tensor + bool mask"] = (values, mask)
+    if not hasattr(Tracker, "host_arrays"):  # setting it would pass silently
+        raise RuntimeError("Tracker.host_arrays is gone: the tensor path needs another switch")
     calls: dict[tuple[str, str], tuple[Call, Call]] = {}
     for label, (value, weight) in inputs.items():
         for contender in CONTENDERS[:2]:

@@ -31,6 +31,8 @@ def compute_ops(calls: int, path: str) -> tuple[int, str]:
     """(ops, ops by name) of one steady-state ``compute()`` after ``calls`` log calls."""
     tracker = Tracker()
     if path == "tensor path":
+        if not hasattr(Tracker, "host_arrays"):  # setting it would pass silently
+            raise RuntimeError("Tracker.host_arrays is gone: the tensor path needs a switch")
         tracker.host_arrays = False
     names = [f"ops/{i}" for i in range(NUM_METRICS)]
     logs = [getattr(tracker, KINDS[i % len(KINDS)]) for i in range(NUM_METRICS)]
