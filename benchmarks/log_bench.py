@@ -13,11 +13,10 @@ kept as it is.
 Inputs (CPU): a python float, a 0-d float32 tensor, and a 1k-element float32 tensor with
 a bool mask. Contenders, each given the input the way its users pass it:
 
-* rlmetrics: ``Tracker.mean(name, value, weight=mask)`` (CPU tensors accumulate with numpy
-  on the host);
-* rlmetrics tensor path: the same call with ``host_arrays = False``, the torch ops that
-  a CUDA tensor's call queues (on a GPU they run asynchronously; their host cost is
-  the dispatch measured here);
+* rlmetrics: ``Tracker.mean(name, value, weight=mask)`` (host data takes the host path);
+* rlmetrics tensor path: the same call with ``Tracker.host_arrays = False``, which sends
+  CPU tensors down the path a CUDA tensor takes (on a GPU its torch ops run
+  asynchronously; their host cost is the dispatch measured here);
 * torchmetrics: ``MeanMetric.update(value, weight=mask)``;
 * verl-style: ``metrics[name].append(value.item() if tensor)``, and for the masked input
   the masked mean first (``(x * mask).sum() / mask.sum()``), as verl's loss helpers do.
@@ -28,6 +27,13 @@ each (contender, input) pair, in a shuffled order, so drift hits all of them ali
 table reports the median sample per pair after one untimed warm-up round. On CPU,
 ``.item()`` costs no device sync: on a GPU the verl-style column would also wait for the
 device on every call, which rlmetrics never does.
+
+A second table counts the torch ops each log call dispatches (``op_count.OpCounter``, a
+``TorchDispatchMode``): the mean over ``OP_CALLS`` calls after one uncounted call. The
+targets (issue 18) are checked for rlmetrics on the python float, the 0-d tensor and
+the masked 1k tensor, and for the tensor path on the masked 1k tensor: at most 1 µs per
+call, and no torch op dispatched. Only the public API is used (log calls, ``reset``),
+so the script runs on any version of the tracker.
 """
 
 from __future__ import annotations
@@ -45,12 +51,16 @@ import torch
 
 from rlmetrics import Tracker
 
+from op_count import count_ops, describe
 from results_md import write_section
 
 START, END = "<!-- log_bench:start -->", "<!-- log_bench:end -->"
 CONTENDERS = ("rlmetrics", "rlmetrics tensor path", "torchmetrics", "verl-style")
 INPUTS = ("python float", "0-d tensor", "1k tensor + bool mask")
-TARGET_NS = 2000  # rlmetrics, python float
+TARGET_NS = 1000  # per log call, each of TARGETS
+TARGET_OPS = 0  # torch ops dispatched per log call, each of TARGETS
+TARGETS = (*((CONTENDERS[0], label) for label in INPUTS), (CONTENDERS[1], INPUTS[2]))
+OP_CALLS = 100  # calls whose dispatched ops are counted, per (contender, input)
 
 Call = Callable[[], None]
 
@@ -65,6 +75,8 @@ def make_calls() -> dict[tuple[str, str], tuple[Call, Call]]:
     mask = torch.rand(1000) > 0.3
     inputs = {"python float": (scalar, None), "0-d tensor": (zero_d, None)}
     inputs["1k tensor + bool mask"] = (values, mask)
+    if not hasattr(Tracker, "host_arrays"):  # setting it would pass silently
+        raise RuntimeError("Tracker.host_arrays is gone: the tensor path needs another switch")
     calls: dict[tuple[str, str], tuple[Call, Call]] = {}
     for label, (value, weight) in inputs.items():
         for contender in CONTENDERS[:2]:
@@ -132,8 +144,20 @@ def run(rounds: int, calls: int, seed: int) -> dict[tuple[str, str], list[float]
     return samples
 
 
+def op_counts() -> dict[tuple[str, str], tuple[float, str]]:
+    """(contender, input) -> (torch ops per log call, the ops by name): the mean over
+    ``OP_CALLS`` calls after one uncounted call (a name's first call may set it up)."""
+    counts: dict[tuple[str, str], tuple[float, str]] = {}
+    for key, (call, reset) in make_calls().items():
+        call()
+        counter = count_ops(call, OP_CALLS)
+        reset()
+        counts[key] = (counter.total / OP_CALLS, describe(counter, OP_CALLS))
+    return counts
+
+
 def markdown(samples: dict[tuple[str, str], list[float]]) -> list[str]:
-    """The results table: medians in µs, and each contender's ratio to rlmetrics."""
+    """The timing table: medians in µs, and each contender's ratio to rlmetrics."""
     rows = [
         "| input | "
         + " | ".join(f"{c} µs" for c in CONTENDERS)
@@ -150,7 +174,46 @@ def markdown(samples: dict[tuple[str, str], list[float]]) -> list[str]:
     return rows
 
 
-def machine(threads: int) -> str:
+def ops_markdown(counts: dict[tuple[str, str], tuple[float, str]]) -> list[str]:
+    """The op-count table (ops per call), then the rlmetrics ops by name."""
+    rows = [
+        "| input | " + " | ".join(f"{c} ops" for c in CONTENDERS) + " |",
+        "|---|" + "---:|" * len(CONTENDERS),
+    ]
+    for label in INPUTS:
+        rows.append(
+            f"| {label} | " + " | ".join(f"{counts[c, label][0]:g}" for c in CONTENDERS) + " |"
+        )
+    rows.append("")
+    rows.extend(
+        f"- {c}, {label}: {counts[c, label][1]}" for c in CONTENDERS[:2] for label in INPUTS
+    )
+    return rows
+
+
+def verdict(
+    samples: dict[tuple[str, str], list[float]], counts: dict[tuple[str, str], tuple[float, str]]
+) -> list[str]:
+    """One line per target case: its median time and op count, each met or not met."""
+    lines = []
+    for contender, label in TARGETS:
+        ns = statistics.median(samples[contender, label])
+        ops = counts[contender, label][0]
+        lines.append(
+            f"- {contender}, {label}: {ns / 1000:.2f} µs per call, "
+            f"{'met' if ns <= TARGET_NS else 'not met'} (≤ {TARGET_NS / 1000:g} µs); "
+            f"{ops:g} torch ops per call, "
+            f"{'met' if ops <= TARGET_OPS else 'not met'} ({TARGET_OPS})."
+        )
+    return lines
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages (the machine may be shared)."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def machine(threads: int, loads: tuple[str, str]) -> str:
     """One line describing where the numbers come from."""
     import torchmetrics
 
@@ -158,18 +221,19 @@ def machine(threads: int) -> str:
         f"{os.cpu_count()} CPUs (nproc), {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, torch {torch.__version__}, "
         f"torchmetrics {torchmetrics.__version__}, torch threads {threads}, "
+        f"load average (1, 5, 15 min) {loads[0]} before, {loads[1]} after, "
         f"{datetime.date.today().isoformat()}"
     )
 
 
-def section(rows: list[str], args: argparse.Namespace, verdict: str) -> str:
+def section(parts: dict[str, list[str]], args: argparse.Namespace, loads: tuple[str, str]) -> str:
     """The whole marked section of RESULTS.md."""
     return "\n".join(
         [
             START,
             "## log_bench: cost of one log call (`benchmarks/log_bench.py`)",
             "",
-            f"Machine: {machine(args.threads)}.",
+            f"Machine: {machine(args.threads, loads)}.",
             "",
             f"Cells: the median over {args.rounds} rounds of a batch's mean cost per call "
             f"({args.calls} calls per batch for scalars, {max(args.calls // 10, 1)} for the "
@@ -177,16 +241,24 @@ def section(rows: list[str], args: argparse.Namespace, verdict: str) -> str:
             "one warm-up round discarded. CPU tensors: `.item()` costs no device sync here, "
             "so the verl-style column is a lower bound of its cost on a GPU.",
             "",
-            *rows,
+            *parts["times"],
             "",
-            verdict,
+            f"Torch ops dispatched per log call (a `TorchDispatchMode` counting every aten "
+            f"op, views and `detach` included; mean over {OP_CALLS} calls after one "
+            "uncounted call), and the rlmetrics ops by name:",
+            "",
+            *parts["ops"],
+            "",
+            "Targets (issue 18), per log call:",
+            "",
+            *parts["verdict"],
             END,
         ]
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark, print the table, write RESULTS.md."""
+    """Run the benchmark, print the tables, write RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--calls", type=int, default=2000)
@@ -195,19 +267,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    start = time.perf_counter()
+    start, before = time.perf_counter(), load()
     samples = run(args.rounds, args.calls, args.seed)
-    rows = markdown(samples)
-    scalar = statistics.median(samples["rlmetrics", INPUTS[0]])
-    verdict = (
-        f"Target ≤ {TARGET_NS / 1000:g} µs per python-float log call (rlmetrics): "
-        f"{scalar / 1000:.2f} µs, {'met' if scalar <= TARGET_NS else 'MISSED'}."
-    )
-    print("\n".join(rows))
-    print(verdict)
+    counts = op_counts()
+    loads = (before, load())
+    parts = {
+        "times": markdown(samples),
+        "ops": ops_markdown(counts),
+        "verdict": verdict(samples, counts),
+    }
+    for rows in parts.values():
+        print("\n".join(rows))
+    print(f"load average {loads[0]} before, {loads[1]} after")
     print(f"total {time.perf_counter() - start:.0f} s")
     if not args.no_write:
-        write_section(section(rows, args, verdict), START, END)
+        write_section(section(parts, args, loads), START, END)
 
 
 if __name__ == "__main__":

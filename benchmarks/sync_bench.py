@@ -1,6 +1,6 @@
-"""Benchmark one step's metric sync over gloo: rlmetrics vs bare collectives, verl, torchmetrics.
+"""Benchmark one step's metric sync over gloo: rlmetrics vs bare, verl, torchmetrics, torcheval.
 
-Run from the repository root (about 3-4 minutes on 2 shared cores):
+Run from the repository root (about 14 minutes at a load average of ~18 on 2 cores):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_bench.py
 
@@ -25,10 +25,17 @@ order that rotates each iteration, all ranks pass a barrier and time the sync al
   the limit, plus the host read;
 * verl-style: ``all_gather_object`` of a ``dict[str, list[float]]``, then a mean per key;
 * torchmetrics: ``MetricCollection`` of N ``MeanMetric``s, ``compute()`` (reset untimed),
-  run on every k-th iteration only when N is large.
+  run on every k-th iteration only when N is large;
+* torcheval: a dict of N ``Mean``s, ``toolkit.sync_and_compute_collection`` (reset
+  untimed), every k-th iteration only when N is large.
+
+The contenders live in ``sync_contenders.py``.
 
 A sample is the max over ranks of that iteration's time (the step waits for the
 slowest rank). Warm-up iterations are discarded; medians and p90 are reported.
+
+Then each rank counts the torch ops one ``compute()`` dispatches after 100 and after
+10,000 log calls (``sync_ops.py``), and the load average before and after is reported.
 """
 
 from __future__ import annotations
@@ -53,176 +60,35 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlmetrics import Tracker
-from rlmetrics import distributed as rd
-
+import sync_ops
 from results_md import write_section
+from sync_contenders import (
+    KINDS,
+    MICRO_BATCHES,
+    Contender,
+    RlMetrics,
+    TorchEval,
+    TorchMetrics,
+    Values,
+    VerlStyle,
+    bare_contenders,
+)
 
-KINDS = ("mean", "sum", "max", "min", "last")
-MICRO_BATCHES = 4
 START, END = "<!-- sync_bench:start -->", "<!-- sync_bench:end -->"
-CONTENDERS = ("rlmetrics", "bare", "bare pair", "verl", "torchmetrics")
+CONTENDERS = ("rlmetrics", "bare", "bare pair", "verl", "torchmetrics", "torcheval")
 CPU = "cpu:"  # key prefix of process-CPU times
+# samples wanted from the slow contenders at N <= 8, N <= 64, larger N (2 ranks, more)
+SLOW_SAMPLES = {"torchmetrics": (60, 15, (4, 3)), "torcheval": (60, 20, (6, 5))}
 
-Values = list[list[float]]  # [metric][micro-batch]
 
-
-def tm_every(world: int, n: int, iters: int) -> int:
-    """torchmetrics runs on every k-th measured iteration (~4 collectives per metric)."""
-    samples = 60 if n <= 8 else 15 if n <= 64 else 4 if world <= 2 else 3
+def every_kth(name: str, world: int, n: int, iters: int) -> int:
+    """The slow contenders run on every k-th measured iteration only, at larger N
+    (torchmetrics: ~4 collectives per metric; torcheval: one per state of each metric)."""
+    if name not in SLOW_SAMPLES:
+        return 1
+    small, medium, (large_2, large_more) = SLOW_SAMPLES[name]
+    samples = small if n <= 8 else medium if n <= 64 else large_2 if world <= 2 else large_more
     return max(1, math.ceil(iters / samples))
-
-
-class Contender:
-    """One sync implementation: ``prepare`` (untimed logging), ``run`` (timed)."""
-
-    name = ""
-
-    def prepare(self, values: Values) -> None:
-        raise NotImplementedError
-
-    def run(self) -> Any:
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        """Untimed clean-up after ``run``."""
-
-
-class RlMetrics(Contender):
-    name = "rlmetrics"
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.tracker = Tracker()
-
-    def prepare(self, values: Values) -> None:
-        t = self.tracker
-        methods = [getattr(t, KINDS[i % len(KINDS)]) for i in range(len(self.names))]
-        for mb in range(MICRO_BATCHES):
-            for log, name, vals in zip(methods, self.names, values, strict=True):
-                log(name, vals[mb])
-
-    def run(self) -> dict[str, float]:
-        return self.tracker.compute()
-
-    def issued(self, values: Values, limit: int | None = None) -> list[tuple[str, int, Any]]:
-        """Log ``values`` and run compute() once, recording (collective, numel, op) of
-        every all_reduce and all_gather it issues; ``limit`` replaces
-        rd.GATHER_LIMIT for this call (0: the all_reduce pair at any size)."""
-        seen: list[tuple[str, int, Any]] = []
-        reduce, gather, default = dist.all_reduce, dist.all_gather, rd.GATHER_LIMIT
-
-        def spy_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, **kwargs: Any) -> Any:
-            seen.append(("all_reduce", tensor.numel(), op))
-            return reduce(tensor, op=op, **kwargs)
-
-        def spy_gather(out: list[torch.Tensor], tensor: torch.Tensor, **kwargs: Any) -> Any:
-            seen.append(("all_gather", tensor.numel(), None))
-            return gather(out, tensor, **kwargs)
-
-        dist.all_reduce, dist.all_gather = spy_reduce, spy_gather
-        rd.GATHER_LIMIT = default if limit is None else limit
-        try:
-            self.prepare(values)
-            self.run()
-        finally:
-            dist.all_reduce, dist.all_gather, rd.GATHER_LIMIT = reduce, gather, default
-        return seen
-
-
-class Bare(Contender):
-    """The SUM and MAX buffers alone: one all_gather and a host reduction (``gather``),
-    or all_reduce(SUM) + all_reduce(MAX)."""
-
-    def __init__(self, name: str, num_sums: int, num_maxes: int, gather: bool) -> None:
-        self.name = name
-        self.num_sums = num_sums
-        self.gather = gather
-        self.sums = torch.zeros(num_sums, dtype=torch.float64)
-        self.maxes = torch.zeros(num_maxes, dtype=torch.float64)
-
-    def prepare(self, values: Values) -> None:
-        flat = np.resize(np.asarray(values).ravel(), len(self.sums) + len(self.maxes))
-        self.sums.copy_(torch.from_numpy(flat[: len(self.sums)]))
-        self.maxes.copy_(torch.from_numpy(flat[len(self.sums) :]))
-
-    def run(self) -> tuple[list[float], list[float]]:
-        if not self.gather:
-            dist.all_reduce(self.sums, op=dist.ReduceOp.SUM)
-            dist.all_reduce(self.maxes, op=dist.ReduceOp.MAX)
-            return self.sums.numpy().tolist(), self.maxes.numpy().tolist()
-        both = torch.cat((self.sums, self.maxes))
-        rows = [torch.empty_like(both) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, both)
-        gathered = torch.stack(rows).numpy()
-        total = gathered[0, : self.num_sums].copy()
-        for row in gathered[1:]:  # rank order, as rlmetrics adds
-            total += row[: self.num_sums]
-        return total.tolist(), gathered[:, self.num_sums :].max(axis=0).tolist()
-
-
-def bare_contenders(rl: RlMetrics, values: Values) -> tuple[Bare, Bare]:
-    """(bare: what rlmetrics' steady-state compute() issues, bare pair: the all_reduces)."""
-    pair = rl.issued(values, limit=0)
-    if [(name, op) for name, _, op in pair] != [
-        ("all_reduce", dist.ReduceOp.SUM),
-        ("all_reduce", dist.ReduceOp.MAX),
-    ]:
-        raise RuntimeError(f"rlmetrics issued {pair}, expected one SUM and one MAX all_reduce")
-    num_sums, num_maxes = pair[0][1], pair[1][1]
-    steady = rl.issued(values)
-    if [name for name, _, _ in steady] == ["all_gather"]:
-        # the gather carries no NaN counts: its additive part is shorter than the pair's
-        gathered = steady[0][1]
-        bare = Bare("bare", gathered - num_maxes, num_maxes, True)
-    elif steady == pair:
-        bare = Bare("bare", num_sums, num_maxes, False)
-    else:
-        raise RuntimeError(f"rlmetrics issued {steady}, expected one all_gather or {pair}")
-    return bare, Bare("bare pair", num_sums, num_maxes, False)
-
-
-class VerlStyle(Contender):
-    name = "verl"
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.metrics: dict[str, list[float]] = {}
-
-    def prepare(self, values: Values) -> None:
-        self.metrics = {name: [] for name in self.names}
-        for mb in range(MICRO_BATCHES):
-            for name, vals in zip(self.names, values, strict=True):
-                self.metrics[name].append(vals[mb])
-
-    def run(self) -> dict[str, float]:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.metrics)
-        return {k: float(np.mean([v for d in gathered for v in d[k]])) for k in gathered[0]}
-
-
-class TorchMetrics(Contender):
-    name = "torchmetrics"
-
-    def __init__(self, names: list[str]) -> None:
-        from torchmetrics import MeanMetric, MetricCollection
-
-        self.names = names
-        self.collection = MetricCollection(
-            {name: MeanMetric() for name in names}, compute_groups=False
-        )
-
-    def prepare(self, values: Values) -> None:
-        metrics = [self.collection[name] for name in self.names]
-        for mb in range(MICRO_BATCHES):
-            for metric, vals in zip(metrics, values, strict=True):
-                metric.update(vals[mb])
-
-    def run(self) -> dict[str, Any]:
-        return self.collection.compute()
-
-    def finish(self) -> None:
-        self.collection.reset()
 
 
 def step_values(seed: int, rank: int, it: int, n: int) -> Values:
@@ -236,9 +102,9 @@ def step_values(seed: int, rank: int, it: int, n: int) -> Values:
     return np.where(is_last[:, None], shared, values).tolist()
 
 
-def skip_tm(it: int, warmup: int, every: int) -> bool:
-    """Whether torchmetrics sits out iteration ``it`` (at large N its only warm-up is the
-    untimed check round)."""
+def skip(it: int, warmup: int, every: int) -> bool:
+    """Whether a slow contender sits out iteration ``it`` (when it runs on every k-th
+    iteration only, its only warm-up is the untimed check round)."""
     if every == 1:
         return False
     return it < warmup or (it - warmup) % every != 0
@@ -257,7 +123,8 @@ def timed(contender: Contender) -> tuple[int, int]:
 
 
 def check_agree(outs: dict[str, Any], names: list[str]) -> None:
-    """The mean-kind metrics agree across rlmetrics, verl-style and torchmetrics."""
+    """The mean-kind metrics agree across rlmetrics, verl-style, torchmetrics and
+    torcheval."""
     for i, name in enumerate(names):
         if KINDS[i % len(KINDS)] != "mean":
             continue
@@ -265,6 +132,8 @@ def check_agree(outs: dict[str, Any], names: list[str]) -> None:
         assert math.isclose(outs["rlmetrics"][name], ref, rel_tol=1e-12), name
         if "torchmetrics" in outs:  # float32 states
             assert math.isclose(float(outs["torchmetrics"][name]), ref, rel_tol=1e-5), name
+        if "torcheval" in outs:  # float64 states, summed in another order
+            assert math.isclose(float(outs["torcheval"][name]), ref, rel_tol=1e-12), name
 
 
 def bench_size(rank: int, world: int, n: int, args: argparse.Namespace) -> dict[str, list[int]]:
@@ -275,7 +144,8 @@ def bench_size(rank: int, world: int, n: int, args: argparse.Namespace) -> dict[
     rl.run()  # agree the schema once, as a training run's first step does
     bare, pair = bare_contenders(rl, step_values(args.seed, rank, -1, n))  # steady state
     contenders: list[Contender] = [rl, bare, pair, VerlStyle(names), TorchMetrics(names)]
-    every = tm_every(world, n, args.iters)
+    contenders.append(TorchEval(names))
+    every = {c.name: every_kth(c.name, world, n, args.iters) for c in contenders}
     times: dict[str, list[int]] = {k + c.name: [] for c in contenders for k in ("", CPU)}
     for it in range(args.warmup + args.iters):
         values = step_values(args.seed, rank, it, n)
@@ -283,7 +153,7 @@ def bench_size(rank: int, world: int, n: int, args: argparse.Namespace) -> dict[
             check_outputs(contenders, names, values)
         shift = it % len(contenders)
         for c in contenders[shift:] + contenders[:shift]:
-            if c.name == "torchmetrics" and skip_tm(it, args.warmup, every):
+            if skip(it, args.warmup, every[c.name]):
                 times[c.name].append(-1)
                 times[CPU + c.name].append(-1)
                 continue
@@ -309,20 +179,25 @@ def check_outputs(contenders: list[Contender], names: list[str], values: Values)
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    """One rank: every N in turn; rank 0 sends the per-iteration max over ranks."""
+    """One rank: every N in turn, then the op counts; rank 0 sends the per-iteration max
+    over ranks (``times``) and its op counts (``ops``)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
         out: dict[int, dict[str, list[int]]] = {}
+        start = time.perf_counter()
         for n in args.sizes:
             mine = bench_size(rank, world, n, args)
             every: list[Any] = [None] * world
             dist.all_gather_object(every, mine)
             out[n] = {k: np.max([r[k] for r in every], axis=0).tolist() for k in mine}
+            if rank == 0:
+                print(f"{world} ranks, N={n}: done at {time.perf_counter() - start:.0f} s")
+        ops = sync_ops.measure()
         if rank == 0:
-            queue.put(out)
+            queue.put({"times": out, "ops": ops})
     except BaseException as error:
         queue.put(f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
         raise
@@ -337,8 +212,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_world(world: int, args: argparse.Namespace) -> dict[int, dict[str, list[int]]]:
-    """Spawn ``world`` gloo ranks and return rank 0's merged timings."""
+def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn ``world`` gloo ranks and return rank 0's merged timings and op counts."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -375,11 +250,11 @@ def medians(
 
 
 def table(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "") -> list[str]:
-    """Markdown rows: medians / p90 per contender and the four ratios."""
+    """Markdown rows: medians / p90 per contender and the five ratios."""
     rows = [
         "| ranks | N | SUM+MAX floats | rlmetrics | bare | bare pair | verl-style "
-        "| torchmetrics | rl / bare | pair / bare | tm / rl | verl / rl |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| torchmetrics | torcheval | rl / bare | pair / bare | tm / rl | te / rl | verl / rl |",
+        "|---:|---:|---:" + "|---:" * (len(CONTENDERS) + 5) + "|",
     ]
     for (world, n), s in medians(results, prefix).items():
         floats = "+".join(map(str, results[world][n]["floats"]))
@@ -387,7 +262,8 @@ def table(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "")
             floats += " (pair)"  # above rd.GATHER_LIMIT: bare is the pair too
         cells = [f"{s[c][0]:,.0f} / {s[c][1]:,.0f} ({s[c][2]})" for c in CONTENDERS]
         rl, bare = s["rlmetrics"][0], s["bare"][0]
-        ratios = [rl / bare, s["bare pair"][0] / bare, s["torchmetrics"][0] / rl, s["verl"][0] / rl]
+        ratios = [rl / bare, s["bare pair"][0] / bare]
+        ratios += [s[c][0] / rl for c in ("torchmetrics", "torcheval", "verl")]
         rows.append(
             f"| {world} | {n} | {floats} | "
             + " | ".join(cells)
@@ -432,31 +308,45 @@ def verdict(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "
     )
 
 
-def machine() -> str:
+def load() -> str:
+    """The 1, 5 and 15 minute load averages (the machine may be shared)."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def machine(loads: tuple[str, str]) -> str:
     """One line describing where the numbers come from."""
+    import torcheval
     import torchmetrics
 
     return (
         f"{os.cpu_count()} CPUs (nproc), {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, torch {torch.__version__}, "
-        f"torchmetrics {torchmetrics.__version__}, gloo on 127.0.0.1, OMP_NUM_THREADS=1, "
-        f"{datetime.date.today().isoformat()}"
+        f"torchmetrics {torchmetrics.__version__}, torcheval {torcheval.__version__}, "
+        f"gloo on 127.0.0.1, OMP_NUM_THREADS=1, load average (1, 5, 15 min) {loads[0]} "
+        f"before, {loads[1]} after, {datetime.date.today().isoformat()}"
     )
 
 
-def section(results: dict, args: argparse.Namespace, reading: str) -> str:
+def section(
+    results: dict,
+    ops: dict[int, sync_ops.Counts],
+    args: argparse.Namespace,
+    loads: tuple[str, str],
+    reading: str,
+) -> str:
     """The whole marked section of RESULTS.md."""
     return "\n".join(
         [
             START,
             "## sync_bench: one step's metric sync (`benchmarks/sync_bench.py`)",
             "",
-            f"Machine: {machine()}.",
+            f"Machine: {machine(loads)}.",
             "",
             f"Cells: median / p90 in µs (samples). A sample is the max over ranks of one "
             f"iteration; {args.warmup} warm-up iterations discarded, {args.iters} measured, "
             "contenders interleaved round-robin per iteration, each after a barrier; "
-            "torchmetrics runs on every k-th iteration only at larger N. SUM+MAX floats: "
+            "torchmetrics and torcheval run on every k-th iteration only at larger N. "
+            "SUM+MAX floats: "
             "the sizes of the two parts of the buffer rlmetrics gathers (the bare "
             "contender's too). bare: what rlmetrics issues, one all_gather of that buffer "
             "and the host reduction (marked (pair) where the group is above "
@@ -477,6 +367,16 @@ def section(results: dict, args: argparse.Namespace, reading: str) -> str:
             "",
             "Same targets, CPU time: " + verdict(results, CPU),
             "",
+            f"Torch ops dispatched by one `compute()` after {sync_ops.CALLS[0]:,} and "
+            f"{sync_ops.CALLS[-1]:,} log calls of {sync_ops.NUM_METRICS} metrics of 0-d CPU "
+            "tensors (rank 0; a `TorchDispatchMode` counting every op through torch's "
+            "dispatcher, the c10d collective included; the tensor path "
+            "is the one a CUDA tensor takes, `host_arrays = False`):",
+            "",
+            *sync_ops.markdown(ops),
+            "",
+            sync_ops.verdict(ops),
+            "",
             reading,
             END,
         ]
@@ -491,20 +391,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="s per world")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--reading", type=Path, help="a file with the paragraph to write")
     args = parser.parse_args(argv)
-    start = time.perf_counter()
-    results = {world: run_world(world, args) for world in args.worlds}
+    start, before = time.perf_counter(), load()
+    runs = {world: run_world(world, args) for world in args.worlds}
+    loads = (before, load())
+    results = {world: run["times"] for world, run in runs.items()}
+    ops = {world: run["ops"] for world, run in runs.items()}
     for prefix, what in (("", "wall"), (CPU, "process CPU")):
         print(f"{what} time, median / p90 us (samples):")
         print("\n".join(table(results, prefix)))
         print(verdict(results, prefix))
+    print("\n".join(sync_ops.markdown(ops)))
+    print(sync_ops.verdict(ops))
+    print(f"load average {loads[0]} before, {loads[1]} after")
     print(f"total {time.perf_counter() - start:.0f} s")
     reading = args.reading.read_text().strip() if args.reading else ""
     if not args.no_write:
-        write_section(section(results, args, reading), START, END)
+        write_section(section(results, ops, args, loads, reading), START, END)
 
 
 if __name__ == "__main__":

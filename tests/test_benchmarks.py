@@ -1,0 +1,85 @@
+"""The benchmarks' measuring tools: the torch-op counter and the target verdicts of
+log_bench and sync_bench (sync_ops), and a tiny log_bench run end to end."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[dict[str, ModuleType]]:
+    """The benchmark modules, imported with benchmarks/ on sys.path for this module."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        names = ("op_count", "log_bench", "sync_ops")
+        yield {name: importlib.import_module(name) for name in names}
+
+
+def test_op_counter_counts_each_dispatched_op(bench: dict[str, ModuleType]) -> None:
+    op_count = bench["op_count"]
+    x = torch.arange(4.0)
+    counter = op_count.count_ops(lambda: (x * 2 + 1).sum(), repeat=3)
+    assert counter.total == 9
+    assert dict(counter.ops) == {"aten.mul.Tensor": 3, "aten.add.Tensor": 3, "aten.sum.default": 3}
+    assert op_count.describe(counter, per=3).count("x1") == 3
+
+
+def test_op_counter_sees_no_host_arithmetic(bench: dict[str, ModuleType]) -> None:
+    op_count = bench["op_count"]
+    array = np.arange(4.0)
+    counter = op_count.count_ops(lambda: float((array * 2 + 1).sum()) + 0.5)
+    assert counter.total == 0
+    assert op_count.describe(counter) == "none"
+
+
+def test_log_bench_verdict_per_target(bench: dict[str, ModuleType]) -> None:
+    log_bench = bench["log_bench"]
+    fast, slow = [600.0, 900.0, 1000.0], [900.0, 1200.0, 1300.0]  # medians 900, 1200 ns
+    samples = {key: fast for key in log_bench.TARGETS}
+    counts = {key: (0.0, "none") for key in log_bench.TARGETS}
+    lines = log_bench.verdict(samples, counts)
+    assert len(lines) == 4 and all(line.count(" met") == 2 for line in lines)
+    first, last = log_bench.TARGETS[0], log_bench.TARGETS[-1]
+    samples[first] = slow
+    counts[last] = (14.0, "aten.sum.default x14")
+    lines = log_bench.verdict(samples, counts)
+    assert "1.20 µs per call, not met" in lines[0] and "0 torch ops per call, met" in lines[0]
+    assert "0.90 µs per call, met" in lines[-1]
+    assert "14 torch ops per call, not met" in lines[-1]
+
+
+def test_sync_ops_verdict_needs_the_same_count(bench: dict[str, ModuleType]) -> None:
+    sync_ops = bench["sync_ops"]
+    same = {(p, c): (6, "") for p in sync_ops.PATHS for c in sync_ops.CALLS}
+    assert sync_ops.verdict({2: same, 4: same}).endswith(": met.")
+    grows = dict(same)
+    grows["tensor path", sync_ops.CALLS[-1]] = (7, "")
+    assert sync_ops.verdict({2: same, 4: grows}).endswith(": not met.")
+    table = "\n".join(sync_ops.markdown({4: grows}))
+    assert "| 4 | tensor path | 6 | 7 | no |" in table
+
+
+def test_sync_ops_counts_one_compute(bench: dict[str, ModuleType]) -> None:
+    """Without a process group: the counts exist and do not grow with the calls."""
+    counts = bench["sync_ops"].measure()
+    totals = {path: {counts[path, c][0] for c in bench["sync_ops"].CALLS} for path, _ in counts}
+    assert all(len(t) == 1 for t in totals.values()), counts
+
+
+def test_log_bench_runs_end_to_end(
+    bench: dict[str, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torchmetrics")
+    bench["log_bench"].main(["--rounds", "1", "--calls", "10", "--no-write"])
+    out = capsys.readouterr().out
+    assert out.count("torch ops per call") == 4
+    assert "| 1k tensor + bool mask |" in out
