@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from rlmetrics import Tracker
 
 
 @pytest.fixture(params=["host", "tensor"])
-def log_path(request: pytest.FixtureRequest) -> Iterator[str]:
+def log_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test twice: host data (CPU tensors, arrays, lists) accumulated with numpy,
     then through the tensor path that device tensors take (``Tracker.host_arrays``)."""
-    saved = Tracker.host_arrays
-    Tracker.host_arrays = request.param == "host"
-    try:
-        yield request.param
-    finally:
-        Tracker.host_arrays = saved
+    monkeypatch.setattr(Tracker, "host_arrays", request.param == "host")
+    return request.param
 
 
 # Modules that spawn processes (gloo ranks, Ray, the trainer): `make test-fast` leaves

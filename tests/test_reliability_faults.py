@@ -29,7 +29,7 @@ TIMEOUT = 3.0  # seconds a survivor waits before SyncTimeoutError
 SLACK = 5.0  # process and gloo overhead allowed on a shared 2-core machine
 
 
-def exit_on_call(collective: str, n: int) -> None:
+def exit_on_call(patch: pytest.MonkeyPatch, collective: str, n: int) -> None:
     """Make this process die (os._exit) on its ``n``-th call of ``dist.<collective>``."""
     original = getattr(dist, collective)
     calls = {"n": 0}
@@ -40,7 +40,7 @@ def exit_on_call(collective: str, n: int) -> None:
             os._exit(3)
         return original(*args, **kwargs)
 
-    setattr(dist, collective, wrapped)
+    patch.setattr(dist, collective, wrapped)
 
 
 # -- a rank dies in the middle of a step -----------------------------------------------------
@@ -50,24 +50,25 @@ def killed_mid_step(rank: int, world: int, collective: str, n: int, limit: int |
     state gather (which raises the "schema changed" flag), the two schema gathers
     (length, then bytes) and the state gather again; with ``limit=0`` (rd.GATHER_LIMIT)
     the states travel by all_reduce(SUM), then all_reduce(MAX)."""
-    if limit is not None:
-        rd.GATHER_LIMIT = limit
-    tracker = Tracker()
-    tracker.mean("x", float(rank))
-    tracker.sum("n", 1.0)
-    assert tracker.compute(timeout=30) == {"x": 0.5, "n": 2.0}
-    if rank == 1:
-        exit_on_call(collective, n)
-    tracker.mean("x", 10.0 + rank)
-    tracker.sum("n", torch.ones(3))
-    tracker.max("new_name", 7.0)  # not in the cached schema: the flag forces agreement
-    start = time.monotonic()
-    try:
-        tracker.compute(timeout=TIMEOUT)
-    except SyncTimeoutError as error:
-        elapsed = time.monotonic() - start
-        # nothing was reset: the step's local metrics are all still there
-        return elapsed, str(error), tracker.compute(sync=False)
+    with pytest.MonkeyPatch.context() as patch:
+        if limit is not None:
+            patch.setattr(rd, "GATHER_LIMIT", limit)
+        tracker = Tracker()
+        tracker.mean("x", float(rank))
+        tracker.sum("n", 1.0)
+        assert tracker.compute(timeout=30) == {"x": 0.5, "n": 2.0}
+        if rank == 1:
+            exit_on_call(patch, collective, n)
+        tracker.mean("x", 10.0 + rank)
+        tracker.sum("n", torch.ones(3))
+        tracker.max("new_name", 7.0)  # not in the cached schema: the flag forces agreement
+        start = time.monotonic()
+        try:
+            tracker.compute(timeout=TIMEOUT)
+        except SyncTimeoutError as error:
+            elapsed = time.monotonic() - start
+            # nothing was reset: the step's local metrics are all still there
+            return elapsed, str(error), tracker.compute(sync=False)
     raise AssertionError("compute() returned although rank 1 died")
 
 
@@ -303,8 +304,9 @@ def test_a_rank_logs_a_metric_no_other_rank_has_every_step() -> None:
 
 
 # -- a process group re-created after a failure --------------------------------------------
-def count_agreements() -> dict[str, int]:
-    """Count schema agreements on this rank (rlmetrics.distributed.agree_schema)."""
+def count_agreements(patch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count schema agreements on this rank (rlmetrics.distributed.agree_schema) until
+    ``patch`` is undone."""
     calls = {"n": 0}
     original = rd.agree_schema
 
@@ -312,7 +314,7 @@ def count_agreements() -> dict[str, int]:
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    rd.agree_schema = wrapped
+    patch.setattr(rd, "agree_schema", wrapped)
     return calls
 
 
@@ -320,53 +322,54 @@ def recreated_group(rank: int, world: int, port: int) -> dict:
     """Rank 2 dies mid-step; 0 and 1 time out, re-create the world on a new port and
     compute the same step again; then new subgroups are created and destroyed in turn
     (ids may be reused) and each must agree its schema afresh."""
-    tracker = Tracker()
-    tracker.mean("x", float(rank))
-    tracker.max(f"rank{rank}", 1.0)
-    tracker.compute(timeout=30)
-    if rank == 2:
-        exit_on_call("all_gather", 1)  # the state gather ("n" is new: no agreement yet)
-    tracker.mean("x", 10.0 * (rank + 1))
-    tracker.sum("n", 1.0)
-    try:
-        tracker.compute(timeout=TIMEOUT)
-        raise AssertionError("compute() returned although rank 2 died")
-    except SyncTimeoutError:
-        pass
-    dist.destroy_process_group()
-    gc.collect()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=30),
-    )
-    agreements = count_agreements()
-    retried = tracker.compute(timeout=30)  # the step's metrics survived the failure
-    new_world = agreements["n"]
-    outs, ids = [], []
-    for cycle in range(8):
-        group = dist.new_group([0, 1])
-        ids.append(id(group))
-        before = agreements["n"]
-        # a name set that fits the previous cycle's layout on rank 1 only: a stale
-        # layout found by a reused id would send rank 1 to the reduce, rank 0 to agree
-        tracker.mean("y", float(cycle + rank))
-        if rank == 0:
-            tracker.sum(f"cycle{cycle}", 1.0)
-        outs.append((tracker.compute(group=group, timeout=30), agreements["n"] - before))
-        dist.destroy_process_group(group)
-        del group
+    with pytest.MonkeyPatch.context() as patch:
+        tracker = Tracker()
+        tracker.mean("x", float(rank))
+        tracker.max(f"rank{rank}", 1.0)
+        tracker.compute(timeout=30)
+        if rank == 2:
+            exit_on_call(patch, "all_gather", 1)  # the state gather ("n" is new: no agreement yet)
+        tracker.mean("x", 10.0 * (rank + 1))
+        tracker.sum("n", 1.0)
+        try:
+            tracker.compute(timeout=TIMEOUT)
+            raise AssertionError("compute() returned although rank 2 died")
+        except SyncTimeoutError:
+            pass
+        dist.destroy_process_group()
         gc.collect()
-    return {
-        "retried": retried,
-        "new_world_agreements": new_world,
-        "cycles": outs,
-        "reused_ids": len(ids) - len(set(ids)),
-        "cache_size": len(tracker.sync_cache),
-        "pickled_cache": pickle.loads(pickle.dumps(tracker)).sync_cache,
-    }
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=30),
+        )
+        agreements = count_agreements(patch)
+        retried = tracker.compute(timeout=30)  # the step's metrics survived the failure
+        new_world = agreements["n"]
+        outs, ids = [], []
+        for cycle in range(8):
+            group = dist.new_group([0, 1])
+            ids.append(id(group))
+            before = agreements["n"]
+            # a name set that fits the previous cycle's layout on rank 1 only: a stale
+            # layout found by a reused id would send rank 1 to the reduce, rank 0 to agree
+            tracker.mean("y", float(cycle + rank))
+            if rank == 0:
+                tracker.sum(f"cycle{cycle}", 1.0)
+            outs.append((tracker.compute(group=group, timeout=30), agreements["n"] - before))
+            dist.destroy_process_group(group)
+            del group
+            gc.collect()
+        return {
+            "retried": retried,
+            "new_world_agreements": new_world,
+            "cycles": outs,
+            "reused_ids": len(ids) - len(set(ids)),
+            "cache_size": len(tracker.sync_cache),
+            "pickled_cache": pickle.loads(pickle.dumps(tracker)).sync_cache,
+        }
 
 
 def test_group_recreated_after_a_failure_never_reuses_a_stale_schema() -> None:
