@@ -175,6 +175,7 @@ def hostile_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return root, run_together(calls, 2, timeout=300)
 
 
+@pytest.mark.slow  # two gloo ranks
 @pytest.mark.parametrize("mode", MODES)
 def test_a_hostile_schema_is_decoded_as_json_and_executes_nothing(
     hostile_runs: tuple[Path, dict], mode: str
