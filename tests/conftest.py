@@ -28,7 +28,6 @@ SLOW_MODULES = {
     "test_resume",
     "test_trainer",
     "test_trainer_ray",
-    "test_audit",
 }
 SLOW_TESTS = {  # module: test functions that spawn gloo ranks
     "test_custom_kinds": {
