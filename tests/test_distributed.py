@@ -253,7 +253,9 @@ LIMITS = {"one_gather": None, "all_reduce_pair": 0}
 
 
 @pytest.mark.parametrize("num_metrics", [20, 200])
-@pytest.mark.parametrize(("route", "per_step"), [("one_gather", 1), ("all_reduce_pair", 2)])
+@pytest.mark.parametrize(
+    ("route", "per_step"), [("one_gather", 1), ("all_reduce_pair", 2)], ids=list(LIMITS)
+)
 def test_steady_state_collectives(
     two_ranks: Session, num_metrics: int, route: str, per_step: int
 ) -> None:

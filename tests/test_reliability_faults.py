@@ -23,7 +23,7 @@ from rlmetrics import Tracker
 from rlmetrics import distributed as rd
 from rlmetrics.distributed import SyncTimeoutError
 
-from gloo_ranks import free_port, ok_results, run_ranks
+from gloo_ranks import free_port, ok_results, run_ranks, run_together
 
 TIMEOUT = 3.0  # seconds a survivor waits before SyncTimeoutError
 SLACK = 5.0  # process and gloo overhead allowed on a shared 2-core machine
@@ -232,8 +232,16 @@ def changing_names(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def names_run() -> list[dict]:
-    return ok_results(run_ranks(changing_names, WORLD, timeout=120))
+def three_ranks() -> dict[str, dict]:
+    """One spawned group of WORLD ranks: the changing name sets, then ranks 0 and 1
+    alone (``only_mine``)."""
+    calls = {"names": (changing_names, ()), "only_mine": (only_mine_on_two, ())}
+    return run_together(calls, WORLD, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def names_run(three_ranks: dict[str, dict]) -> list[dict]:
+    return ok_results(three_ranks["names"])
 
 
 def test_name_sets_change_per_rank_and_step_and_every_value_encodes_its_name(
@@ -265,7 +273,13 @@ def test_kind_disagreement_raises_on_every_rank_naming_kinds_and_ranks(
         assert per_rank["after"] == {"after": 1.0}  # the group keeps working afterwards
 
 
-def only_mine(rank: int, world: int) -> list[dict]:
+def only_mine_on_two(rank: int, world: int) -> list[dict] | None:
+    """``only_mine`` over a group of ranks 0 and 1 (every rank must create it)."""
+    group = dist.new_group([0, 1])
+    return only_mine(rank, group) if rank < 2 else None
+
+
+def only_mine(rank: int, group: dist.ProcessGroup) -> list[dict]:
     """Every step each rank also logs a name that no other rank has."""
     tracker = Tracker()
     outs = []
@@ -277,12 +291,13 @@ def only_mine(rank: int, world: int) -> list[dict]:
             tracker.dist("rank1/dist", torch.arange(step + 1.0))
             tracker.std("rank1/std", torch.tensor([step, step + 2.0]))
         tracker.last("lr", 1e-3 * (step + 1))
-        outs.append(tracker.compute(timeout=30))
+        outs.append(tracker.compute(group=group, timeout=30))
     return outs
 
 
-def test_a_rank_logs_a_metric_no_other_rank_has_every_step() -> None:
-    per_rank = ok_results(run_ranks(only_mine, 2))
+def test_a_rank_logs_a_metric_no_other_rank_has_every_step(three_ranks: dict[str, dict]) -> None:
+    per_rank = ok_results(three_ranks["only_mine"])
+    assert per_rank[2] is None  # not in the group
     assert per_rank[0] == per_rank[1]
     for step, out in enumerate(per_rank[0]):
         values = np.arange(step + 1.0)
