@@ -240,7 +240,6 @@ def _counts_worker(rank: int, path: str) -> None:
     exit_now(0)  # a finished rank skips teardown, where gloo's threads can abort it
 
 
-@pytest.mark.slow  # two gloo ranks
 def test_global_counts_all_reduce_over_gloo(tmp_path) -> None:
     torch.multiprocessing.start_processes(
         _counts_worker, args=(str(tmp_path / "store"),), nprocs=2, start_method="fork"
