@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS := requirements/constraints.txt
 PIP_INSTALL = -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test test-core test-fast test-plain test-verl test-trl lint format bench clean
+.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-trl lint format bench clean
 
 $(VENV)/.core: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -38,15 +38,21 @@ $(VENV)/.dev: $(VENV)/.core
 demo: $(VENV)/.core
 	$(VENV)/bin/rlmetrics demo
 
-# Everything: lint, the core suite, a plain install, then the verl and TRL suites.
-test: test-core test-plain test-verl test-trl
+# Everything (what CI runs, .ci/run): lint and the fast core tests, the slow core tests, a
+# plain install, then the verl and TRL suites. PYTEST_ARGS go to each core pytest run
+# (e.g. PYTEST_ARGS=-x to stop at the first failure).
+test: test-fast test-slow test-plain test-verl test-trl
 
-test-core: lint
-	$(PY) -m pytest -q --durations=15 tests --ignore=tests/integrations
+test-core: test-fast test-slow
 
-# The inner loop: the core suite without the slow (multi-process, trainer) tests.
+# The inner loop and the first part of `make test`: lint, then the core suite without the
+# tests marked slow (spawned ranks, Ray, trainer runs; tests/conftest.py marks them).
 test-fast: lint
-	$(PY) -m pytest -q -x -m "not slow" tests --ignore=tests/integrations
+	$(PY) -m pytest -q --durations=15 -m "not slow" tests --ignore=tests/integrations $(PYTEST_ARGS)
+
+# The core tests marked slow.
+test-slow: $(VENV)/.dev
+	$(PY) -m pytest -q --durations=15 -m slow tests --ignore=tests/integrations $(PYTEST_ARGS)
 
 # What a plain `pip install rlmetrics` user runs first: no optional package may be
 # present; the demo (2 spawned ranks, plain-text tables; a smaller batch and model to

@@ -1,4 +1,9 @@
-"""Run a function on N real gloo ranks (spawned processes on 127.0.0.1)."""
+"""Run a function on N real gloo ranks (spawned processes on 127.0.0.1).
+
+Spawning ranks (each a fresh interpreter importing torch) costs far more than most
+checks run on them, so ``run_together`` runs several functions one after another on
+one spawned group, and each test reads its own function's outcome.
+"""
 
 from __future__ import annotations
 
@@ -91,3 +96,45 @@ def ok_results(outcome: dict[int, tuple[str, Any]]) -> list[Any]:
     errors = [f"rank {r}: {v}" for r, (s, v) in sorted(outcome.items()) if s != "ok"]
     assert not errors, "\n".join(errors)
     return [outcome[r][1] for r in sorted(outcome)]
+
+
+Call = tuple[Callable[..., Any], tuple]
+
+
+def _run_each(rank: int, world_size: int, calls: dict[str, Call]) -> dict[str, tuple[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` for each call in order; an outcome per call.
+
+    After a call fails on this rank the rest are not run: its peers may be waiting in a
+    collective of the failed call, so later ones would pair the wrong messages.
+    """
+    out: dict[str, tuple[str, Any]] = {}
+    failed = ""
+    for name, (fn, args) in calls.items():
+        if failed:
+            out[name] = ("error", f"not run: {failed!r} failed on this rank first")
+            continue
+        try:
+            out[name] = ("ok", fn(rank, world_size, *args))
+        except Exception as error:
+            out[name] = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+            failed = name
+    return out
+
+
+def run_together(
+    calls: dict[str, Call], world_size: int, **options: Any
+) -> dict[str, dict[int, tuple[str, Any]]]:
+    """Run several calls on one spawned group of ``world_size`` gloo ranks, in order.
+
+    Returns {call name: {rank: ("ok", result) | ("error", text)}}, each value what
+    ``run_ranks`` would return for that call alone (pass it to ``ok_results``). A call
+    that changes module globals must restore them (``pytest.MonkeyPatch.context()``);
+    one that counts collectives or depends on what the group has cached creates its own
+    group with ``dist.new_group``. ``options`` go to ``run_ranks``.
+    """
+    outcome = run_ranks(_run_each, world_size, calls, **options)
+    per_call: dict[str, dict[int, tuple[str, Any]]] = {name: {} for name in calls}
+    for rank, (status, value) in outcome.items():
+        for name in calls:
+            per_call[name][rank] = value[name] if status == "ok" else (status, value)
+    return per_call

@@ -35,6 +35,7 @@ def report():
     return build_report(runs, 1e-9, naive=True)
 
 
+@pytest.mark.slow  # spawns gloo ranks (the report fixture)
 def test_exact_metrics_are_invariant_and_naive_ones_drift(report) -> None:
     assert report.partitions == ["dp1-whole", "dp2-mbs3", "dp2-tokens24", "dp4-mbs1"]
     assert {"actor/pg_loss", "actor/pg_clipfrac", "critic/score/mean"} <= set(report.exact)
@@ -49,6 +50,7 @@ def test_exact_metrics_are_invariant_and_naive_ones_drift(report) -> None:
     assert not any(n.startswith(("timing_s/", "perf/")) for n in report.exact)
 
 
+@pytest.mark.slow  # spawns gloo ranks (the report fixture)
 def test_table_names_metrics_sorted_by_drift_and_ends_with_a_verdict(report) -> None:
     console = Console(record=True, width=200)
     render(report, console)
@@ -61,12 +63,14 @@ def test_table_names_metrics_sorted_by_drift_and_ends_with_a_verdict(report) -> 
     assert naive == sorted(naive, reverse=True)  # no exact drift: by naive spread
 
 
+@pytest.mark.slow  # spawns gloo ranks (the report fixture)
 def test_plot_writes_a_png(report, tmp_path) -> None:
     path = plot(report, tmp_path / "audit.png")
     data = path.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
 
 
+@pytest.mark.slow  # spawns gloo ranks
 def test_command_line_with_naive_and_plot(tmp_path, capsys) -> None:
     out = tmp_path / "cli.png"
     args = ["audit", "--partitions", "1,2:mbs=2", "--num-prompts", "3", "--naive", "--plot",

@@ -1,4 +1,10 @@
-"""Tracker.compute() over real gloo process groups equals the single-process result."""
+"""Tracker.compute() over real gloo process groups equals the single-process result.
+
+The checks share three spawned groups (2, 3 and 4 ranks), each running the rank
+functions of several tests one after another (``gloo_ranks.run_together``); a check
+that counts collectives makes its own group so that it starts from nothing cached. A
+rank that dies gets a group of its own.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import math
 import os
 import struct
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +23,7 @@ from rlmetrics import Tracker, TrackerState
 from rlmetrics import distributed as rd
 from rlmetrics.distributed import SyncTimeoutError
 
-from gloo_ranks import ok_results, run_ranks
+from gloo_ranks import ok_results, run_ranks, run_together
 from helpers import log_every_kind
 
 KINDS = ("mean", "sum", "max", "min", "std", "last", "dist")
@@ -82,8 +89,8 @@ def run_many_partitions(rank: int, world: int) -> list:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sync_equals_single_process(world: int) -> None:
-    per_rank = ok_results(run_ranks(run_many_partitions, world))
+def test_sync_equals_single_process(world: int, request: pytest.FixtureRequest) -> None:
+    per_rank = ok_results(ranks(request, world)["partitions"])
     for seed_results in zip(*per_rank, strict=True):
         synced = [result[0] for result in seed_results]
         assert all(s == synced[0] for s in synced), "ranks got different dicts"
@@ -109,9 +116,8 @@ def empty_and_partial_ranks(rank: int, world: int) -> list[dict]:
     return outs
 
 
-def test_empty_ranks_and_changing_names() -> None:
-    world = 3
-    per_rank = ok_results(run_ranks(empty_and_partial_ranks, world))
+def test_empty_ranks_and_changing_names(three_ranks: Session) -> None:
+    per_rank = ok_results(three_ranks["empty_and_partial"])
     assert all(r == per_rank[0] for r in per_rank)
     step1, step2, step3, step4 = per_rank[0]
     assert step1 == {"loss": (1 * 1 + 2 * 2) / 3, "only_rank_1": 1.0, "only_rank_2": 1.0}
@@ -129,8 +135,8 @@ def subgroups(rank: int, world: int) -> dict:
     return tracker.compute(group=evens if rank % 2 == 0 else odds)
 
 
-def test_subgroup_sync() -> None:
-    per_rank = ok_results(run_ranks(subgroups, 4))
+def test_subgroup_sync(four_ranks: Session) -> None:
+    per_rank = ok_results(four_ranks["subgroups"])
     assert per_rank[0] == per_rank[2] == {"rank_sum": 2.0, "rank_mean": 1.0}
     assert per_rank[1] == per_rank[3] == {"rank_sum": 4.0, "rank_mean": 2.0}
 
@@ -146,8 +152,8 @@ def device_mesh(rank: int, world: int) -> dict:
     return tracker.compute(group=(mesh, "dp"))
 
 
-def test_device_mesh_dimension() -> None:
-    per_rank = ok_results(run_ranks(device_mesh, 4))
+def test_device_mesh_dimension(four_ranks: Session) -> None:
+    per_rank = ok_results(four_ranks["device_mesh"])
     assert all(r == {"x": 0.5, "n": 2.0} for r in per_rank)
 
 
@@ -165,8 +171,8 @@ def kind_conflict(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_kind_conflict_raises_on_every_rank() -> None:
-    messages = ok_results(run_ranks(kind_conflict, 2))
+def test_kind_conflict_raises_on_every_rank(two_ranks: Session) -> None:
+    messages = ok_results(two_ranks["kind_conflict"])
     for message in messages:
         assert "'clash'" in message and "'mean'" in message and "'max'" in message
 
@@ -212,42 +218,50 @@ COLLECTIVES = (
 
 def count_collectives(rank: int, world: int, num_metrics: int, limit: int | None) -> list[int]:
     """Collectives per compute() for steps 1-3 (steady state from step 2); ``limit``
-    replaces rd.GATHER_LIMIT (0: the all_reduce pair, whatever the size)."""
-    if limit is not None:
-        rd.GATHER_LIMIT = limit
+    replaces rd.GATHER_LIMIT (0: the all_reduce pair, whatever the size). Over a new
+    group of every rank: nothing agreed over it yet, as in a fresh process."""
+    group = dist.new_group(list(range(world)))
     counts = {"n": 0}
-    for name in COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:  # all_gather_single: new in torch 2.13
-            continue
+    with pytest.MonkeyPatch.context() as patch:
+        if limit is not None:
+            patch.setattr(rd, "GATHER_LIMIT", limit)
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:  # all_gather_single: new in torch 2.13
+                continue
 
-        def wrapped(*args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(*args, **kwargs)
+            def wrapped(*args, _original=original, **kwargs):
+                counts["n"] += 1
+                return _original(*args, **kwargs)
 
-        setattr(dist, name, wrapped)
-    kinds = ("mean", "sum", "max", "min", "last")
-    tracker = Tracker()
-    per_step = []
-    for step in range(3):
-        for i in range(num_metrics):
-            kind = kinds[i % len(kinds)]
-            value = torch.tensor(float(step + i)) if i % 2 else float(step + i)
-            getattr(tracker, kind)(f"metric_{i}", value)
-        before = counts["n"]
-        tracker.compute()
-        per_step.append(counts["n"] - before)
+            patch.setattr(dist, name, wrapped)
+        kinds = ("mean", "sum", "max", "min", "last")
+        tracker = Tracker()
+        per_step = []
+        for step in range(3):
+            for i in range(num_metrics):
+                kind = kinds[i % len(kinds)]
+                value = torch.tensor(float(step + i)) if i % 2 else float(step + i)
+                getattr(tracker, kind)(f"metric_{i}", value)
+            before = counts["n"]
+            tracker.compute(group=group)
+            per_step.append(counts["n"] - before)
     return per_step
+
+
+LIMITS = {"one_gather": None, "all_reduce_pair": 0}
 
 
 @pytest.mark.parametrize("num_metrics", [20, 200])
 @pytest.mark.parametrize(
-    ("limit", "per_step"), [(None, 1), (0, 2)], ids=["one_gather", "all_reduce_pair"]
+    ("route", "per_step"), [("one_gather", 1), ("all_reduce_pair", 2)], ids=list(LIMITS)
 )
-def test_steady_state_collectives(num_metrics: int, limit: int | None, per_step: int) -> None:
+def test_steady_state_collectives(
+    two_ranks: Session, num_metrics: int, route: str, per_step: int
+) -> None:
     """One all_gather per step below rd.GATHER_LIMIT, all_reduce(SUM) + all_reduce(MAX)
     above it; however many metrics."""
-    per_rank = ok_results(run_ranks(count_collectives, 2, num_metrics, limit))
+    per_rank = ok_results(two_ranks[f"collectives/{route}/{num_metrics}"])
     for first, second, third in per_rank:
         assert second == third == per_step
         assert first == 2 + per_step  # agreement (2 byte gathers), then the reduce
@@ -262,8 +276,8 @@ def nan_in_max(rank: int, world: int) -> dict:
     return tracker.compute()
 
 
-def test_nan_propagates_through_max_on_every_rank() -> None:
-    for result in ok_results(run_ranks(nan_in_max, 2)):
+def test_nan_propagates_through_max_on_every_rank(two_ranks: Session) -> None:
+    for result in ok_results(two_ranks["nan_in_max"]):
         assert math.isnan(result["nan_on_rank1"]) and math.isnan(result["nan_on_rank0"])
         assert result["finite"] == 0.0
 
@@ -294,8 +308,10 @@ def both_paths(rank: int, world: int) -> list[tuple[dict, dict, TrackerState]]:
         for dyadic in (False, True):
             results = []
             for limit in (gather_limit, 0):
-                rd.GATHER_LIMIT = limit
-                results.append(both_paths_tracker(rank, world, seed, dyadic).compute(timeout=30))
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setattr(rd, "GATHER_LIMIT", limit)
+                    tracker = both_paths_tracker(rank, world, seed, dyadic)
+                    results.append(tracker.compute(timeout=30))
             out.append((*results, both_paths_tracker(rank, world, seed, dyadic).state()))
     return out
 
@@ -310,12 +326,12 @@ def same_bits(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gather_and_all_reduce_paths_agree(world: int) -> None:
+def test_gather_and_all_reduce_paths_agree(world: int, request: pytest.FixtureRequest) -> None:
     """Both paths give the same result on every rank, for every kind. Two ranks and exact
     (dyadic) values: bit for bit. Three ranks and random values: the all_reduce adds in
     its own order, so equal to rounding. The gather path adds in rank order, so it is
     bit for bit the driver merge of the ranks' states in rank order (rlmetrics.ray)."""
-    per_rank = ok_results(run_ranks(both_paths, world))
+    per_rank = ok_results(ranks(request, world)["both_paths"])
     for case, runs in enumerate(zip(*per_rank, strict=True)):
         gathered, reduced, _ = runs[0]
         dyadic = case % 2 == 1
@@ -369,10 +385,10 @@ def changing_steps(rank: int, world: int) -> list[dict]:
     return outs
 
 
-def test_steps_that_reuse_reorder_and_change_their_metrics() -> None:
+def test_steps_that_reuse_reorder_and_change_their_metrics(two_ranks: Session) -> None:
     """Each step equals one process logging every rank's calls: a step whose
     accumulators are the last step's (the cached plan) and every kind of change."""
-    per_rank = ok_results(run_ranks(changing_steps, 2))
+    per_rank = ok_results(two_ranks["changing_steps"])
     assert per_rank[0] == per_rank[1]
     for got, step in zip(per_rank[0], STEPS, strict=True):
         single = Tracker(nonfinite="skip")
@@ -380,3 +396,46 @@ def test_steps_that_reuse_reorder_and_change_their_metrics() -> None:
         for calls in step:
             log_step(single, calls)
         assert got == single.compute(), step
+
+
+# -- the shared groups -----------------------------------------------------------------
+Session = dict[str, dict[int, tuple[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> Session:
+    collectives = {
+        f"collectives/{route}/{num}": (count_collectives, (num, limit))
+        for route, limit in LIMITS.items()
+        for num in (20, 200)
+    }
+    calls = {
+        **collectives,
+        "partitions": (run_many_partitions, ()),
+        "kind_conflict": (kind_conflict, ()),
+        "nan_in_max": (nan_in_max, ()),
+        "both_paths": (both_paths, ()),
+        "changing_steps": (changing_steps, ()),
+    }
+    return run_together(calls, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> Session:
+    calls = {"empty_and_partial": (empty_and_partial_ranks, ()), "both_paths": (both_paths, ())}
+    return run_together(calls, 3, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> Session:
+    calls = {
+        "partitions": (run_many_partitions, ()),
+        "subgroups": (subgroups, ()),
+        "device_mesh": (device_mesh, ()),
+    }
+    return run_together(calls, 4, timeout=600)
+
+
+def ranks(request: pytest.FixtureRequest, world: int) -> Session:
+    """The shared group of ``world`` ranks."""
+    return request.getfixturevalue({2: "two_ranks", 3: "three_ranks", 4: "four_ranks"}[world])

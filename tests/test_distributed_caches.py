@@ -3,6 +3,9 @@
 A tracker created or unpickled on one rank only has no cached layout while its peers
 have one; a tracker swapped for another caches another layout. Every mix must pair the
 same collectives on every rank and give the single-process result.
+
+The three checks share one spawned pair of ranks (``gloo_ranks.run_together``); each
+schedule runs over a group of its own, so it starts with nothing agreed.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import math
 import pickle
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -19,7 +23,7 @@ from rlmetrics import Tracker
 from rlmetrics import distributed as rd
 from rlmetrics.agreed import RECENT
 
-from gloo_ranks import ok_results, run_ranks
+from gloo_ranks import ok_results, run_together
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks
 
@@ -63,13 +67,24 @@ COUNTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def pair() -> dict[str, Any]:
+    """Every check's rank function, run in turn on one spawned pair of gloo ranks."""
+    calls = {
+        "mixed_caches/None": (mixed_caches, (None,)),
+        "mixed_caches/0": (mixed_caches, (0,)),
+        "misuse": (misuse, ()),
+    }
+    return run_together(calls, 2, timeout=600)
+
+
 def log_calls(tracker: Tracker, calls: Calls) -> None:
     for name, kind, value in calls:
         tracker.log(name, value, kind=kind)
 
 
-def count_collectives() -> dict[str, int]:
-    """Count this rank's all_gather and all_reduce calls from now on."""
+def count_collectives(patch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count this rank's all_gather and all_reduce calls until ``patch`` is undone."""
     counts = {"n": 0}
     for name in ("all_gather", "all_reduce"):
         original = getattr(dist, name)
@@ -78,7 +93,7 @@ def count_collectives() -> dict[str, int]:
             counts["n"] += 1
             return _original(*args, **kwargs)
 
-        setattr(dist, name, wrapped)
+        patch.setattr(dist, name, wrapped)
     return counts
 
 
@@ -96,22 +111,25 @@ def schedule() -> list[tuple[str, Step]]:
 
 
 def mixed_caches(rank: int, world: int, limit: int | None) -> list[tuple[dict, int]]:
-    """Run ``schedule()`` on this rank: (result, collectives) per step."""
-    if limit is not None:
-        rd.GATHER_LIMIT = limit
-    counts = count_collectives()
-    trackers: dict[str, Tracker] = {}
-    out = []
-    for _, step in schedule():
-        key, action, calls = step[rank]
-        if action == "new" or key not in trackers:
-            trackers[key] = Tracker()
-        log_calls(trackers[key], calls)
-        if action == "pickle":
-            trackers[key] = pickle.loads(pickle.dumps(trackers[key]))
-        before = counts["n"]
-        result = trackers[key].compute(timeout=30)
-        out.append((result, counts["n"] - before))
+    """Run ``schedule()`` on this rank: (result, collectives) per step, over a new group
+    of both ranks (nothing agreed over it yet, as in a fresh process)."""
+    group = dist.new_group([0, 1])
+    with pytest.MonkeyPatch.context() as patch:
+        if limit is not None:
+            patch.setattr(rd, "GATHER_LIMIT", limit)
+        counts = count_collectives(patch)
+        trackers: dict[str, Tracker] = {}
+        out = []
+        for _, step in schedule():
+            key, action, calls = step[rank]
+            if action == "new" or key not in trackers:
+                trackers[key] = Tracker()
+            log_calls(trackers[key], calls)
+            if action == "pickle":
+                trackers[key] = pickle.loads(pickle.dumps(trackers[key]))
+            before = counts["n"]
+            result = trackers[key].compute(group=group, timeout=30)
+            out.append((result, counts["n"] - before))
     return out
 
 
@@ -123,10 +141,12 @@ def single_process(step: Step) -> dict:
 
 
 @pytest.mark.parametrize("limit", [None, 0], ids=["one_gather", "all_reduce_pair"])
-def test_ranks_with_different_or_no_cached_layouts_sync(limit: int | None) -> None:
+def test_ranks_with_different_or_no_cached_layouts_sync(
+    pair: dict[str, Any], limit: int | None
+) -> None:
     """Each step equals one process logging both ranks' calls, on both ranks, whatever
     each rank's tracker caches; the steady state stays one collective."""
-    rank0, rank1 = ok_results(run_ranks(mixed_caches, 2, limit, timeout=300))
+    rank0, rank1 = ok_results(pair[f"mixed_caches/{limit}"])
     for (label, step), (got0, count0), (got1, count1) in zip(schedule(), rank0, rank1, strict=True):
         assert got0 == got1 == single_process(step), label
         assert count0 == count1, label
@@ -160,11 +180,11 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     return out
 
 
-def test_group_non_member_and_timeouts() -> None:
+def test_group_non_member_and_timeouts(pair: dict[str, Any]) -> None:
     """A rank outside the group gets a ValueError that says so (its peers are not left
     waiting: torch issues nothing for non-members); ``math.inf`` and huge timeouts mean
     no bound of rlmetrics', and zero, negative or NaN ones are rejected."""
-    rank0, rank1 = ok_results(run_ranks(misuse, 2, timeout=180))
+    rank0, rank1 = ok_results(pair["misuse"])
     assert rank0["outside"] == "{'x': 0.0}"
     assert "not a member of the process group" in rank1["outside"]
     assert "GroupMember.NON_GROUP_MEMBER" in rank1["outside"]

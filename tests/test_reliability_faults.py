@@ -23,13 +23,13 @@ from rlmetrics import Tracker
 from rlmetrics import distributed as rd
 from rlmetrics.distributed import SyncTimeoutError
 
-from gloo_ranks import free_port, ok_results, run_ranks
+from gloo_ranks import free_port, ok_results, run_ranks, run_together
 
 TIMEOUT = 3.0  # seconds a survivor waits before SyncTimeoutError
 SLACK = 5.0  # process and gloo overhead allowed on a shared 2-core machine
 
 
-def exit_on_call(collective: str, n: int) -> None:
+def exit_on_call(patch: pytest.MonkeyPatch, collective: str, n: int) -> None:
     """Make this process die (os._exit) on its ``n``-th call of ``dist.<collective>``."""
     original = getattr(dist, collective)
     calls = {"n": 0}
@@ -40,7 +40,7 @@ def exit_on_call(collective: str, n: int) -> None:
             os._exit(3)
         return original(*args, **kwargs)
 
-    setattr(dist, collective, wrapped)
+    patch.setattr(dist, collective, wrapped)
 
 
 # -- a rank dies in the middle of a step -----------------------------------------------------
@@ -50,24 +50,25 @@ def killed_mid_step(rank: int, world: int, collective: str, n: int, limit: int |
     state gather (which raises the "schema changed" flag), the two schema gathers
     (length, then bytes) and the state gather again; with ``limit=0`` (rd.GATHER_LIMIT)
     the states travel by all_reduce(SUM), then all_reduce(MAX)."""
-    if limit is not None:
-        rd.GATHER_LIMIT = limit
-    tracker = Tracker()
-    tracker.mean("x", float(rank))
-    tracker.sum("n", 1.0)
-    assert tracker.compute(timeout=30) == {"x": 0.5, "n": 2.0}
-    if rank == 1:
-        exit_on_call(collective, n)
-    tracker.mean("x", 10.0 + rank)
-    tracker.sum("n", torch.ones(3))
-    tracker.max("new_name", 7.0)  # not in the cached schema: the flag forces agreement
-    start = time.monotonic()
-    try:
-        tracker.compute(timeout=TIMEOUT)
-    except SyncTimeoutError as error:
-        elapsed = time.monotonic() - start
-        # nothing was reset: the step's local metrics are all still there
-        return elapsed, str(error), tracker.compute(sync=False)
+    with pytest.MonkeyPatch.context() as patch:
+        if limit is not None:
+            patch.setattr(rd, "GATHER_LIMIT", limit)
+        tracker = Tracker()
+        tracker.mean("x", float(rank))
+        tracker.sum("n", 1.0)
+        assert tracker.compute(timeout=30) == {"x": 0.5, "n": 2.0}
+        if rank == 1:
+            exit_on_call(patch, collective, n)
+        tracker.mean("x", 10.0 + rank)
+        tracker.sum("n", torch.ones(3))
+        tracker.max("new_name", 7.0)  # not in the cached schema: the flag forces agreement
+        start = time.monotonic()
+        try:
+            tracker.compute(timeout=TIMEOUT)
+        except SyncTimeoutError as error:
+            elapsed = time.monotonic() - start
+            # nothing was reset: the step's local metrics are all still there
+            return elapsed, str(error), tracker.compute(sync=False)
     raise AssertionError("compute() returned although rank 1 died")
 
 
@@ -231,8 +232,16 @@ def changing_names(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def names_run() -> list[dict]:
-    return ok_results(run_ranks(changing_names, WORLD, timeout=120))
+def three_ranks() -> dict[str, dict]:
+    """One spawned group of WORLD ranks: the changing name sets, then ranks 0 and 1
+    alone (``only_mine``)."""
+    calls = {"names": (changing_names, ()), "only_mine": (only_mine_on_two, ())}
+    return run_together(calls, WORLD, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def names_run(three_ranks: dict[str, dict]) -> list[dict]:
+    return ok_results(three_ranks["names"])
 
 
 def test_name_sets_change_per_rank_and_step_and_every_value_encodes_its_name(
@@ -264,7 +273,13 @@ def test_kind_disagreement_raises_on_every_rank_naming_kinds_and_ranks(
         assert per_rank["after"] == {"after": 1.0}  # the group keeps working afterwards
 
 
-def only_mine(rank: int, world: int) -> list[dict]:
+def only_mine_on_two(rank: int, world: int) -> list[dict] | None:
+    """``only_mine`` over a group of ranks 0 and 1 (every rank must create it)."""
+    group = dist.new_group([0, 1])
+    return only_mine(rank, group) if rank < 2 else None
+
+
+def only_mine(rank: int, group: dist.ProcessGroup) -> list[dict]:
     """Every step each rank also logs a name that no other rank has."""
     tracker = Tracker()
     outs = []
@@ -276,12 +291,13 @@ def only_mine(rank: int, world: int) -> list[dict]:
             tracker.dist("rank1/dist", torch.arange(step + 1.0))
             tracker.std("rank1/std", torch.tensor([step, step + 2.0]))
         tracker.last("lr", 1e-3 * (step + 1))
-        outs.append(tracker.compute(timeout=30))
+        outs.append(tracker.compute(group=group, timeout=30))
     return outs
 
 
-def test_a_rank_logs_a_metric_no_other_rank_has_every_step() -> None:
-    per_rank = ok_results(run_ranks(only_mine, 2))
+def test_a_rank_logs_a_metric_no_other_rank_has_every_step(three_ranks: dict[str, dict]) -> None:
+    per_rank = ok_results(three_ranks["only_mine"])
+    assert per_rank[2] is None  # not in the group
     assert per_rank[0] == per_rank[1]
     for step, out in enumerate(per_rank[0]):
         values = np.arange(step + 1.0)
@@ -303,8 +319,9 @@ def test_a_rank_logs_a_metric_no_other_rank_has_every_step() -> None:
 
 
 # -- a process group re-created after a failure --------------------------------------------
-def count_agreements() -> dict[str, int]:
-    """Count schema agreements on this rank (rlmetrics.distributed.agree_schema)."""
+def count_agreements(patch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count schema agreements on this rank (rlmetrics.distributed.agree_schema) until
+    ``patch`` is undone."""
     calls = {"n": 0}
     original = rd.agree_schema
 
@@ -312,7 +329,7 @@ def count_agreements() -> dict[str, int]:
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    rd.agree_schema = wrapped
+    patch.setattr(rd, "agree_schema", wrapped)
     return calls
 
 
@@ -320,53 +337,54 @@ def recreated_group(rank: int, world: int, port: int) -> dict:
     """Rank 2 dies mid-step; 0 and 1 time out, re-create the world on a new port and
     compute the same step again; then new subgroups are created and destroyed in turn
     (ids may be reused) and each must agree its schema afresh."""
-    tracker = Tracker()
-    tracker.mean("x", float(rank))
-    tracker.max(f"rank{rank}", 1.0)
-    tracker.compute(timeout=30)
-    if rank == 2:
-        exit_on_call("all_gather", 1)  # the state gather ("n" is new: no agreement yet)
-    tracker.mean("x", 10.0 * (rank + 1))
-    tracker.sum("n", 1.0)
-    try:
-        tracker.compute(timeout=TIMEOUT)
-        raise AssertionError("compute() returned although rank 2 died")
-    except SyncTimeoutError:
-        pass
-    dist.destroy_process_group()
-    gc.collect()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=30),
-    )
-    agreements = count_agreements()
-    retried = tracker.compute(timeout=30)  # the step's metrics survived the failure
-    new_world = agreements["n"]
-    outs, ids = [], []
-    for cycle in range(8):
-        group = dist.new_group([0, 1])
-        ids.append(id(group))
-        before = agreements["n"]
-        # a name set that fits the previous cycle's layout on rank 1 only: a stale
-        # layout found by a reused id would send rank 1 to the reduce, rank 0 to agree
-        tracker.mean("y", float(cycle + rank))
-        if rank == 0:
-            tracker.sum(f"cycle{cycle}", 1.0)
-        outs.append((tracker.compute(group=group, timeout=30), agreements["n"] - before))
-        dist.destroy_process_group(group)
-        del group
+    with pytest.MonkeyPatch.context() as patch:
+        tracker = Tracker()
+        tracker.mean("x", float(rank))
+        tracker.max(f"rank{rank}", 1.0)
+        tracker.compute(timeout=30)
+        if rank == 2:
+            exit_on_call(patch, "all_gather", 1)  # the state gather ("n" is new: no agreement yet)
+        tracker.mean("x", 10.0 * (rank + 1))
+        tracker.sum("n", 1.0)
+        try:
+            tracker.compute(timeout=TIMEOUT)
+            raise AssertionError("compute() returned although rank 2 died")
+        except SyncTimeoutError:
+            pass
+        dist.destroy_process_group()
         gc.collect()
-    return {
-        "retried": retried,
-        "new_world_agreements": new_world,
-        "cycles": outs,
-        "reused_ids": len(ids) - len(set(ids)),
-        "cache_size": len(tracker.sync_cache),
-        "pickled_cache": pickle.loads(pickle.dumps(tracker)).sync_cache,
-    }
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=30),
+        )
+        agreements = count_agreements(patch)
+        retried = tracker.compute(timeout=30)  # the step's metrics survived the failure
+        new_world = agreements["n"]
+        outs, ids = [], []
+        for cycle in range(8):
+            group = dist.new_group([0, 1])
+            ids.append(id(group))
+            before = agreements["n"]
+            # a name set that fits the previous cycle's layout on rank 1 only: a stale
+            # layout found by a reused id would send rank 1 to the reduce, rank 0 to agree
+            tracker.mean("y", float(cycle + rank))
+            if rank == 0:
+                tracker.sum(f"cycle{cycle}", 1.0)
+            outs.append((tracker.compute(group=group, timeout=30), agreements["n"] - before))
+            dist.destroy_process_group(group)
+            del group
+            gc.collect()
+        return {
+            "retried": retried,
+            "new_world_agreements": new_world,
+            "cycles": outs,
+            "reused_ids": len(ids) - len(set(ids)),
+            "cache_size": len(tracker.sync_cache),
+            "pickled_cache": pickle.loads(pickle.dumps(tracker)).sync_cache,
+        }
 
 
 def test_group_recreated_after_a_failure_never_reuses_a_stale_schema() -> None:

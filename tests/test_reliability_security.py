@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rlmetrics import Tracker
 from rlmetrics import distributed as rd
 from rlmetrics.loggers import JsonlLogger, MlflowLogger, TensorBoardLogger
 
-from gloo_ranks import ok_results, run_ranks
+from gloo_ranks import ok_results, run_together
 
 EVIL_NAMES = [
     "../../x",
@@ -132,38 +133,57 @@ class NoPickle:
 
 def hostile_schema(rank: int, world: int, marker: str, mode: str) -> str:
     """Rank 1 sends a pickle (or a code-like JSON schema) instead of its schema; no rank
-    may execute anything. Built-in kinds never touch pickle at all."""
-    rd.pickle = NoPickle()
-    tracker = Tracker()
-    tracker.mean("loss", 1.0)
-    tracker.std("std", torch.tensor([1.0, 3.0]))
-    tracker.dist("dist", [1.0, 2.0])
-    if mode == "clean":
-        return repr(tracker.compute(timeout=30))
-    if rank == 1:
-        original = rd.gather_bytes
-        hostile = {
-            "pickle": pickle.dumps(Boom(marker)),
-            "json": b'[["__import__(\'os\').system(\'touch x\')", "os.system", "eval"]]',
-        }[mode]
+    may execute anything. Built-in kinds never touch pickle at all. Over a new group
+    (nothing agreed yet, so the schema travels), the patches undone afterwards."""
+    group = dist.new_group(list(range(world)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rd, "pickle", NoPickle())
+        tracker = Tracker()
+        tracker.mean("loss", 1.0)
+        tracker.std("std", torch.tensor([1.0, 3.0]))
+        tracker.dist("dist", [1.0, 2.0])
+        if mode == "clean":
+            return repr(tracker.compute(group=group, timeout=30))
+        if rank == 1:
+            original = rd.gather_bytes
+            hostile = {
+                "pickle": pickle.dumps(Boom(marker)),
+                "json": b'[["__import__(\'os\').system(\'touch x\')", "os.system", "eval"]]',
+            }[mode]
 
-        def send_hostile(payload: bytes, *args, **kwargs):
-            return original(hostile, *args, **kwargs)
+            def send_hostile(payload: bytes, *args, **kwargs):
+                return original(hostile, *args, **kwargs)
 
-        rd.gather_bytes = send_hostile
-    try:
-        tracker.compute(timeout=30)
-    except ValueError as error:  # JSONDecodeError, or an unknown kind
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+            patch.setattr(rd, "gather_bytes", send_hostile)
+        try:
+            tracker.compute(group=group, timeout=30)
+        except ValueError as error:  # JSONDecodeError, or an unknown kind
+            return f"{type(error).__name__}: {error}"
+        return "no error"
 
 
-@pytest.mark.parametrize("mode", ["clean", "pickle", "json"])
+MODES = ("clean", "pickle", "json")
+
+
+@pytest.fixture(scope="module")
+def hostile_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The three modes in turn on one spawned pair of ranks, each with its own marker."""
+    root = tmp_path_factory.mktemp("hostile")
+    calls = {mode: (hostile_schema, (str(root / mode / "pwned"), mode)) for mode in MODES}
+    for mode in MODES:
+        (root / mode).mkdir()
+    return root, run_together(calls, 2, timeout=300)
+
+
+@pytest.mark.slow  # two gloo ranks
+@pytest.mark.parametrize("mode", MODES)
 def test_a_hostile_schema_is_decoded_as_json_and_executes_nothing(
-    tmp_path: Path, mode: str
+    hostile_runs: tuple[Path, dict], mode: str
 ) -> None:
+    root, outcomes = hostile_runs
+    tmp_path = root / mode
     marker = tmp_path / "pwned"
-    results = ok_results(run_ranks(hostile_schema, 2, str(marker), mode))
+    results = ok_results(outcomes[mode])
     assert not marker.exists()
     if mode == "clean":
         assert results[0] == results[1] and "'loss': 1.0" in results[0]

@@ -273,6 +273,7 @@ def ray_session() -> Iterator[object]:
         yield ray
 
 
+@pytest.mark.slow  # a local Ray and two gloo ranks
 def test_ray_collect_equals_gloo_compute(ray_session: object) -> None:
     ray = ray_session
     remote_step = ray.remote(num_cpus=1)(worker_step)

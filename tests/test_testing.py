@@ -249,6 +249,7 @@ def real_ranks(request) -> tuple[int, list[dict]]:
     return request.param, ok_results(run_ranks(real_rank_checks, request.param, timeout=90))
 
 
+@pytest.mark.slow  # gloo ranks (the real_ranks fixture)
 def test_real_ranks_correct_code_passes_on_every_rank(real_ranks) -> None:
     world, per_rank = real_ranks
     assert all(r["metrics"] == per_rank[0]["metrics"] for r in per_rank)
@@ -266,6 +267,7 @@ def test_real_ranks_correct_code_passes_on_every_rank(real_ranks) -> None:
         assert result["after"]  # every rank left the group's collectives in step
 
 
+@pytest.mark.slow  # gloo ranks (the real_ranks fixture)
 def test_real_ranks_a_bug_raises_on_every_rank_naming_the_metric(real_ranks) -> None:
     world, per_rank = real_ranks
     for result in per_rank:
@@ -278,6 +280,7 @@ def test_real_ranks_a_bug_raises_on_every_rank_naming_the_metric(real_ranks) -> 
         assert result["bug_off"] == ("ok", "")  # real_ranks=False: simulated ranks only
 
 
+@pytest.mark.slow  # gloo ranks (the real_ranks fixture)
 def test_real_ranks_empty_shard(real_ranks) -> None:
     world, per_rank = real_ranks
     shares = [s.tolist() for s in np.array_split(np.arange(world - 1), world)]
@@ -291,6 +294,7 @@ def test_real_ranks_empty_shard(real_ranks) -> None:
             assert rows[-1] == tuple(shares[rank])
 
 
+@pytest.mark.slow  # gloo ranks (the real_ranks fixture)
 def test_real_ranks_a_failure_on_one_rank_raises_on_all(real_ranks) -> None:
     _, per_rank = real_ranks
     for rank, result in enumerate(per_rank):

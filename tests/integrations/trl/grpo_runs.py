@@ -148,18 +148,16 @@ class SyncCounter(torch.overrides.TorchFunctionMode):
 
             return counted
 
+        import pytest
+
         from rlmetrics import Tracker
 
-        for name, func in saved.items():
-            setattr(dist, name, wrap(name, func))
-        host_arrays, Tracker.host_arrays = Tracker.host_arrays, False
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, func in saved.items():
+                patch.setattr(dist, name, wrap(name, func))
+            patch.setattr(Tracker, "host_arrays", False)
             with self:
                 yield
-        finally:
-            Tracker.host_arrays = host_arrays
-            for name, func in saved.items():
-                setattr(dist, name, func)
 
 
 def _capturing(base: type) -> type:

@@ -50,11 +50,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def quiet_home(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """HF caches and logs go to a temp dir; nothing is downloaded."""
     home = tmp_path_factory.mktemp("home")
-    saved = dict(os.environ)
-    os.environ.update(HOME=str(home), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    with pytest.MonkeyPatch.context() as patch:  # the module-scoped form of monkeypatch
+        patch.setenv("HOME", str(home))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("TOKENIZERS_PARALLELISM", "false")
+        yield
 
 
 @pytest.fixture(scope="module")

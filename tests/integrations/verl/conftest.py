@@ -20,16 +20,11 @@ if importlib.util.find_spec("verl") is None:  # the core venv: nothing here can 
 def verl_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A temporary HOME and TMPDIR for verl, transformers and torch (and their caches)."""
     home = str(tmp_path_factory.mktemp("verl_home"))
-    saved = {key: os.environ.get(key) for key in ("HOME", "TMPDIR", "HF_HOME")}
-    os.environ.update(HOME=home, TMPDIR=home, HF_HOME=os.path.join(home, "hf"))
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # the session-scoped form of monkeypatch
+        patch.setenv("HOME", home)
+        patch.setenv("TMPDIR", home)
+        patch.setenv("HF_HOME", os.path.join(home, "hf"))
         yield home
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(scope="session")
