@@ -329,6 +329,7 @@ def gloo_steps(rank: int, world_size: int) -> list[tuple[dict[str, float], int, 
     return out
 
 
+@pytest.mark.slow  # spawns gloo ranks
 def test_two_gloo_ranks_equal_one_process_with_no_collective_of_its_own() -> None:
     rank0, rank1 = ok_results(run_ranks(gloo_steps, 2, timeout=300))
     driver = TrackerState.merge_all([rank_tracker(r).state() for r in range(2)]).compute()
