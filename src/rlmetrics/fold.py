@@ -294,11 +294,9 @@ def _fold_host(
     extras: list[Any] | None,
 ) -> None:
     sum_rows, max_rows = sums.tolist(), maxes.tolist()
-    if kind.replaces:  # a row with no selected value leaves the old one in place
-        present = ((sums != 0).any(1) | (maxes != -math.inf).any(1)).tolist()
     for i, acc in enumerate(accs):
-        if kind.replaces:
-            if not present[i]:
+        if kind.replaces:  # a row with no selected value leaves the old one in place
+            if not (any(sum_rows[i]) or any(x != -math.inf for x in max_rows[i])):
                 continue
             acc.clear_value()
         acc.add_host(sum_rows[i], max_rows[i])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -91,13 +92,13 @@ class Batch:
     def max_by(self, x: Array) -> Array:
         """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
         lengths = self.lengths
+        starts = list(accumulate(lengths[:-1], initial=0))
         if 0 not in lengths:
-            return np.maximum.reduceat(x, np.cumsum([0, *lengths[:-1]]))
+            return np.maximum.reduceat(x, starts)
         out = np.full(self.num_rows, -math.inf)
-        rows = np.flatnonzero(lengths)
-        if len(rows):
-            starts = np.cumsum([0, *lengths[:-1]])[rows]
-            out[rows] = np.maximum.reduceat(x, starts)
+        rows = [row for row, length in enumerate(lengths) if length]
+        if rows:
+            out[rows] = np.maximum.reduceat(x, [starts[row] for row in rows])
         return out
 
     def last_by(self, x: Array) -> tuple[Array, Array]:
