@@ -137,10 +137,9 @@ def _batch(
     if checks or nonfinite == "skip":
         calls = _on(np.repeat(np.arange(len(call_lengths)), call_lengths), device)
         call_rows = np.repeat(np.arange(len(accs)), [len(acc.values) for acc in accs])
-        selected = weights > 0
         bad = ~((weights >= 0) & (weights < math.inf))  # NaN fails both
         if nonfinite == "error":
-            bad = bad | (selected & ~batch.isfinite(values))
+            bad = bad | ((weights > 0) & ~batch.isfinite(values))
         call_bad = batch.sum_by(bad * 1.0, calls, len(call_lengths)) > 0
         rejected = batch.sum_by(call_bad * 1.0, _on(call_rows, device), len(accs))
         weights = batch.where(call_bad[calls], zero, weights)

@@ -75,9 +75,6 @@ class Dist(Kind):
     def empty_extra(self) -> list:
         return []
 
-    def merge_dev_extra(self, acc_extra: list | None, batch: Any) -> list:
-        return [*(acc_extra or []), batch]
-
     def merge_extra(self, a: Any, b: Any) -> list:
         values = np.concatenate((as_array(a), as_array(b)))
         return [values] if values.size else []
