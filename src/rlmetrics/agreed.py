@@ -28,7 +28,8 @@ from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator
 from rlmetrics.layout import Layout
-from rlmetrics.packing import SendBuffer, pack_scalars, sum_part
+from rlmetrics.packing import Packing, sum_part, with_nan_counts
+from rlmetrics.table import Table
 
 HEADER = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
 RECENT = 8  # layouts kept per group: trackers that share a group keep their own
@@ -107,9 +108,9 @@ def logged_flags(accumulators: Mapping[str, Any], layout: Layout, fits: bool) ->
 @dataclass(eq=False)
 class Plan:
     """How this rank packs a step: its layout (None: it has none the group may share)
-    and accumulators in layout order (blanks included), the group's padded sizes, the
-    MAX tail of the gather ([logged per slot..., pad, schema changed, hash, -hash]) and
-    the send buffer of steps of python numbers only."""
+    and accumulators in layout order (None where it logged nothing), the group's padded
+    sizes, the logged flags and header that end the MAX part, and (made on first use)
+    the ``Packing`` of each buffer shape."""
 
     layout: Layout | None
     accs: list[Any]
@@ -117,8 +118,9 @@ class Plan:
     logged: list[float]
     header: list[float]
     logged_all: bool  # this rank logged every name of the layout
-    gather_tail: np.ndarray | None = None
-    send: SendBuffer | None = None
+    version: int = -1  # the tracker table's row version the plan was made for
+    gather: Packing | None = None
+    pair: Packing | None = None
 
     @property
     def num_sums(self) -> int:
@@ -132,25 +134,25 @@ class Plan:
         tail[-HEADER:] = self.header
         return tail
 
-    def pack_gather(self, device: torch.device) -> Tensor:
+    def pack_gather(self, table: Table, device: torch.device) -> Tensor:
         """[SUM | MAX | logged | pad | header], ``sizes.gather`` floats."""
         layout, length = self.layout, self.sizes.gather
         if layout is None:
             return torch.from_numpy(self.tail(length)).to(device)
-        if self.gather_tail is None:
-            self.gather_tail = self.tail(length - layout.num_sums)
-            if not layout.extra_slots:
-                self.send = SendBuffer.make(layout, self.gather_tail)
-        return pack_scalars(self.accs, layout, device, max_tail=self.gather_tail, reuse=self.send)
+        if self.gather is None:
+            tail = self.tail(length - layout.num_sums)
+            self.gather = Packing.make(layout, self.accs, table, tail)
+        return self.gather.pack(table, device)
 
-    def pack_pair(self, device: torch.device) -> Tensor:
+    def pack_pair(self, table: Table, device: torch.device) -> Tensor:
         """[SUM | NaN counts | pad | MAX | logged | pad | header]: the all_reduce(SUM)
         part is ``sizes.sums`` floats, the all_reduce(MAX) part ``sizes.maxes``."""
         layout, sizes = self.layout, self.sizes
         if layout is None:
             return torch.from_numpy(self.tail(sizes.sums + sizes.maxes)).to(device)
-        tail = self.tail(sizes.maxes)
-        packed = pack_scalars(self.accs, layout, device, max_tail=tail, nan_counts=True)
+        if self.pair is None:
+            self.pair = Packing.make(layout, self.accs, table, self.tail(sizes.maxes))
+        packed = with_nan_counts(self.pair.pack(table, device), layout)
         additive = sum_part(layout, nan_counts=True)
         if additive == sizes.sums:
             return packed

@@ -71,6 +71,7 @@ from rlmetrics.packing import (
     unpack,
 )
 from rlmetrics.reduced import Reduced, python_results
+from rlmetrics.table import Table
 
 # Up to this many gathered floats per step (ranks x (SUM + MAX buffer sizes)), the two
 # buffers are reduced by one all_gather and a host reduction; above it, by
@@ -142,17 +143,19 @@ class _GroupSync:
     seen: list[Any] = field(default_factory=list)  # the last plan's accumulators, dict order
     plan: Plan | None = None
 
-    def packing_plan(self, accumulators: Mapping[str, Any]) -> Plan:
+    def packing_plan(self, accumulators: Mapping[str, Any], version: int) -> Plan:
         """This step's accumulators in layout order, and what the MAX tail carries. A
         step that logged a name the layout lacks packs as empty with "changed" set, and
         a tracker with no layout the group holds packs nothing with "changed" set, so
-        every rank agrees again."""
+        every rank agrees again. ``version`` is the tracker table's row version (rows
+        renumbered: the plan's maps are stale)."""
         current = list(accumulators.values())
         plan, sizes = self.plan, self.agreed.sizes
         if (
             plan is not None
             and plan.layout is self.layout
             and plan.sizes is sizes
+            and plan.version == version
             and current == self.seen  # identity
         ):
             return plan
@@ -166,8 +169,9 @@ class _GroupSync:
         accs = in_order(accumulators if fits else {}, layout)
         logged_all = fits and len(accumulators) == len(layout.slots)
         plan = Plan(
-            layout, accs, sizes, logged_flags(accumulators, layout, fits), header, logged_all
-        )
+            layout, accs, sizes, logged_flags(accumulators, layout, fits), header, logged_all,
+            version,
+        )  # fmt: skip
         if fits:
             self.seen, self.plan = current, plan
         return plan
@@ -218,10 +222,10 @@ def sync_reduce(
     pg = resolve_group(group)
     wait = as_timeout(timeout)
     sync = _group_sync(tracker, pg, wait)
-    accumulators = tracker.accumulators
+    accumulators, table = tracker.accumulators, tracker.table
     for _ in range(2):
-        plan = sync.packing_plan(accumulators)
-        sums, maxes = _reduce(plan, sync, pg, wait)
+        plan = sync.packing_plan(accumulators, table.version)
+        sums, maxes = _reduce(plan, table, sync, pg, wait)
         layout = plan.layout
         if layout is not None and python_results(layout):  # read the buffers once
             sums_list, maxes_list = sums.tolist(), maxes.tolist()
@@ -239,7 +243,7 @@ def sync_reduce(
                 )
             # when this rank logged every name, so did the group
             logged = None if plan.logged_all else maxes[size : size + len(layout.slots)]
-            return _finish(accumulators, layout, sums, maxes[:size], logged, pg, sync, wait)
+            return _finish(plan, table, sums, maxes[:size], logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
         sync.agreed.use(sync.layout)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
@@ -253,7 +257,7 @@ def _plain(plan: Plan, sums: list[float]) -> bool:
 
 
 def _reduce(
-    plan: Plan, sync: _GroupSync, group: Any, wait: timedelta | None
+    plan: Plan, table: Table, sync: _GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The packed SUM part and MAX part (padding and header included) reduced over
     ``group``, on the host (one device-to-host copy): one gather up to ``GATHER_LIMIT``
@@ -261,7 +265,7 @@ def _reduce(
     sizes, whatever layout (or none) it packed."""
     world, sizes = sync.world, plan.sizes
     if world * sizes.gather <= GATHER_LIMIT:
-        packed = plan.pack_gather(sync.device)
+        packed = plan.pack_gather(table, sync.device)
         what = "all_gather of metric states"
         if packed.device.type == "cpu":  # straight into a reused host buffer
             gathered, rows = sync.gather_rows(world, packed.numel())
@@ -270,7 +274,7 @@ def _reduce(
             gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
         num_sums = plan.num_sums
         return _add_rows(gathered[:, :num_sums]), _max_rows(gathered[:, num_sums:])
-    packed = plan.pack_pair(sync.device)
+    packed = plan.pack_pair(table, sync.device)
     split = sizes.sums
     all_reduce(packed[:split], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
     all_reduce(packed[split:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states")
@@ -299,8 +303,8 @@ def _max_rows(rows: np.ndarray) -> np.ndarray:
 
 
 def _finish(
-    accumulators: Mapping[str, Any],
-    layout: Layout,
+    plan: Plan,
+    table: Table,
     sums: np.ndarray,
     maxes: np.ndarray,
     logged: np.ndarray,
@@ -310,12 +314,14 @@ def _finish(
 ) -> Reduced:
     """Gather the extras (when any) and unpack the reduced buffers (``maxes`` without
     the tail)."""
+    layout = plan.layout
     sizes = extra_sizes(layout, maxes)
     extras: list[np.ndarray] = []
     objects: list[Mapping[str, object]] = []
     if layout.extra_slots:
         device = sync.device
-        vector, local_objects = pack_extras(accumulators, layout, sizes, device)
+        packing = plan.gather or plan.pair
+        vector, local_objects = pack_extras(packing, table, sizes, device)
         if vector.numel():
             rows = all_gather(vector, group, wait, "extras gather")
             extras = list(torch.stack(rows).cpu().numpy())  # one device-to-host copy

@@ -23,51 +23,101 @@ raises ``ModifiedInputError`` naming the metric: its value at the log call is go
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Sequence
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import NONFINITE_SLOT, REJECTED_SLOT, Accumulator, Kind
+from rlmetrics.kinds.base import Accumulator, Kind
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch, to_device
-from rlmetrics.kinds.last import replace_dev
+from rlmetrics.table import Table
 
 
 class ModifiedInputError(ValueError):
     """A logged tensor was changed in place before the step's end."""
 
 
-def fold(metrics: Iterable[tuple[str, Accumulator]], nonfinite: str) -> None:
-    """Reduce the records of ``metrics`` into their states and clear the records.
+def fold(accs: list[Accumulator], table: Table, nonfinite: str) -> None:
+    """Reduce the records of ``accs`` into their rows of ``table``; clear the records.
 
     Raises:
         ModifiedInputError: a logged tensor changed in place; the records of the metrics
             named are dropped (reported once), every other metric is folded.
     """
-    devices: dict[Any, dict[Kind, list[Accumulator]]] = {}
-    modified = []
-    for name, acc in metrics:
-        if not acc.values:
+    devices: dict[Any, list[_Group]] = {}
+    modified: list[str] = []
+    for group in _kind_groups(accs, table):
+        members = list(filter(_get_values, group.members))
+        if not members:
             continue
-        if acc.versions and _modified(acc):
-            modified.append(name)
-            _clear_records(acc)
+        if any(map(_get_versions, members)):
+            dropped = [acc for acc in members if acc.versions and _modified(acc)]
+            for acc in dropped:
+                modified.append(acc.name)
+                acc.clear_records()
+            members = list(filter(_get_values, members))
+        record_devices = set(map(_get_record_device, members))
+        if len(record_devices) == 1 and len(members) == len(group.members):
+            devices.setdefault(record_devices.pop(), []).append(group)
             continue
-        devices.setdefault(acc.record_device, {}).setdefault(acc.kind, []).append(acc)
+        for device in record_devices:
+            on_device = [acc for acc in members if acc.record_device == device]
+            devices.setdefault(device, []).append(_Group(on_device))
     for device, kinds in devices.items():
         if device is None:
-            _fold_device_records(device, kinds, nonfinite)
+            _fold_records(table, device, kinds, nonfinite)
         else:
             with torch.no_grad():
-                _fold_device_records(device, kinds, nonfinite)
+                _fold_records(table, device, kinds, nonfinite)
     if modified:
         raise ModifiedInputError(
             "tensors logged this step were changed in place before compute(), so the "
             "values they had when logged are gone; log a copy (tensor.clone()) or log "
             f"after the change. Metrics dropped from this step: {', '.join(map(repr, modified))}"
         )
+
+
+_get_values = attrgetter("values")
+_get_weights = attrgetter("weights")
+_get_versions = attrgetter("versions")
+_get_record_device = attrgetter("record_device")
+_get_num_arrays = attrgetter("num_arrays")
+_get_row = attrgetter("row")
+_get_num_checked = attrgetter("num_checked")
+
+
+class _Group:
+    """Metrics of one kind, and (computed once) their rows' positions in the table."""
+
+    def __init__(self, members: list[Accumulator]) -> None:
+        self.members = members
+        self.kind = members[0].kind
+        self._positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def positions(self, table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The members' rows, and their (rows, slots) SUM and MAX positions."""
+        if self._positions is None:
+            rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
+            self._positions = (rows, *table.positions(rows, self.kind))
+        return self._positions
+
+
+def _kind_groups(accs: list[Accumulator], table: Table) -> list[_Group]:
+    """``accs`` grouped by kind object, in order; cached on ``table`` for as long as
+    the same accumulators come (a steady-state step)."""
+    cached = table.fold_groups
+    if cached is not None and cached[0] == accs:  # identity
+        return cached[1]
+    groups: dict[int, list[Accumulator]] = {}
+    for acc in accs:
+        groups.setdefault(id(acc.kind), []).append(acc)
+    table.fold_groups = (accs, [_Group(members) for members in groups.values()])
+    return table.fold_groups[1]
 
 
 def _modified(acc: Accumulator) -> bool:
@@ -83,37 +133,54 @@ def _modified(acc: Accumulator) -> bool:
     return False
 
 
-def _clear_records(acc: Accumulator) -> None:
-    acc.values.clear()
-    acc.weights.clear()
-    acc.versions.clear()
-    acc.num_arrays = 0
-
-
-def _fold_device_records(
-    device: torch.device | None, kinds: dict[Kind, list[Accumulator]], nonfinite: str
+def _fold_records(
+    table: Table, device: torch.device | None, groups: list[_Group], nonfinite: str
 ) -> None:
     """Fold one device's (or the host's) records: one batch for all its metrics, each
-    kind reducing its own rows."""
-    accs = [acc for members in kinds.values() for acc in members]
+    kind reducing its own rows into ``table``."""
+    accs = [acc for group in groups for acc in group.members]
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
         batch, flags = _batch(accs, device, nonfinite)
         row = element = call = 0
-        for kind, members in kinds.items():
+        for group in groups:
+            kind, members = group.kind, group.members
             rows = slice(row, row + len(members))
             size = sum(batch.lengths[rows])
-            calls = sum(len(acc.values) for acc in members)
+            calls = sum(map(len, map(_get_values, members)))
             part = batch.part(rows, slice(element, element + size), slice(call, call + calls))
             row, element, call = rows.stop, element + size, call + calls
             sums, maxes = kind.reduce(part)
-            extras = kind.reduce_extra(part) if kind.has_extra else None
-            counts = None if flags is None else flags[rows]
+            positions = group.positions(table)
+            present = None
+            if kind.replaces:  # a row with no selected value keeps the old one
+                present = (sums != 0).any(1) | (maxes != -math.inf).any(1)
             if batch.on_host:
-                _fold_host(kind, members, sums, maxes, counts, extras)
+                table.add(kind, positions, sums, maxes, present)
             else:
-                _fold_device(kind, members, sums, maxes, counts, extras)
-    for acc in accs:
-        _clear_records(acc)
+                table.add_device(kind, positions, sums, maxes, present)
+            if kind.has_extra:
+                _fold_extras(table, kind, positions[0], kind.reduce_extra(part), batch.on_host)
+        if flags is not None:
+            rows_all = np.fromiter(map(_get_row, accs), np.int64, len(accs))
+            table.add_counts(rows_all, flags)
+    if any(map(_get_num_arrays, accs)):
+        for acc in accs:
+            acc.clear_records()
+    else:  # python numbers only: two lists each
+        deque(map(list.clear, map(_get_values, accs)), 0)
+        deque(map(list.clear, map(_get_weights, accs)), 0)
+
+
+def _fold_extras(
+    table: Table, kind: Kind, rows: np.ndarray, extras: list[Any], on_host: bool
+) -> None:
+    if on_host:
+        for row, extra in zip(rows.tolist(), extras, strict=True):
+            table.extras[row] = kind.merge_extra(table.extras[row], extra)
+        return
+    dev_extras = table.device_part.extras
+    for row, extra in zip(rows.tolist(), extras, strict=True):
+        dev_extras[row] = kind.merge_dev_extra(dev_extras.get(row), extra)
 
 
 def _batch(
@@ -121,17 +188,26 @@ def _batch(
 ) -> tuple[Batch, Array | None]:
     """The records of ``accs`` as one screened batch, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
-    parts = _Parts()
-    for acc in accs:
-        parts.add(acc)
-    parts.flush()
-    call_lengths, lengths = parts.call_lengths, parts.lengths
     make = Batch if device is None else DeviceBatch
-    values = assemble(parts.values, device)
-    weights = assemble(parts.weights, device)
+    if any(map(_get_num_arrays, accs)):
+        parts = _Parts()
+        for acc in accs:
+            parts.add(acc)
+        parts.flush()
+        call_lengths, lengths = parts.call_lengths, parts.lengths
+        values = assemble(parts.values, device)
+        weights = assemble(parts.weights, device)
+    else:  # python numbers only: one element per call
+        lengths = list(map(len, map(_get_values, accs)))
+        total = sum(lengths)
+        call_lengths = [1] * total
+        values = np.array(list(chain.from_iterable(map(_get_values, accs))), np.float64)
+        weights = np.array(list(chain.from_iterable(map(_get_weights, accs))), np.float64)
+        if device is not None:
+            values, weights = to_device(values, device), to_device(weights, device)
     segments = np.repeat(np.arange(len(accs)), lengths)
     batch = make(values, weights, _on(segments, device), lengths, call_lengths)
-    checks = nonfinite == "error" or any(acc.num_checked for acc in accs)
+    checks = nonfinite == "error" or any(map(_get_num_checked, accs))
     flags = None
     zero = 0.0
     if checks or nonfinite == "skip":
@@ -174,7 +250,6 @@ class _Parts:
             self.number_weights += weights
             self.call_lengths += [1] * len(values)
             self.lengths.append(len(values))
-            acc.kept_call = True
             return
         start = len(self.call_lengths)
         for value, weight in zip(values, weights, strict=True):
@@ -182,7 +257,6 @@ class _Parts:
                 self.numbers.append(value)
                 self.number_weights.append(weight)
                 self.call_lengths.append(1)
-                acc.kept_call = True
                 continue
             self.flush()
             size = value.numel() if isinstance(value, Tensor) else value.size
@@ -282,58 +356,3 @@ def _permutation(order: list[int], sizes: list[int]) -> np.ndarray:
 
 def _on(array: np.ndarray, device: torch.device | None) -> Array:
     return array if device is None else to_device(array, device)
-
-
-def _fold_host(
-    kind: Kind,
-    accs: list[Accumulator],
-    sums: np.ndarray,
-    maxes: np.ndarray,
-    flags: np.ndarray | None,
-    extras: list[Any] | None,
-) -> None:
-    sum_rows, max_rows = sums.tolist(), maxes.tolist()
-    for i, acc in enumerate(accs):
-        if kind.replaces:  # a row with no selected value leaves the old one in place
-            if not (any(sum_rows[i]) or any(x != -math.inf for x in max_rows[i])):
-                continue
-            acc.clear_value()
-        acc.add_host(sum_rows[i], max_rows[i])
-        if extras is not None:
-            acc.extra = kind.merge_extra(acc.extra, extras[i])
-    if flags is not None:
-        for acc, (skipped, rejected) in zip(accs, flags.tolist(), strict=True):
-            if skipped:
-                acc.count(NONFINITE_SLOT, skipped)
-            if rejected:
-                acc.count(REJECTED_SLOT, rejected)
-
-
-def _fold_device(
-    kind: Kind,
-    accs: list[Accumulator],
-    sums: Tensor,
-    maxes: Tensor,
-    flags: Tensor | None,
-    extras: list[Any] | None,
-) -> None:
-    """Fold device rows into the accumulators: a fixed number of operations per metric,
-    none per call, no host sync."""
-    counts = flags if flags is not None else sums.new_zeros((len(accs), 2))
-    rows = torch.cat((sums, counts), 1).unbind(0)
-    max_rows = maxes.unbind(0) if kind.num_maxes else [None] * len(accs)
-    if kind.replaces:
-        present = ((sums != 0).any(1) | (maxes != -math.inf).any(1)).unbind(0)
-        for acc, row, high, kept in zip(accs, rows, max_rows, present, strict=True):
-            replace_dev(acc, row[: kind.num_sums], high, ~kept, row[kind.num_sums :])
-        return
-    for i, (acc, row, high) in enumerate(zip(accs, rows, max_rows, strict=True)):
-        if acc.dev_sums is None:
-            acc.dev_sums = row
-        else:
-            acc.dev_sums = acc.dev_sums + row.to(acc.dev_sums.device)
-        if high is not None:
-            previous = acc.dev_maxes
-            acc.dev_maxes = high if previous is None else torch.maximum(previous, high)
-        if extras is not None:
-            acc.dev_extra = kind.merge_dev_extra(acc.dev_extra, extras[i])

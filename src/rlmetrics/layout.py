@@ -9,7 +9,6 @@ packing and unpacking use are built once per layout.
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -105,53 +104,6 @@ class Layout:
         """A float64-exact 52-bit hash of the signature, equal on ranks with equal layouts."""
         digest = hashlib.blake2b(repr(self.signature).encode(), digest_size=8).digest()
         return float(int.from_bytes(digest, "little") >> 12)
-
-    @cached_property
-    def blanks(self) -> list[Accumulator]:
-        """Per slot, an empty stand-in (read only) for a metric this process never logged."""
-        return [Accumulator.empty(s.kind) for s in self.slots]
-
-    @cached_property
-    def sum_struct(self) -> struct.Struct:
-        """Packs the kinds' sums (python floats) as float64, in one call."""
-        return struct.Struct(f"={self.num_kind_sums}d")
-
-    @cached_property
-    def max_struct(self) -> struct.Struct:
-        """Packs the MAX part (python floats) as float64, in one call."""
-        return struct.Struct(f"={self.num_maxes}d")
-
-    @cached_property
-    def kind_max_positions(self) -> np.ndarray:
-        """MAX-buffer positions of the kinds' own max slots (extra-size slots excluded)."""
-        return np.concatenate(
-            [np.arange(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
-            or [np.zeros(0, dtype=np.int64)]
-        )
-
-    @cached_property
-    def sum_positions(self) -> list[np.ndarray]:
-        """Per slot, the SUM-buffer positions of ``dev_sums`` (kind sums, then counts)."""
-        return [
-            np.concatenate(
-                (
-                    np.arange(s.sum_offset, s.sum_offset + s.kind.num_sums),
-                    np.arange(s.flag_offset, s.flag_offset + NUM_FLAGS),
-                )
-            )
-            for s in self.slots
-        ]
-
-    @cached_property
-    def max_positions(self) -> list[np.ndarray]:
-        """Per slot, the MAX-buffer positions of the kind's own max slots."""
-        return [np.arange(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
-
-    @cached_property
-    def flag_positions(self) -> np.ndarray:
-        """Per slot, its two framework counts' SUM-buffer positions, as an (n, 2) array."""
-        start = self.num_kind_sums
-        return np.arange(start, self.num_sums, dtype=np.int64).reshape(-1, NUM_FLAGS)
 
     @cached_property
     def sum_slices(self) -> list[slice]:

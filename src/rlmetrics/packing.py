@@ -1,7 +1,8 @@
 """Packing many metrics' states into a few flat buffers, and back.
 
-Packing copies host floats in one transfer and device tensors with one index_put per
-buffer: the host never waits on the device here. Unpacking checks the rejected-call
+Packing copies a tracker's table into the buffer with one indexed assignment per array
+(host half) and one indexed add per array (device half): the host never waits on the
+device here. Unpacking checks the rejected-call
 counts, merges the gathered extras in rank order and returns a ``Reduced`` step.
 """
 
@@ -9,17 +10,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from rlmetrics.kinds.base import NUM_FLAGS, Accumulator
+from rlmetrics.kinds.batch import to_device
 from rlmetrics.layout import Layout
 from rlmetrics.reduced import Reduced
+from rlmetrics.table import Table
 
 
 class RejectedInputError(ValueError):
@@ -27,98 +29,99 @@ class RejectedInputError(ValueError):
     non-finite values under ``nonfinite="error"``) and dropped; raised at step end."""
 
 
-def pack_scalars(
-    accs: Sequence[Accumulator],
-    layout: Layout,
-    device: torch.device,
-    *,
-    max_tail: Sequence[float] | np.ndarray = (),
-    nan_counts: bool = False,
-    reuse: SendBuffer | None = None,
-) -> Tensor:
-    """This process's SUM and MAX buffers, one after the other in one float64 tensor on
-    ``device``: [SUM | MAX | max_tail], or [SUM | NaN counts | MAX | max_tail].
+@dataclass(eq=False)
+class Packing:
+    """Where a table's slots go in one layout's buffer ``[SUM | MAX | tail]``, for the
+    metrics logged in a step (``accs``: per layout slot, its accumulator or None).
 
-    ``accs`` are the layout's accumulators in its order (``in_order``). The SUM part is
-    merged by addition, the MAX part by max; ``max_tail`` is taken as is. A gather
-    carries NaN as it is (the host max propagates it); ``all_reduce(MAX)`` need not
-    (gloo does not, symmetrically), so for it ``nan_counts`` carries each NaN max slot
-    as +inf and a count in the additive part (see ``sum_part``).
-
-    A step of python numbers only packs into ``reuse`` (made by ``SendBuffer.make``
-    with this ``max_tail``) when given, and returns its tensor.
+    Built once per set of metrics (the sync code caches it with its plan): packing a
+    step is then a copy of ``template`` and one indexed assignment per array, plus one
+    indexed add per array for a device half. Slots of rows outside ``accs`` (names not
+    logged this step, always empty) go to a scratch slot past the end.
     """
-    if not layout.extra_slots and not nan_counts:
-        send = reuse if reuse is not None else SendBuffer.make(layout, max_tail)
-        if _pack_plain(accs, layout, send.array):
-            return send.tensor if device.type == "cpu" else send.tensor.to(device)
-    count = len(accs)
-    flags = list(map(_get_flags, accs))
-    sums = np.zeros(layout.num_sums)
-    sums[: layout.num_kind_sums] = np.fromiter(
-        chain.from_iterable(map(_get_sums, accs)), np.float64, count=layout.num_kind_sums
-    )
-    if flags.count(None) != count:
-        rows = [i for i, f in enumerate(flags) if f is not None]
-        sums[layout.flag_positions[rows]] = [flags[i] for i in rows]
-    maxes = _host_maxes(accs, layout)
-    dev_sums = list(map(_get_dev_sums, accs))
-    if dev_sums.count(None) != count:  # device parts (dev_maxes is set only with dev_sums)
-        dev_maxes = list(map(_get_dev_maxes, accs))
-        sum_rows = [i for i, t in enumerate(dev_sums) if t is not None]
-        max_rows = [i for i, t in enumerate(dev_maxes) if t is not None]
-        if device.type != "cpu" or not _all_on_cpu(dev_sums, dev_maxes, sum_rows, max_rows):
-            return _merge_device(
-                layout, sums, maxes, dev_sums, dev_maxes, device, max_tail, nan_counts
-            )
-        # CPU tensors: fold them in with numpy (no device to wait on, far fewer dispatches)
-        index = np.concatenate([layout.sum_positions[i] for i in sum_rows])
-        sums[index] += torch.cat([dev_sums[i] for i in sum_rows]).numpy()
-        if max_rows:
-            index = np.concatenate([layout.max_positions[i] for i in max_rows])
-            maxes[index] = np.maximum(
-                maxes[index], torch.cat([dev_maxes[i] for i in max_rows]).numpy()
-            )
-    parts = [sums]
-    if nan_counts:  # NaN bookkeeping in numpy (see _merge_device), one transfer
-        is_nan = np.isnan(maxes)
-        if is_nan.any():
-            maxes[is_nan] = math.inf
-        parts.append(is_nan)
-    parts += [maxes, np.asarray(max_tail, dtype=np.float64)]
-    buffer = torch.from_numpy(np.concatenate(parts, dtype=np.float64))
-    return buffer if device.type == "cpu" else buffer.to(device)
 
-
-@dataclass(frozen=True)
-class SendBuffer:
-    """A packed buffer for steps of python numbers only, as an array and a tensor over
-    the same memory; its counts block is zero and its tail written once."""
-
-    array: np.ndarray
-    tensor: Tensor
+    layout: Layout
+    accs: list[Accumulator | None]
+    template: np.ndarray  # empty SUM and MAX parts, the tail, one scratch slot
+    sum_map: np.ndarray  # per table SUM slot, its position
+    count_map: np.ndarray  # per table count (rows x NUM_FLAGS, row-major)
+    max_map: np.ndarray  # per table MAX slot
+    extra_rows: list[tuple[int, Accumulator | None]]  # (size slot, accumulator)
+    version: int  # the table's row version the maps were built for
+    device_maps: dict[Any, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def make(cls, layout: Layout, max_tail: Sequence[float] | np.ndarray) -> SendBuffer:
-        array = np.zeros(layout.num_sums + layout.num_maxes + len(max_tail))
-        array[layout.num_sums + layout.num_maxes :] = max_tail
-        return cls(array, torch.from_numpy(array))
+    def make(
+        cls, layout: Layout, accs: list[Accumulator | None], table: Table, tail: np.ndarray
+    ) -> Packing:
+        length = layout.num_sums + layout.num_maxes + len(tail)
+        template = np.zeros(length + 1)
+        template[layout.num_sums : layout.num_sums + layout.num_maxes] = -math.inf
+        template[length - len(tail) : length] = tail
+        sum_map = np.full(table.num_sums, length, dtype=np.int64)
+        max_map = np.full(table.num_maxes, length, dtype=np.int64)
+        count_map = np.full(table.num_rows * NUM_FLAGS, length, dtype=np.int64)
+        extra_rows = []
+        for slot, acc in zip(layout.slots, accs, strict=True):
+            num_maxes = slot.kind.num_maxes
+            if slot.kind.has_extra:
+                extra_rows.append((layout.num_sums + slot.max_offset + num_maxes, acc))
+            if acc is None:
+                continue
+            row = acc.row
+            start, num_sums = table.sum_at[row], slot.kind.num_sums
+            sum_map[start : start + num_sums] = np.arange(num_sums) + slot.sum_offset
+            start = table.max_at[row]
+            max_map[start : start + num_maxes] = (
+                np.arange(num_maxes) + layout.num_sums + slot.max_offset
+            )
+            count_map[row * NUM_FLAGS : (row + 1) * NUM_FLAGS] = np.arange(
+                slot.flag_offset, slot.flag_offset + NUM_FLAGS
+            )
+        return cls(layout, accs, template, sum_map, count_map, max_map, extra_rows, table.version)
+
+    def pack(self, table: Table, device: torch.device) -> Tensor:
+        """This process's ``[SUM | MAX | tail]`` buffer on ``device``: host half copied,
+        device half added there (no host sync)."""
+        host = self.template.copy()
+        host[self.sum_map] = table.sums[: len(self.sum_map)]
+        host[self.count_map] = table.counts[: table.num_rows].reshape(-1)
+        host[self.max_map] = table.maxes[: len(self.max_map)]
+        for position, acc in self.extra_rows:
+            if acc is not None:
+                part = table.device_part
+                dev_extra = None if part is None else part.extras.get(acc.row)
+                host[position] = acc.kind.extra_size(table.extras[acc.row], dev_extra)
+        part = table.device_part
+        if part is None:
+            buffer = torch.from_numpy(host[:-1])
+            return buffer if device.type == "cpu" else buffer.to(device)
+        buffer = to_device(host, part.device)
+        sums, counts, maxes = self._device_maps(part.device)
+        buffer.index_add_(0, sums, part.sums[: len(sums)])
+        buffer.index_add_(0, counts, part.counts[: table.num_rows].reshape(-1))
+        buffer[maxes] = torch.maximum(buffer[maxes], part.maxes[: len(maxes)])
+        return buffer[:-1].to(device)
+
+    def _device_maps(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        maps = self.device_maps.get(device)
+        if maps is None:
+            maps = self.device_maps[device] = tuple(
+                to_device(m, device) for m in (self.sum_map, self.count_map, self.max_map)
+            )
+        return maps
 
 
-def _pack_plain(accs: Sequence[Accumulator], layout: Layout, buffer: np.ndarray) -> bool:
-    """Pack the common step (host numbers only, no counts) into ``buffer``'s SUM and MAX
-    slots: one pass over the accumulators, one conversion per part. False, with
-    ``buffer`` untouched, when some metric is not that plain."""
-    sums: list[float] = []
-    maxes: list[float] = []
-    for acc in accs:
-        if acc.flags is not None or acc.dev_sums is not None:
-            return False
-        sums += acc.sums
-        maxes += acc.maxes
-    layout.sum_struct.pack_into(buffer, 0, *sums)
-    layout.max_struct.pack_into(buffer, 8 * layout.num_sums, *maxes)
-    return True
+def with_nan_counts(packed: Tensor, layout: Layout) -> Tensor:
+    """A ``[SUM | MAX | tail]`` buffer as ``[SUM | NaN counts | MAX | tail]`` for
+    ``all_reduce(MAX)``, which need not propagate NaN (gloo does not): each NaN max slot
+    is carried as +inf and counted in the additive part (see ``restore_nans``)."""
+    num_sums, num_maxes = layout.num_sums, layout.num_maxes
+    maxes = packed[num_sums : num_sums + num_maxes]
+    is_nan = torch.isnan(maxes)
+    maxes = torch.where(is_nan, math.inf, maxes)
+    parts = (packed[:num_sums], is_nan.double(), maxes, packed[num_sums + num_maxes :])
+    return torch.cat(parts)
 
 
 def sum_part(layout: Layout, nan_counts: bool = False) -> int:
@@ -127,102 +130,17 @@ def sum_part(layout: Layout, nan_counts: bool = False) -> int:
     return layout.num_sums + (layout.num_maxes if nan_counts else 0)
 
 
-def _all_on_cpu(
-    dev_sums: list[Tensor | None],
-    dev_maxes: list[Tensor | None],
-    sum_rows: list[int],
-    max_rows: list[int],
-) -> bool:
-    return all(dev_sums[i].device.type == "cpu" for i in sum_rows) and all(
-        dev_maxes[i].device.type == "cpu" for i in max_rows
-    )
-
-
-_get_sums = attrgetter("sums")
-_get_maxes = attrgetter("maxes")
-_get_flags = attrgetter("flags")
-_get_dev_sums = attrgetter("dev_sums")
-_get_dev_maxes = attrgetter("dev_maxes")
-
-
-def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator]:
-    """The accumulators in layout order, blanks where this process logged nothing.
+def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator | None]:
+    """The accumulators in layout order, None where this process logged nothing.
 
     Raises:
         KeyError: an accumulator's name is not in the layout.
     """
     accs = list(map(accumulators.get, layout.names))
-    missing = accs.count(None)
-    if len(accs) - missing != len(accumulators):
+    if len(accs) - accs.count(None) != len(accumulators):
         unknown = next(name for name in accumulators if name not in layout.index)
         raise KeyError(unknown)
-    if missing:
-        accs = [b if a is None else a for a, b in zip(accs, layout.blanks, strict=True)]
     return accs
-
-
-def _host_maxes(accs: Sequence[Accumulator], layout: Layout) -> np.ndarray:
-    """The host half of the MAX buffer (extra-size slots filled in for extra kinds)."""
-    kind_maxes = chain.from_iterable(map(_get_maxes, accs))
-    if not layout.extra_slots:
-        return np.fromiter(kind_maxes, np.float64, count=layout.num_maxes)
-    positions = layout.kind_max_positions
-    maxes = np.full(layout.num_maxes, -math.inf)
-    maxes[positions] = np.fromiter(kind_maxes, np.float64, count=len(positions))
-    blanks = layout.blanks
-    for slot in layout.extra_slots:
-        position = layout.index[slot.name]
-        acc = accs[position]
-        if acc is not blanks[position]:
-            maxes[slot.max_offset + slot.kind.num_maxes] = slot.kind.extra_size(acc)
-    return maxes
-
-
-def _merge_device(
-    layout: Layout,
-    sums: np.ndarray,
-    maxes: np.ndarray,
-    dev_sums: list[Tensor | None],
-    dev_maxes: list[Tensor | None],
-    device: torch.device,
-    max_tail: Sequence[float] | np.ndarray,
-    nan_counts: bool,
-) -> Tensor:
-    """Add the device halves to the host halves on ``device`` (no host sync)."""
-    sum_buffer = torch.from_numpy(sums).to(device)
-    max_buffer = torch.from_numpy(maxes).to(device)
-    sum_rows = [i for i, t in enumerate(dev_sums) if t is not None]
-    if sum_rows:
-        index = [layout.sum_positions[i] for i in sum_rows]
-        parts = [dev_sums[i] for i in sum_rows]
-        sum_buffer = sum_buffer + _scatter(index, parts, layout.num_sums, 0.0, device)
-    max_rows = [i for i, t in enumerate(dev_maxes) if t is not None]
-    if max_rows:
-        index = [layout.max_positions[i] for i in max_rows]
-        parts = [dev_maxes[i] for i in max_rows]
-        dev = _scatter(index, parts, layout.num_maxes, -math.inf, device)
-        max_buffer = torch.maximum(max_buffer, dev)
-    parts = [sum_buffer]
-    if nan_counts:  # carry NaN as +inf in MAX and as a count per max slot in SUM
-        is_nan = torch.isnan(max_buffer)
-        max_buffer = torch.where(is_nan, math.inf, max_buffer)
-        parts.append(is_nan.double())
-    parts.append(max_buffer)
-    if len(max_tail):  # a host-to-device copy, like the host halves above
-        parts.append(torch.from_numpy(np.asarray(max_tail, dtype=np.float64)).to(device))
-    return torch.cat(parts)
-
-
-def _scatter(
-    index: list[np.ndarray], parts: list[Tensor], size: int, fill: float, device: torch.device
-) -> Tensor:
-    """A ``size`` buffer on ``device`` holding ``parts`` at ``index``, ``fill`` elsewhere."""
-    out = torch.full((size,), fill, dtype=torch.float64, device=device)
-    positions = torch.from_numpy(np.concatenate(index)).to(device)
-    out.index_put_(
-        (positions,), torch.cat([p if p.device == device else p.to(device) for p in parts])
-    )
-    return out
 
 
 def restore_nans(sums: np.ndarray, maxes: np.ndarray, layout: Layout) -> np.ndarray:
@@ -243,33 +161,31 @@ def extra_sizes(layout: Layout, maxes: np.ndarray) -> list[int]:
 
 
 def pack_extras(
-    accumulators: Mapping[str, Accumulator],
-    layout: Layout,
-    sizes: Sequence[int],
-    device: torch.device,
+    packing: Packing, table: Table, sizes: Sequence[int], device: torch.device
 ) -> tuple[Tensor, dict[str, object]]:
     """This process's gather buffer (packable extras, padded to ``sizes``) and the host
     extras of kinds that cannot be packed (these travel by object gather)."""
     vectors: list[Tensor] = []
     objects: dict[str, object] = {}
-    for slot, size in zip(layout.extra_slots, sizes, strict=True):
-        acc = accumulators.get(slot.name)
-        vector = slot.kind.extra_vector(acc, device, size)
+    part = table.device_part
+    layout = packing.layout
+    extra_accs = [acc for (_, acc) in packing.extra_rows]
+    for slot, acc, size in zip(layout.extra_slots, extra_accs, sizes, strict=True):
+        kind = slot.kind
+        extra, dev_extra = kind.empty_extra(), None
+        if acc is not None:
+            extra = table.extras[acc.row]
+            dev_extra = None if part is None else part.extras.get(acc.row)
+        vector = kind.extra_vector(extra, dev_extra, device, size)
         if vector is None:
-            objects[slot.name] = host_extra(acc) if acc is not None else slot.kind.empty_extra()
+            objects[slot.name] = (
+                kind.empty_extra() if acc is None else table.whole_extra(acc.row, kind)
+            )
         else:
             vectors.append(vector)
     if not vectors:
         return torch.zeros(0, dtype=torch.float64, device=device), objects
     return torch.cat(vectors), objects
-
-
-def host_extra(acc: Accumulator) -> object:
-    """An accumulator's whole extra on the host (host part merged with device part)."""
-    kind = acc.kind
-    if acc.dev_extra is None:
-        return acc.extra
-    return kind.merge_extra(acc.extra, kind.host_extra(acc.dev_extra))
 
 
 def unpack(
@@ -339,13 +255,13 @@ def _split_extras(
     return merged
 
 
-def local_reduce(
-    accumulators: Mapping[str, Accumulator], layout: Layout, device: torch.device
-) -> Reduced:
+def local_reduce(packing: Packing, table: Table, device: torch.device) -> Reduced:
     """This process's step, with one device-to-host transfer per buffer."""
-    accs = in_order(accumulators, layout)
-    host = pack_scalars(accs, layout, device).cpu().numpy()
+    layout = packing.layout
+    host = packing.pack(table, device).cpu().numpy()
     sums, maxes = host[: layout.num_sums], host[layout.num_sums :]
+    if not layout.extra_slots:
+        return unpack(layout, sums, maxes, [], [], [])
     sizes = extra_sizes(layout, maxes)
-    extras, objects = pack_extras(accumulators, layout, sizes, device)
+    extras, objects = pack_extras(packing, table, sizes, device)
     return unpack(layout, sums, maxes, [extras.cpu().numpy()], [objects], sizes)

@@ -51,6 +51,7 @@ def record_number(acc: Accumulator, name: str, value: float, weight: float, nonf
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
         acc.count(NONFINITE_SLOT)
         return
+    acc.kept_call = True
     acc.values.append(value)
     acc.weights.append(weight)
 

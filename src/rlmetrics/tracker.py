@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -15,15 +16,17 @@ from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
 from rlmetrics.fold import fold
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
-from rlmetrics.kinds.base import NUM_FLAGS, REJECTED_SLOT
+from rlmetrics.kinds.base import NUM_FLAGS
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
-from rlmetrics.packing import RejectedInputError, local_reduce
+from rlmetrics.packing import Packing, RejectedInputError, in_order, local_reduce
 from rlmetrics.record import Prepared, prepare, record_number, record_prepared, record_tensor
 from rlmetrics.reduced import Reduced
 from rlmetrics.state import TrackerState, check_metric
+from rlmetrics.table import Table
 
 EMPTY_POLICIES = ("omit", "nan")
+_NO_TAIL = np.zeros(0)
 NONFINITE_POLICIES = ("propagate", "skip", "error")
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -205,7 +208,8 @@ class Tracker(LogMethods):
         # accumulators as the last one's (see rlmetrics.distributed._GroupSync)
         self._pool: dict[str, Accumulator] = {}
         self.sync_cache: Any = None  # owned by rlmetrics.distributed
-        self._local_layout: Layout | None = None
+        self._table = Table()  # every pooled metric's folded state, a row each
+        self._local: tuple[list[Accumulator], Packing] | None = None  # compute(sync=False)
         self._lock = threading.RLock()  # see "Threads" above
         self._recorded = 0  # elements and calls recorded since the last fold
 
@@ -278,7 +282,7 @@ class Tracker(LogMethods):
         """Reduce every record into the states (see ``rlmetrics.fold``)."""
         if self._recorded:
             self._recorded = 0
-            fold(self._accumulators.items(), self.nonfinite)
+            fold(list(self._accumulators.values()), self._table, self.nonfinite)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -292,7 +296,7 @@ class Tracker(LogMethods):
             acc.clear()
         else:
             check_name(name)
-            acc = self._pool[name] = Accumulator.empty(kind)
+            acc = self._pool[name] = Accumulator(kind, self._table, self._table.add_row(kind), name)
         self._accumulators[name] = acc
         return acc
 
@@ -320,15 +324,17 @@ class Tracker(LogMethods):
         """The live accumulators (read-only view, for the sync code)."""
         return self._accumulators
 
+    @property
+    def table(self) -> Table:
+        """The folded states, a row per metric (for the sync code)."""
+        return self._table
+
     @_locked
     def device(self) -> torch.device:
         """Where this tracker's tensors live (the CPU when it holds none)."""
         self._fold()
-        for acc in self._accumulators.values():
-            device = acc.device
-            if device is not None:
-                return device
-        return torch.device("cpu")
+        part = self._table.device_part
+        return torch.device("cpu") if part is None else part.device
 
     @_locked
     def state(self) -> TrackerState:
@@ -344,17 +350,14 @@ class Tracker(LogMethods):
     def _local_reduce(self) -> Reduced:
         """This process's step in packed form (one host transfer)."""
         self._fold()
-        accumulators = self._accumulators
-        layout = self._local_layout
-        if (
-            layout is None
-            or len(layout.slots) != len(accumulators)
-            or not layout.fits(accumulators)
-        ):
-            layout = Layout([(name, acc.kind) for name, acc in accumulators.items()])
-            self._local_layout = layout
+        accs = list(self._accumulators.values())
+        local, table = self._local, self._table
+        if local is None or local[0] != accs or local[1].version != table.version:
+            layout = Layout([(name, acc.kind) for name, acc in self._accumulators.items()])
+            packing = Packing.make(layout, in_order(self._accumulators, layout), table, _NO_TAIL)
+            local = self._local = (accs, packing)
         try:
-            return local_reduce(accumulators, layout, self.device())
+            return local_reduce(local[1], table, self.device())
         except RejectedInputError:
             self._forget_rejected()
             raise
@@ -363,18 +366,17 @@ class Tracker(LogMethods):
         """Zero every rejected-call count once reported, and drop the metrics that only
         rejected calls created (as a python call that raises creates none). Reads the
         counts of those candidates only, on this error path."""
+        table = self._table
         for name, acc in list(self._accumulators.items()):
             if acc.num_checked and not acc.kept_call:
                 # python numbers are checked at once, never rejected later: they are
                 # recognised by their effect on the host state, not marked on the fast path
-                if _num_rejected(acc) >= acc.num_checked and acc.host_empty():
+                if table.rejected(acc.row) >= acc.num_checked and table.is_empty(acc.row, acc.kind):
                     del self._accumulators[name]
+                    table.clear_row(acc.row, acc.kind)
                     continue
                 acc.kept_call = True  # a checked call was taken
-            if acc.flags is not None:
-                acc.flags[REJECTED_SLOT] = 0.0
-            if acc.dev_sums is not None:
-                acc.dev_sums = torch.cat((acc.dev_sums[:REJECTED_SLOT], acc.dev_sums.new_zeros(1)))
+        table.forget_rejected()
 
     @_locked
     def merge(self, other: Tracker | TrackerState) -> Tracker:
@@ -414,14 +416,15 @@ class Tracker(LogMethods):
     def _merge_checked(self, state: TrackerState, kinds: Mapping[str, Kind]) -> None:
         for name, metric in state.metrics.items():
             acc = self._accumulators.get(name) or self._accumulator(name, kinds[name])
-            acc.load(metric)
+            acc.kept_call = True
+            self._table.load(acc.row, metric, acc.kind)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the caches (the sync cache holds this process's groups, weakly)
         and the lock."""
         with self._lock:
             self._fold()
-            state = {**self.__dict__, "sync_cache": None, "_local_layout": None}
+            state = {**self.__dict__, "sync_cache": None, "_local": None}
             del state["_lock"]
             return {**state, "_pool": dict(self._accumulators)}
 
@@ -446,6 +449,9 @@ class Tracker(LogMethods):
                 acc.clear()  # drops the records (the tensors they keep alive) now
         if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
             self._pool = dict(self._accumulators)
+            self._table = self._table.compacted(list(self._pool.values()))
+        else:
+            self._table.clear()
         self._accumulators = {}
 
     @_locked
@@ -506,14 +512,6 @@ class Tracker(LogMethods):
         kinds = self._checked_kinds(state, {})  # a state that fails changes nothing
         self.reset()
         self._merge_checked(state, kinds)
-
-
-def _num_rejected(acc: Accumulator) -> float:
-    """An accumulator's rejected-call count (a host read of its device part)."""
-    count = 0.0 if acc.flags is None else acc.flags[REJECTED_SLOT]
-    if acc.dev_sums is not None:
-        count += float(acc.dev_sums[REJECTED_SLOT])
-    return count
 
 
 class PrefixedTracker(LogMethods):

@@ -166,15 +166,16 @@ class Kind:
         called at step end only)."""
         return dev_extra
 
-    def extra_size(self, acc: Accumulator) -> int:
-        """The size of this accumulator's extra, known without a host sync; the largest
-        across ranks sets the padded ``size`` passed to ``extra_vector``."""
+    def extra_size(self, extra: Any, dev_extra: Any) -> int:
+        """The size of a metric's extra (host half, device half or None), known without
+        a host sync; the largest across ranks sets the padded ``size`` passed to
+        ``extra_vector``."""
         return 0
 
     def extra_vector(
-        self, acc: Accumulator | None, device: torch.device, size: int
+        self, extra: Any, dev_extra: Any, device: torch.device, size: int
     ) -> Tensor | None:
-        """This accumulator's whole extra (``acc`` None: an empty one) as a 1-D float64
+        """A metric's whole extra (host half, device half or None) as a 1-D float64
         tensor whose length depends on ``size`` only, so ranks can all_gather it; or
         None when the extra cannot be packed (then it travels by object gather)."""
         return None
@@ -227,26 +228,19 @@ class Kind:
 
 @dataclass(slots=True, eq=False)
 class Accumulator:
-    """One metric in a Tracker: this step's records, and the state they fold into.
+    """One metric in a Tracker: this step's records, and where its state is.
 
     A log call appends its value and weight to ``values`` and ``weights`` as logged
     (python floats, host arrays, tensors): no arithmetic. ``rlmetrics.fold`` reduces
-    the records into the state at step end (or when the tracker's records pass their
-    memory bound): host data into the host floats, a metric with a tensor record on its
-    device into device tensors (no host sync). The two halves meet only when packed.
-
-    ``sums`` holds the kind's own additive slots; the framework counts live in
-    ``flags`` (host, None until a call is counted) and at the end of ``dev_sums``.
+    the records into the metric's row of the tracker's ``Table`` at step end (or when
+    the tracker's records pass their memory bound): host data into the host half, a
+    metric with a tensor record on its device into the device half (no host sync).
     """
 
     kind: Kind
-    sums: list[float] = field(default_factory=list)
-    maxes: list[float] = field(default_factory=list)
-    dev_sums: Tensor | None = None  # the kind's sums, then the NUM_FLAGS counts
-    dev_maxes: Tensor | None = None
-    extra: Any = None
-    dev_extra: Any = None
-    flags: list[float] | None = None  # [num_nonfinite, num_rejected] on the host
+    table: Any  # the tracker's rlmetrics.table.Table
+    row: int
+    name: str = ""
     # calls whose data checks run at step end (they may turn out rejected), and whether
     # any other call (or merge) was taken: a metric all of whose calls were rejected is
     # dropped when they are reported, as a python call that raises creates no metric
@@ -259,95 +253,24 @@ class Accumulator:
     num_arrays: int = 0  # records that are not python numbers
     versions: list[int] = field(default_factory=list)  # tensor records' (weight, value)
 
-    @classmethod
-    def empty(cls, kind: Kind) -> Accumulator:
-        """A fresh accumulator for ``kind``."""
-        return cls(
-            kind, [0.0] * kind.num_sums, [-math.inf] * kind.num_maxes, extra=kind.empty_extra()
-        )
-
     def clear(self) -> None:
-        """Back to empty (a new step reuses the accumulator)."""
-        kind = self.kind
-        self.sums[:] = [0.0] * kind.num_sums
-        self.maxes[:] = [-math.inf] * kind.num_maxes
-        self.dev_sums = self.dev_maxes = self.dev_extra = self.flags = None
-        self.extra = kind.empty_extra()
+        """A new step: no records, no calls counted."""
+        self.clear_records()
         self.num_checked = 0
         self.kept_call = False
+
+    def clear_records(self) -> None:
+        """Drop the records (folded, or a new step)."""
         self.values.clear()
         self.weights.clear()
         self.versions.clear()
         self.record_device = None
         self.num_arrays = 0
 
-    def host_empty(self) -> bool:
-        """Whether the host half holds nothing: no python number was added (or, for a
-        replacing kind, one was but ``kept_call`` records it)."""
-        fresh = Accumulator.empty(self.kind)
-        try:
-            return bool(
-                self.sums == fresh.sums and self.maxes == fresh.maxes and self.extra == fresh.extra
-            )
-        except (TypeError, ValueError):  # an extra whose == is elementwise: not empty
-            return False
-
     def count(self, slot: int, amount: float = 1.0) -> None:
         """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
-        if self.flags is None:
-            self.flags = [0.0] * NUM_FLAGS
-        self.flags[slot] += amount
+        self.table.count(self.row, slot, amount)
 
-    def add_host(self, sums: list[float], maxes: list[float]) -> None:
-        """Add host contributions to the kind's slots."""
-        for i, value in enumerate(sums):
-            self.sums[i] += value
-        for i, value in enumerate(maxes):
-            self.maxes[i] = nan_max(self.maxes[i], value)
-
-    def add_dev(self, sums: Tensor, maxes: Tensor | None, flags: Tensor | None = None) -> None:
-        """Add device contributions: the kind's ``sums`` and ``maxes``, and the framework
-        ``flags`` ([num_nonfinite, num_rejected]) when a call has any.
-
-        ``dev_sums`` is this accumulator's own tensor (always made here by ``cat``), so
-        the common case adds in place: one kernel per call.
-        """
-        total = self.dev_sums
-        if total is None:
-            self.dev_sums = torch.cat((sums, sums.new_zeros(NUM_FLAGS) if flags is None else flags))
-        elif flags is not None:
-            self.dev_sums = total + torch.cat((sums, flags)).to(total.device)
-        elif len(sums):
-            total[: len(sums)].add_(sums if sums.device == total.device else sums.to(total.device))
-        if maxes is not None and maxes.numel():
-            if self.dev_maxes is None:
-                self.dev_maxes = maxes
-            else:
-                self.dev_maxes = torch.maximum(self.dev_maxes, maxes.to(self.dev_maxes.device))
-
-    def clear_value(self) -> None:
-        """Drop the accumulated value, keeping the framework counts (a replacing kind's
-        new value follows)."""
-        self.sums[:] = [0.0] * len(self.sums)
-        self.maxes[:] = [-math.inf] * len(self.maxes)
-        if self.dev_sums is not None:
-            dev_flags = self.dev_sums[-NUM_FLAGS:]
-            self.dev_sums = torch.cat((torch.zeros_like(self.dev_sums[:-NUM_FLAGS]), dev_flags))
-        self.dev_maxes = None
-
-    def load(self, state: MetricState) -> None:
-        """Merge a host snapshot into this accumulator."""
-        self.kept_call = True
-        self.add_host(list(state.sums), list(state.maxes))
-        if state.num_nonfinite:
-            self.count(NONFINITE_SLOT, state.num_nonfinite)
-        if self.kind.has_extra:
-            self.extra = self.kind.merge_extra(self.extra, state.extra)
-
-    @property
-    def device(self) -> torch.device | None:
-        """The device of this accumulator's tensors, or None when all host."""
-        for t in (self.dev_sums, self.dev_maxes):
-            if t is not None:
-                return t.device
-        return None
+    def state(self) -> MetricState:
+        """This metric's whole state on the host (may sync)."""
+        return self.table.state(self.row, self.kind)

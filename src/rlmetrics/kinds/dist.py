@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Kind, MetricState
 from rlmetrics.kinds.batch import Array, Batch
 
 DEFAULT_QUANTILES = (0.5, 0.9, 0.99)
@@ -79,18 +79,16 @@ class Dist(Kind):
         values = np.concatenate((as_array(a), as_array(b)))
         return [values] if values.size else []
 
-    def extra_size(self, acc: Accumulator) -> int:
+    def extra_size(self, extra: Any, dev_extra: Any) -> int:
         """Elements stored, kept or not (known without a host sync)."""
-        return as_array(acc.extra).size + sum(v.numel() for v, _ in acc.dev_extra or [])
+        return as_array(extra).size + sum(v.numel() for v, _ in dev_extra or [])
 
-    def extra_vector(self, acc: Accumulator | None, device: torch.device, size: int) -> Tensor:
+    def extra_vector(self, extra: Any, dev_extra: Any, device: torch.device, size: int) -> Tensor:
         """[values..., keep flags...], each half padded to ``size`` with dropped slots;
         filtering happens on the host after the transfer (no sync here)."""
-        if acc is None:
-            return torch.zeros(2 * size, dtype=torch.float64, device=device)
-        values = [torch.as_tensor(as_array(acc.extra), device=device)]
+        values = [torch.as_tensor(as_array(extra), device=device)]
         keeps = [torch.ones(values[0].numel(), dtype=torch.float64, device=device)]
-        for batch_values, kept in acc.dev_extra or []:
+        for batch_values, kept in dev_extra or []:
             values.append(batch_values.to(device))
             keeps.append(
                 torch.ones(batch_values.numel(), dtype=torch.float64, device=device)

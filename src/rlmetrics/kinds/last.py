@@ -10,10 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 
-import torch
-from torch import Tensor
-
-from rlmetrics.kinds.base import NUM_FLAGS, Accumulator, Kind, MetricState, ResultFormula
+from rlmetrics.kinds.base import Kind, MetricState, ResultFormula
 from rlmetrics.kinds.batch import Array, Batch
 
 _warned: set[str] = set()
@@ -59,44 +56,3 @@ class Last(Kind):
                 stacklevel=2,
             )
         return {"": total / sources}
-
-
-def replace_dev(
-    acc: Accumulator,
-    sums: Tensor,
-    maxes: Tensor,
-    keep_old: Tensor | None,
-    flags: Tensor | None = None,
-) -> None:
-    """Make a device value the rank's latest, unless ``keep_old`` (device bool) is set.
-
-    ``sums`` are the kind's own (no framework flags); ``flags`` are added to the
-    accumulated ones. The host half is folded into the device half so that "latest"
-    spans both.
-    """
-    device = sums.device
-    if not acc.kept_call and not acc.host_empty():
-        acc.kept_call = True  # the host value folded below came from a python call
-    old_sums = _on_device(acc.sums, sums)
-    old_flags = sums.new_zeros(NUM_FLAGS)
-    if acc.dev_sums is not None:
-        dev_sums = acc.dev_sums.to(device)
-        old_sums = old_sums + dev_sums[:-NUM_FLAGS]
-        old_flags = dev_sums[-NUM_FLAGS:]
-    old_maxes = _on_device(acc.maxes, maxes)
-    if acc.dev_maxes is not None:
-        old_maxes = torch.maximum(old_maxes, acc.dev_maxes.to(device))
-    new_values = sums
-    if keep_old is not None:
-        new_values = torch.where(keep_old, old_sums, new_values)
-        maxes = torch.where(keep_old, old_maxes, maxes)
-    acc.dev_sums = torch.cat((new_values, old_flags if flags is None else old_flags + flags))
-    acc.dev_maxes = maxes
-    acc.sums[:] = [0.0] * len(acc.sums)
-    acc.maxes[:] = [-math.inf] * len(acc.maxes)
-
-
-def _on_device(values: list[float], like: Tensor) -> Tensor:
-    """Host floats as a float64 tensor on ``like``'s device, built by fills: on CUDA,
-    ``torch.tensor(values, device=...)`` would be a blocking host-to-device copy."""
-    return torch.stack([like.new_full((), value, dtype=torch.float64) for value in values])

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Kind, MetricState
 from rlmetrics.kinds.batch import Array, Batch
 
 
@@ -90,16 +90,14 @@ class MomentTriples(Kind):
     def host_extra(self, dev_extra: Any) -> tuple[float, ...]:
         return tuple(float(x) for x in dev_extra.tolist())
 
-    def extra_size(self, acc: Accumulator) -> int:
+    def extra_size(self, extra: Any, dev_extra: Any) -> int:
         return 1
 
-    def extra_vector(self, acc: Accumulator | None, device: torch.device, size: int) -> Tensor:
-        if acc is None:
-            return torch.zeros(3 * self.num_triples, dtype=torch.float64, device=device)
-        host = torch.tensor(acc.extra, dtype=torch.float64, device=device)
-        if acc.dev_extra is None:
+    def extra_vector(self, extra: Any, dev_extra: Any, device: torch.device, size: int) -> Tensor:
+        host = torch.tensor(extra, dtype=torch.float64, device=device)
+        if dev_extra is None:
             return host
-        return self.merge_dev_extra(host, acc.dev_extra.to(device))
+        return self.merge_dev_extra(host, dev_extra.to(device))
 
     def vector_length(self, size: int) -> int:
         return 3 * self.num_triples
