@@ -15,7 +15,6 @@ from torch import Tensor
 from rlmetrics import (
     Kind,
     MetricState,
-    ResultFormula,
     Tracker,
     TrackerState,
     register_kind,
@@ -237,16 +236,6 @@ def make(base: type[Kind], **attrs: Any) -> Kind:
             ValueError,
             r"reduce\(\) failed on a probe batch on the host: index 7",
         ),
-        (
-            make(Malformed, result_formula=ResultFormula(value=0, present=2)),
-            ValueError,
-            r"result_formula.present must index the state \[\*sums, \*maxes\] \(0 to 1\), got 2",
-        ),
-        (
-            make(Malformed, result_formula=(0, 1)),
-            ValueError,
-            "result_formula must be a ResultFormula",
-        ),
     ],
 )
 def test_malformed_kinds_are_refused(kind: Any, error: type, match: str) -> None:
@@ -339,15 +328,11 @@ def test_merging_states_of_differently_sized_kinds_raises() -> None:
         small.merge(large, HIST)
 
 
-class VectorMean(Kind):
-    """A weighted mean with ``results_vector`` (no formula); ``refuse`` makes it
-    decline, sending every metric through ``result``."""
+class RowsMean(Kind):
+    """A weighted mean whose result is stated once, vectorised (``result_rows``)."""
 
-    name = "test_vector_mean"
+    name = "test_rows_mean"
     num_sums = 2
-
-    def __init__(self, refuse: bool = False) -> None:
-        self.refuse = refuse
 
     def reduce(self, batch: Batch) -> tuple[Any, Any]:
         weights = batch.weights
@@ -355,33 +340,48 @@ class VectorMean(Kind):
             batch.columns()
         )
 
+    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: Any) -> tuple:
+        present = sums[:, 1] != 0
+        return {"": sums[:, 0] / np.where(present, sums[:, 1], 1.0)}, present
+
+
+class OneByOneMean(RowsMean):
+    """The same mean stated per metric (``result``): the framework's default
+    ``result_rows`` calls it for each metric."""
+
+    name = "test_one_by_one_mean"
+    result_rows = Kind.result_rows
+
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, weight = state.sums
         return None if weight == 0 else {"": total / weight}
 
-    def results_vector(self, sums: np.ndarray, maxes: np.ndarray) -> tuple | None:
-        if self.refuse:
-            return None
-        present = sums[:, 1] != 0
-        with np.errstate(all="ignore"):
-            return sums[:, 0] / sums[:, 1], present
 
-
-@pytest.mark.parametrize("refuse", [False, True])
-def test_results_vector_of_a_user_kind_equals_its_result(refuse: bool) -> None:
-    """A user kind's ``results_vector`` (here among formula kinds and a kind with
-    neither) gives what its ``result`` gives; None falls back to ``result``."""
-    kind = register_kind(VectorMean(refuse))
+def test_a_result_stated_either_way_reports_the_same() -> None:
+    """A kind states its result once, vectorised or per metric; both report the same
+    values (among built-in kinds), and each kind's other entry point follows."""
+    kinds = [register_kind(RowsMean()), register_kind(OneByOneMean())]
     try:
         t = Tracker()
-        for i in range(12):
-            t.log(f"vec/{i:02d}", [float(i), 2.0], weight=[1.0, float(i % 3)], kind=kind.name)
-        t.log("vec/empty", [1.0], weight=[0.0], kind=kind.name)
+        for kind in kinds:
+            for i in range(12):
+                t.log(f"{kind.name}/{i:02d}", [float(i), 2.0], weight=[1.0, float(i % 3)],
+                      kind=kind.name)  # fmt: skip
+            t.log(f"{kind.name}/empty", [1.0], weight=[0.0], kind=kind.name)
         t.mean("a_mean", 3.0)
         t.std("z_std", [1.0, 3.0])
-        expected = t.state().compute()
+        state = t.state()
+        expected = state.compute()
         got = t.compute()
-        assert got == expected and "vec/empty" not in got and got["vec/00"] == 0.0
+        assert got == expected and got["test_rows_mean/00"] == 0.0
+        for i in range(12):
+            one, rows = (got[f"{kind.name}/{i:02d}"] for kind in kinds)
+            assert one == rows == (i + 2.0 * (i % 3)) / (1 + i % 3)
+        for kind in kinds:
+            assert f"{kind.name}/empty" not in got
+            metric = state.metrics[f"{kind.name}/05"]
+            assert kind.result(metric) == {"": got[f"{kind.name}/05"]}
         assert list(got) == sorted(got)
     finally:
-        unregister_kind(kind.name)
+        for kind in kinds:
+            unregister_kind(kind.name)

@@ -7,7 +7,6 @@ mini-batches and micro-batches, at the cost of one small collective per step.
 from rlmetrics.kinds import (
     Kind,
     MetricState,
-    ResultFormula,
     get_kind,
     register_kind,
     unregister_kind,
@@ -21,7 +20,6 @@ __all__ = [
     "Kind",
     "MetricState",
     "PrefixedTracker",
-    "ResultFormula",
     "Tracker",
     "TrackerState",
     "get_kind",

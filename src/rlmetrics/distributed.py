@@ -70,7 +70,7 @@ from rlmetrics.packing import (
     sum_part,
     unpack,
 )
-from rlmetrics.reduced import Reduced, python_results
+from rlmetrics.reduced import Reduced
 from rlmetrics.table import Table
 
 # Up to this many gathered floats per step (ranks x (SUM + MAX buffer sizes)), the two
@@ -227,33 +227,16 @@ def sync_reduce(
         plan = sync.packing_plan(accumulators, table.version)
         sums, maxes = _reduce(plan, table, sync, pg, wait)
         layout = plan.layout
-        if layout is not None and python_results(layout):  # read the buffers once
-            sums_list, maxes_list = sums.tolist(), maxes.tolist()
-            changed, high, neg_low = maxes_list[-HEADER:]
-        else:
-            sums_list = maxes_list = None
-            changed, high, neg_low = maxes[-HEADER:].tolist()
+        changed, high, neg_low = maxes[-HEADER:].tolist()
         if layout is not None and changed == 0 and high == -neg_low:
             sync.agreed.use(layout)  # every rank packed this layout
             size = layout.num_maxes
-            if sums_list is not None and _plain(plan, sums_list):
-                scalars = (sums_list, maxes_list[:size])
-                return Reduced(
-                    layout, sums, maxes[:size], {}, keep=None, counted=False, scalars=scalars
-                )
             # when this rank logged every name, so did the group
             logged = None if plan.logged_all else maxes[size : size + len(layout.slots)]
             return _finish(plan, table, sums, maxes[:size], logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
         sync.agreed.use(sync.layout)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
-
-
-def _plain(plan: Plan, sums: list[float]) -> bool:
-    """Whether a reduced step is the plain kind: every name logged on this rank (so in
-    the group), no framework counts to report, no extras."""
-    layout = plan.layout
-    return plan.logged_all and not layout.extra_slots and not any(sums[layout.num_kind_sums :])
 
 
 def _reduce(

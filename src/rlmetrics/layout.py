@@ -35,27 +35,13 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class KindGroup:
-    """The metrics of one kind with ``results_vector`` (and no extra or formula): their
-    rows, and the (rows, slots) SUM and MAX positions of their slots."""
+    """The metrics of one kind: their rows, and the (rows, slots) SUM and MAX positions
+    of their slots."""
 
     kind: Kind
     rows: np.ndarray
     sums: np.ndarray
     maxes: np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class Formulas:
-    """Index arrays for the metrics whose kind has a ``result_formula``, into the
-    reduced buffers read as one vector ``[*sums, *maxes, 1.0]``."""
-
-    rows: np.ndarray | None  # their rows (None: every row)
-    value: np.ndarray
-    present: np.ndarray
-    divisor: np.ndarray | None  # None: no kind divides (else 1.0 where one does not)
-    negate: np.ndarray | None  # bool per formula row; None: none negates
-    copy_at: np.ndarray | None  # positions (among the formula rows) with a negated copy
-    copy: np.ndarray | None  # where those copies are
 
 
 class Layout:
@@ -106,118 +92,23 @@ class Layout:
         return float(int.from_bytes(digest, "little") >> 12)
 
     @cached_property
-    def sum_slices(self) -> list[slice]:
-        """Per slot, the kind's SUM-buffer slots."""
-        return [slice(s.sum_offset, s.sum_offset + s.kind.num_sums) for s in self.slots]
-
-    @cached_property
-    def max_slices(self) -> list[slice]:
-        """Per slot, the kind's own MAX-buffer slots (extra-size slot excluded)."""
-        return [slice(s.max_offset, s.max_offset + s.kind.num_maxes) for s in self.slots]
-
-    @cached_property
-    def formulas(self) -> Formulas | None:
-        """Where the formula kinds' results are read (None: no such kind here)."""
-        one = self.num_sums + self.num_maxes
-
-        def position(slot: Slot, index: int) -> int:  # in [*sums, *maxes]
-            if index < slot.kind.num_sums:
-                return slot.sum_offset + index
-            return self.num_sums + slot.max_offset + index - slot.kind.num_sums
-
-        rows, value, present, divisor, negate, copy_at, copy = [], [], [], [], [], [], []
-        for row, slot in enumerate(self.slots):
-            if not _formula(slot.kind):
-                continue
-            formula = slot.kind.result_formula
-            if formula.negated_copy is not None:
-                copy_at.append(len(rows))
-                copy.append(position(slot, formula.negated_copy))
-            rows.append(row)
-            value.append(position(slot, formula.value))
-            present.append(position(slot, formula.present))
-            divisor.append(one if formula.divisor is None else position(slot, formula.divisor))
-            negate.append(formula.negate)
-        if not rows:
-            return None
-
-        def array(values: list) -> np.ndarray:
-            return np.array(values, dtype=np.int64)
-
-        return Formulas(
-            None if len(rows) == len(self.slots) else array(rows),
-            array(value),
-            array(present),
-            array(divisor) if any(d != one for d in divisor) else None,
-            np.array(negate, dtype=bool) if any(negate) else None,
-            array(copy_at) if copy_at else None,
-            array(copy) if copy else None,
-        )
-
-    @cached_property
-    def scalar_formulas(self) -> list[tuple[str, int, int, int | None, bool, int | None]] | None:
-        """``formulas`` per metric as python values, when every metric's kind has a
-        formula (else None): (name, value, present, divisor or None, negate, negated copy
-        or None), positions in ``[*sums, *maxes]``."""
-        f = self.formulas
-        if f is None or f.rows is not None:
-            return None
-        one, count = self.num_sums + self.num_maxes, len(self.slots)
-        divisors = [None] * count
-        if f.divisor is not None:
-            divisors = [None if d == one else d for d in f.divisor.tolist()]
-        negates = [False] * count if f.negate is None else f.negate.tolist()
-        copies: list[int | None] = [None] * count
-        if f.copy is not None:
-            for at, position in zip(f.copy_at.tolist(), f.copy.tolist(), strict=True):
-                copies[at] = position
-        values, presents = f.value.tolist(), f.present.tolist()
-        return list(zip(self.names, values, presents, divisors, negates, copies, strict=True))
-
-    @cached_property
-    def vector_groups(self) -> list[KindGroup]:
-        """Per kind with a ``results_vector`` (and no extra or formula), its metrics."""
-        rows: dict[Kind, list[int]] = {}
-        for i, slot in enumerate(self.slots):
-            if _vectorised(slot.kind):
-                rows.setdefault(slot.kind, []).append(i)
+    def kind_groups(self) -> list[KindGroup]:
+        """The metrics grouped by kind object, each group's rows in order."""
+        rows: dict[int, list[int]] = {}
+        for i, kind in enumerate(self.kinds):
+            rows.setdefault(id(kind), []).append(i)
         groups = []
-        for kind, members in rows.items():
+        for members in rows.values():
+            kind, count = self.kinds[members[0]], len(members)
             slots = [self.slots[i] for i in members]
-            sums = [np.arange(s.sum_offset, s.sum_offset + kind.num_sums) for s in slots]
-            maxes = [np.arange(s.max_offset, s.max_offset + kind.num_maxes) for s in slots]
+            sums = [s.sum_offset + np.arange(kind.num_sums) for s in slots]
+            maxes = [s.max_offset + np.arange(kind.num_maxes) for s in slots]
             groups.append(
                 KindGroup(
                     kind,
                     np.array(members, dtype=np.int64),
-                    np.array(sums, dtype=np.int64).reshape(len(members), kind.num_sums),
-                    np.array(maxes, dtype=np.int64).reshape(len(members), kind.num_maxes),
+                    np.array(sums, dtype=np.int64).reshape(count, kind.num_sums),
+                    np.array(maxes, dtype=np.int64).reshape(count, kind.num_maxes),
                 )
             )
         return groups
-
-    @cached_property
-    def has_slow_rows(self) -> bool:
-        """Whether any metric's kind has no vectorised results."""
-        return bool(self.slow_rows.any())
-
-    @cached_property
-    def slow_rows(self) -> np.ndarray:
-        """Per slot, True when its kind has neither a formula nor vectorised results."""
-        return np.array(
-            [not (_vectorised(s.kind) or _formula(s.kind)) for s in self.slots], dtype=bool
-        )
-
-
-def _vectorised(kind: Kind) -> bool:
-    """Whether a kind's results come from ``results_vector``."""
-    return (
-        not kind.has_extra
-        and kind.result_formula is None
-        and type(kind).results_vector is not Kind.results_vector
-    )
-
-
-def _formula(kind: Kind) -> bool:
-    """Whether a kind's results come from its ``result_formula``."""
-    return not kind.has_extra and kind.result_formula is not None

@@ -208,14 +208,13 @@ def unpack(
             non-finite values under ``nonfinite="error"``) in a tensor log call.
     """
     counts = sums[layout.num_kind_sums :]
-    counted = bool(counts.any())  # counts, never negative
-    if counted:
+    if counts.any():  # counts, never negative
         rejected = counts[1::NUM_FLAGS]
         if rejected.any():
             _raise_rejected(layout, rejected)
     extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_slots else {}
     keep = None if logged is None or logged.all() else logged > 0
-    return Reduced(layout, sums, maxes[: layout.num_maxes], extra_values, keep, counted)
+    return Reduced(layout, sums, maxes[: layout.num_maxes], extra_values, keep)
 
 
 def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:

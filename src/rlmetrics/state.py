@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
+from rlmetrics.results import KindRows
+from rlmetrics.results import results as compute_results
 
 STATE_VERSION = 1
 
@@ -174,23 +175,22 @@ def results(
     Raises:
         ValueError: two metrics report the same key (``x`` as dist reports ``x/mean``).
     """
-    out: dict[str, float] = {}
-    sources: dict[str, str] = {}
-    for name in sorted(states):
-        state = states[name]
-        kind = kind_of(state.kind)
-        values = kind.result(state, name)
-        if values is None:
-            values = {s: math.nan for s in kind.result_names()} if empty == "nan" else {}
-        if state.num_nonfinite > 0:
-            values = {**values, "nonfinite_count": state.num_nonfinite}
-        for suffix, value in values.items():
-            key = f"{name}/{suffix}" if suffix else name
-            if key in sources:
-                raise ValueError(
-                    f"metric {name!r} reports {key!r}, which metric {sources[key]!r} "
-                    "reports too; rename one of them"
-                )
-            sources[key] = name
-            out[key] = float(value)
-    return out
+    names = sorted(states)
+    by_kind: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        by_kind.setdefault(states[name].kind, []).append(i)
+    groups = []
+    for kind_name, rows in by_kind.items():
+        kind = kind_of(kind_name)
+        members = [states[names[i]] for i in rows]
+        groups.append(
+            KindRows(
+                kind,
+                np.array(rows, dtype=np.int64),
+                np.array([m.sums for m in members], dtype=np.float64).reshape(len(rows), -1),
+                np.array([m.maxes for m in members], dtype=np.float64).reshape(len(rows), -1),
+                [m.extra for m in members] if kind.has_extra else None,
+            )
+        )
+    nonfinite = np.array([states[name].num_nonfinite for name in names])
+    return compute_results(names, groups, nonfinite=nonfinite, empty=empty)

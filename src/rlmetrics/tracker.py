@@ -490,7 +490,7 @@ class Tracker(LogMethods):
                 raise
         else:
             reduced = self._local_reduce()
-        out = reduced.results(self.kind, empty=self.empty)
+        out = reduced.results(empty=self.empty)
         if reset:
             self.reset()
         return out

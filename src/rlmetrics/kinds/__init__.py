@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState, ResultFormula
+from rlmetrics.kinds.base import Accumulator, Kind, MetricState
 from rlmetrics.kinds.batch import Batch, DeviceBatch
 from rlmetrics.kinds.dist import Dist
 from rlmetrics.kinds.extrema import Max, Min
@@ -80,12 +80,13 @@ def check_kind(kind: Kind) -> None:
     for attr in ("has_extra", "replaces"):
         if not isinstance(getattr(kind, attr), bool):
             raise ValueError(f"{label}: {attr} must be a bool, got {getattr(kind, attr)!r}")
-    required = ["reduce", "result"]
+    required = ["reduce"]
+    if not (_overrides(kind, "result") or _overrides(kind, "result_rows")):
+        required.append("result")  # or result_rows
     if kind.has_extra:
         required += ["reduce_extra", "merge_extra"]
         if _overrides(kind, "extra_vector"):
             required += ["vector_length", "extra_from_vector"]
-    _check_formula(kind, label)
     missing = [f"{method}()" for method in required if not _overrides(kind, method)]
     if missing:
         why = " (has_extra=True needs reduce_extra and merge_extra)" if kind.has_extra else ""
@@ -97,26 +98,6 @@ def check_kind(kind: Kind) -> None:
         DeviceBatch(*map(torch.from_numpy, (values, weights, segments)), lengths, [2, 1]),
     ):
         _probe_reduce(kind, label, batch)
-
-
-def _check_formula(kind: Kind, label: str) -> None:
-    formula = kind.result_formula
-    if formula is None:
-        return
-    if not isinstance(formula, ResultFormula):
-        raise ValueError(f"{label}: result_formula must be a ResultFormula, got {formula!r}")
-    if kind.has_extra:
-        raise ValueError(f"{label}: result_formula is for kinds without an extra payload")
-    size = kind.num_sums + kind.num_maxes
-    for field in ("value", "present", "divisor", "negated_copy"):
-        index = getattr(formula, field)
-        if index is None and field in ("divisor", "negated_copy"):
-            continue
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
-            raise ValueError(
-                f"{label}: result_formula.{field} must index the state [*sums, *maxes] "
-                f"(0 to {size - 1}), got {index!r}"
-            )
 
 
 def _overrides(kind: Kind, method: str) -> bool:
@@ -174,7 +155,6 @@ __all__ = [
     "MetricState",
     "Min",
     "QuantileSketch",
-    "ResultFormula",
     "Std",
     "Sum",
     "check_kind",

@@ -17,6 +17,7 @@ Only ``extra`` needs a gather of its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,23 +79,9 @@ class MetricState:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class ResultFormula:
-    """A kind's one result as arithmetic on its own state, so that ``compute()`` gets
-    every such metric of every such kind from a few array operations.
-
-    Slots are indexed in the kind's state read as ``[*sums, *maxes]``. The value is
-    ``±state[value] / state[divisor]`` (no divisor: 1), reported where
-    ``state[present] != 0``. With ``negated_copy``, the value is a replicated one that
-    must equal ``-state[negated_copy]`` (or be NaN); a metric where it does not goes
-    through ``result`` (which can warn, naming it).
-    """
-
-    value: int
-    present: int
-    divisor: int | None = None
-    negate: bool = False
-    negated_copy: int | None = None
+Rows = tuple[dict[str, np.ndarray], np.ndarray]
+"""What ``Kind.result_rows`` returns: per result suffix, the metrics' values; and
+whether each metric is present."""
 
 
 def nan_max(a: float, b: float) -> float:
@@ -188,24 +175,48 @@ class Kind:
         """Inverse of ``extra_vector`` on the host."""
         raise NotImplementedError
 
-    # -- result -------------------------------------------------------------------
+    # -- result: implement one of the two -----------------------------------------
+    def result_rows(
+        self,
+        sums: np.ndarray,
+        maxes: np.ndarray,
+        extras: Sequence[Any] | None,
+        names: Sequence[str],
+    ) -> Rows:
+        """The results of n metrics at once from their merged states: (n, num_sums) and
+        (n, num_maxes) slots, and (kinds with an extra) the n host extras; ``names`` for
+        messages. Returns, per result suffix ('' for the bare name, 'p50' for
+        ``name/p50``), an (n,) array of values, and an (n,) bool array: whether each
+        metric is present (not empty).
+
+        The default calls ``result`` per metric; kinds with many metrics per step
+        override this instead, with array arithmetic."""
+        rows = []
+        for i, name in enumerate(names):
+            extra = None if extras is None else extras[i]
+            state = MetricState(self.name, tuple(sums[i].tolist()), tuple(maxes[i].tolist()), extra)
+            rows.append(self.result(state, name))
+        present = np.array([row is not None for row in rows], dtype=bool)
+        suffixes = dict.fromkeys(s for row in rows if row for s in row)
+        columns = {
+            suffix: np.array([row.get(suffix, math.nan) if row else math.nan for row in rows])
+            for suffix in (suffixes or self.result_names())
+        }
+        return columns, present
+
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
-        """The metric's values: {"": value} for the bare name, {"p50": ...} for
-        ``name/p50``. None when the state is empty."""
-        raise NotImplementedError
-
-    result_formula: ResultFormula | None = None
-    """Optional, for kinds with one result and no extra: that result as arithmetic on
-    the state (see ``ResultFormula``); it must agree with ``result``."""
-
-    def results_vector(
-        self, sums: np.ndarray, maxes: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Optional fast path for kinds with one result and no extra (and no
-        ``result_formula``): the results of n metrics at once from their (n, num_sums)
-        and (n, num_maxes) slots, as (values, present). None means "use ``result`` per
-        metric" (the default)."""
-        return None
+        """One metric's values: {"": value} for the bare name, {"p50": ...} for
+        ``name/p50``; None when the state is empty. The default reads ``result_rows``."""
+        extras = [state.extra] if self.has_extra else None
+        columns, present = self.result_rows(
+            np.array(state.sums, dtype=np.float64).reshape(1, -1),
+            np.array(state.maxes, dtype=np.float64).reshape(1, -1),
+            extras,
+            [name],
+        )
+        if not present[0]:
+            return None
+        return {suffix: float(column[0]) for suffix, column in columns.items()}
 
     def result_names(self) -> tuple[str, ...]:
         """The suffixes ``result`` may return ('' for the bare name), for NaN reports."""

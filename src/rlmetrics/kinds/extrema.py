@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-from rlmetrics.kinds.base import Kind, MetricState, ResultFormula
+import numpy as np
+
+from rlmetrics.kinds.base import Kind, Rows
 from rlmetrics.kinds.batch import Array, Batch
 
 
@@ -22,7 +24,6 @@ class Max(Kind):
     name = "max"
     num_sums = 1
     num_maxes = 1
-    result_formula = ResultFormula(value=1, present=0)  # state: [count, max]
     sign = 1.0
 
     def reduce(self, batch: Batch) -> tuple[Array, Array]:
@@ -31,10 +32,8 @@ class Max(Kind):
         extreme = batch.max_by(batch.where(selected, self.sign * batch.values, -math.inf))
         return batch.columns(batch.count()), batch.columns(extreme)
 
-    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
-        if state.sums[0] == 0:
-            return None
-        return {"": self.sign * state.maxes[0]}
+    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
+        return {"": self.sign * maxes[:, 0]}, sums[:, 0] != 0  # state: [count], [max]
 
 
 class Min(Max):
@@ -42,5 +41,4 @@ class Min(Max):
     negated values so that it merges, packs and syncs as ``Max`` does."""
 
     name = "min"
-    result_formula = ResultFormula(value=1, present=0, negate=True)  # state: [count, -min]
     sign = -1.0

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 
-from rlmetrics.kinds.base import Kind, MetricState, ResultFormula
+import numpy as np
+
+from rlmetrics.kinds.base import Kind, Rows
 from rlmetrics.kinds.batch import Array, Batch
 
 _warned: set[str] = set()
@@ -30,8 +33,7 @@ class Last(Kind):
     name = "last"
     num_sums = 2
     num_maxes = 2
-    # state: [Σ v, sources, v, -v]; ranks that disagree go through ``result`` (it warns)
-    result_formula = ResultFormula(value=2, present=1, negated_copy=3)
+    # state: [Σ v, sources], [v, -v]
     replaces = True
 
     def reduce(self, batch: Batch) -> tuple[Array, Array]:
@@ -40,19 +42,24 @@ class Last(Kind):
         neg_low = batch.where(present > 0, -value, -math.inf)
         return batch.columns(value, present), batch.columns(high, neg_low)
 
-    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
-        total, sources = state.sums
-        if sources == 0:
-            return None
-        high, neg_low = state.maxes
-        if high == -neg_low or math.isnan(high):
-            return {"": high}
-        if name not in _warned:
-            _warned.add(name)
-            warnings.warn(
-                f"metric {name!r} (kind 'last'): merged values disagree "
-                f"(min {-neg_low!r}, max {high!r}, {sources:g} sources); reporting their mean",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return {"": total / sources}
+    def result_rows(
+        self, sums: np.ndarray, maxes: np.ndarray, extras: object, names: Sequence[str]
+    ) -> Rows:
+        total, sources = sums[:, 0], sums[:, 1]
+        high, neg_low = maxes[:, 0], maxes[:, 1]
+        present = sources != 0
+        agree = (high == -neg_low) | np.isnan(high)
+        if agree[present].all():
+            return {"": high}, present
+        for i in np.flatnonzero(present & ~agree).tolist():
+            if names[i] not in _warned:
+                _warned.add(names[i])
+                warnings.warn(
+                    f"metric {names[i]!r} (kind 'last'): merged values disagree "
+                    f"(min {-float(neg_low[i])!r}, max {float(high[i])!r}, "
+                    f"{sources[i]:g} sources); "
+                    "reporting their mean",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return {"": np.where(agree, high, total / np.where(present, sources, 1.0))}, present

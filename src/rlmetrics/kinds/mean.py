@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rlmetrics.kinds.base import Kind, MetricState, ResultFormula
+import numpy as np
+
+from rlmetrics.kinds.base import Kind, Rows
 from rlmetrics.kinds.batch import Array, Batch
 
 
@@ -21,15 +23,13 @@ class Mean(Kind):
 
     name = "mean"
     num_sums = 2
-    result_formula = ResultFormula(value=0, divisor=1, present=1)
 
     def reduce(self, batch: Batch) -> tuple[Array, Array]:
         weights = batch.weights
         total = batch.sum_by(batch.values * weights)
         return batch.columns(total, batch.sum_by(weights)), batch.columns()
 
-    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
-        total, weight = state.sums
-        if weight == 0:
-            return None
-        return {"": total / weight}
+    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
+        total, weight = sums[:, 0], sums[:, 1]
+        present = weight != 0
+        return {"": total / np.where(present, weight, 1.0)}, present

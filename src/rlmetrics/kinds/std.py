@@ -12,14 +12,13 @@ which stays exact in float64 when |mean| >> std, unlike Σx² - (Σx)²/n.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Kind, MetricState
+from rlmetrics.kinds.base import Kind, Rows
 from rlmetrics.kinds.batch import Array, Batch
 
 
@@ -119,8 +118,8 @@ class Std(MomentTriples):
 
     name = "std"
 
-    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
-        w, _, m2 = state.extra
-        if w == 0:
-            return None
-        return {"": math.sqrt(max(m2, 0.0) / w)}
+    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, extras: Any, *_: object) -> Rows:
+        triples = np.array(extras, dtype=np.float64).reshape(-1, 3)
+        w, m2 = triples[:, 0], triples[:, 2]
+        present = w != 0
+        return {"": np.sqrt(np.maximum(m2, 0.0) / np.where(present, w, 1.0))}, present

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rlmetrics.kinds.base import Kind, MetricState, ResultFormula
+import numpy as np
+
+from rlmetrics.kinds.base import Kind, Rows
 from rlmetrics.kinds.batch import Array, Batch
 
 
@@ -20,14 +22,10 @@ class Sum(Kind):
 
     name = "sum"
     num_sums = 2
-    result_formula = ResultFormula(value=0, present=1)
 
     def reduce(self, batch: Batch) -> tuple[Array, Array]:
         total = batch.sum_by(batch.values * batch.weights)
         return batch.columns(total, batch.count()), batch.columns()
 
-    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
-        total, count = state.sums
-        if count == 0:
-            return None
-        return {"": total}
+    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
+        return {"": sums[:, 0]}, sums[:, 1] != 0
