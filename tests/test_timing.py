@@ -13,8 +13,10 @@ import itertools
 import math
 import pickle
 import random
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -399,12 +401,24 @@ def test_errors_name_the_metric(call, error, match) -> None:
     assert t.compute() == {}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_timing_without_cuda_names_the_metric() -> None:
+    match = "'t/g': device='cuda' timing needs CUDA"
+    with pytest.raises(RuntimeError, match=match), Tracker().timer("t/g", device="cuda"):
+        pass
+
+
 def test_a_clock_that_goes_back_and_a_changed_group_size_raise() -> None:
     t = Tracker()
-    clock = iter([2.0, 1.0]).__next__
-    with pytest.raises(ValueError, match=r"'t/b': seconds must be finite and >= 0, got -1\.0"):  # noqa: SIM117
-        with t.timer("t/b", clock=clock):
-            pass
+    match = r"'t/b': seconds must be finite and >= 0, got -1\.0"
+    with pytest.raises(ValueError, match=match), t.timer("t/b", clock=iter([2.0, 1.0]).__next__):
+        pass
     t.elapsed("t/c", 1.0, rank=0, world_size=2)
     with pytest.raises(ValueError, match="'t/c' is already logged as kind 'rank_time@2'"):
         t.elapsed("t/c", 1.0, rank=0, world_size=4)
+
+
+def test_the_docs_example_runs() -> None:
+    text = (Path(__file__).parents[1] / "docs" / "timing.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(compile(example, "docs/timing.md", "exec"), {})

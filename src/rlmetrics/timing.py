@@ -179,7 +179,8 @@ def timer(
         rank, world_size, group: where this rank is (see the module docstring); resolved
             at entry, so a bad one fails before the work.
         device: a CUDA device to time device work with events (no wait in the block);
-            None or a CPU device: the host ``clock``.
+            None or any other device: the host ``clock`` (work queued on a device then
+            needs a synchronise at the end of the block to be counted).
         clock: seconds, for host timing (tests inject one).
         events: an event factory instead of CUDA's (tests inject one).
     """
@@ -193,6 +194,9 @@ def timer(
         return
     stream = None
     if events is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"metric {name!r}: device={device!r} timing needs CUDA, and "
+                               "torch sees no CUDA device")  # fmt: skip
         stream = torch.cuda.current_stream(torch.device(device))
         events = _cuda_events
     begin, end = events(), events()
