@@ -84,9 +84,9 @@ class RankTime(PerRank):
         >>> t = Tracker()
         >>> t.log("timing_s/gen", [0.0, 3.0], [0, 1], kind="rank_time@2")  # rank 1: 3 s
         >>> t.log("timing_s/gen", [1.0, 0.0], [1, 0], kind="rank_time@2")  # rank 0: 1 s
-        >>> t.compute()
-        {'timing_s/gen': 3.0, 'timing_s/gen/mean': 2.0, 'timing_s/gen/min': 1.0, \
-'timing_s/gen/slowest_rank': 1.0}
+        >>> out = t.compute()
+        >>> out["timing_s/gen"], out["timing_s/gen/mean"], out["timing_s/gen/slowest_rank"]
+        (3.0, 2.0, 1.0)
     """
 
     family = "rank_time"
