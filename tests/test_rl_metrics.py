@@ -184,8 +184,11 @@ def test_step_metrics_over_ranks_and_optimizer_steps() -> None:
         t = Tracker()
         for norm in rank_norms:
             rl.log_updates(t, [*rl.grad_norm_updates(torch.tensor(norm)), rl.lr_update(opt)])
-        rl.log_updates(t, [rl.kl_coef_update(0.05), *rl.perf_updates(100.0 * (rank + 1), 2.0)])
-        with rl.timer(t, "update", num_tokens=300, clock=iter([0.0, 1.5 + rank]).__next__):
+        where = {"rank": rank, "world_size": 2}
+        perf = rl.perf_updates(100.0 * (rank + 1), 2.0, **where)
+        rl.log_updates(t, [rl.kl_coef_update(0.05), *perf])
+        clock = iter([0.0, 1.5 + rank]).__next__
+        with rl.timer(t, "update", num_tokens=300, clock=clock, **where):
             pass
         states.append(t.state())
     opt.step()
@@ -194,7 +197,9 @@ def test_step_metrics_over_ranks_and_optimizer_steps() -> None:
     assert TrackerState.merge_all(states).compute() == pytest.approx({
         "actor/grad_norm": 7 / 3, "actor/grad_norm_max": 4.0, "actor/lr": 0.5,
         "actor/kl_coef": 0.05, "perf/total_num_tokens": 300.0, "perf/throughput": 75.0,
-        "timing_s/update": 2.5, "timing_per_token_ms/update": 2500 / 300,
+        "perf/throughput/total": 150.0, "timing_s/update": 2.5, "timing_s/update/mean": 2.0,
+        "timing_s/update/min": 1.5, "timing_s/update/slowest_rank": 1.0,
+        "timing_per_token_ms/update": 2500 / 300,
     })  # fmt: skip
 
 

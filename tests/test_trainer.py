@@ -148,6 +148,10 @@ def test_launchers_agree_with_one_process(tmp_path, capsys) -> None:
         rows = read_jsonl(tmp_path / f"{name}.jsonl")
         assert [row.pop("step") for row in rows] == [1, 2]
         assert "timing_s/gen" in rows[0] and "perf/throughput" in rows[0]
+        for row in rows:  # rank-aware timings (docs/timing.md): 2 ranks, 0 or 1 the slowest
+            assert row["timing_s/gen/slowest_rank"] in (0, 1), name
+            assert row["timing_s/step/min"] <= row["timing_s/step/mean"] <= row["timing_s/step"]
+            assert row["perf/throughput/total"] == 2 * row["perf/throughput"]
         for step, (got, ref) in enumerate(zip(rows, want, strict=True), start=1):
             assert_close(name, strip(got), ref, 1e-9 if step == 1 else 1e-6, step)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from rlmetrics.record import Prepared, prepare, record_number, record_prepared, 
 from rlmetrics.reduced import Reduced
 from rlmetrics.state import TrackerState, check_metric
 from rlmetrics.table import Table
+from rlmetrics.timing import log_elapsed, log_throughput, read_device_timers, timer
 
 EMPTY_POLICIES = ("omit", "nan")
 _NO_TAIL = np.zeros(0)
@@ -99,6 +101,33 @@ class LogMethods:
     ) -> None:
         """Log into any registered kind (built-in or user-defined) by its name."""
         self._log(name, kind, value, weight if mask is None else _alias(name, weight, mask))
+
+    def timer(self, name: str, **where: Any) -> AbstractContextManager[None]:
+        """Time the block as this rank's entry into a stage: ``name`` reports the slowest
+        rank's time in the step (a rank's entries summed), ``name/mean``, ``name/min``
+        and ``name/slowest_rank``. ``where``: ``rank=``, ``world_size=`` (default: from
+        the process group), ``group=``, ``device="cuda"`` (CUDA events, read at step
+        end), ``clock=``. See ``rlmetrics.timing``.
+
+        Example:
+            >>> t = Tracker()
+            >>> with t.timer("timing_s/gen", clock=iter([1.0, 3.5]).__next__):
+            ...     pass
+            >>> t.compute()["timing_s/gen"]
+            2.5
+        """
+        return timer(self, name, **where)
+
+    def elapsed(self, name: str, seconds: float, **where: Any) -> None:
+        """Log ``seconds`` (measured elsewhere) as this rank's entry into a stage, as
+        ``timer`` does (``where``: ``rank=``, ``world_size=``, ``group=``)."""
+        log_elapsed(self, name, seconds, **where)
+
+    def throughput(self, name: str, num_tokens: Any, seconds: float, **where: Any) -> None:
+        """Log ``num_tokens`` (a number or a one-element tensor) this rank processed in
+        ``seconds``: ``name`` = Σ tokens / (slowest rank's seconds × ranks), per rank as
+        verl's ``perf/throughput``; ``name/total`` = Σ tokens / slowest rank's seconds."""
+        log_throughput(self, name, num_tokens, seconds, **where)
 
     def log_shared(
         self,
@@ -212,6 +241,7 @@ class Tracker(LogMethods):
         self._local: tuple[list[Accumulator], Packing] | None = None  # compute(sync=False)
         self._lock = threading.RLock()  # see "Threads" above
         self._recorded = 0  # elements and calls recorded since the last fold
+        self.pending_timers: list[Any] = []  # device timers not read yet (rlmetrics.timing)
 
     host_arrays: bool = True
     record_limit: int = 1 << 22
@@ -270,7 +300,7 @@ class Tracker(LogMethods):
             record_prepared(acc, name, value, self.nonfinite)
             self._recorded += 1 + value.size
         if self._recorded > self.record_limit:
-            self._fold()
+            self._fold(wait=False)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
@@ -278,8 +308,11 @@ class Tracker(LogMethods):
             for name, kind_name in metrics:
                 self._log(name, kind_name, prepared, None)
 
-    def _fold(self) -> None:
-        """Reduce every record into the states (see ``rlmetrics.fold``)."""
+    def _fold(self, wait: bool = True) -> None:
+        """Reduce every record into the states (see ``rlmetrics.fold``), after logging
+        the device timers (all, waiting for them; the finished ones without ``wait``)."""
+        if self.pending_timers:
+            read_device_timers(self, wait)
         if self._recorded:
             self._recorded = 0
             fold(list(self._accumulators.values()), self._table, self.nonfinite)
@@ -432,6 +465,7 @@ class Tracker(LogMethods):
         """Unpickle with a new lock, and each metric on this process's kind object (a
         pickled kind arrives as a copy, which an agreed layout would not recognise)."""
         self.__dict__.update(state)
+        self.__dict__.setdefault("pending_timers", [])
         self._lock = threading.RLock()
         for acc in self._accumulators.values():
             try:
@@ -443,7 +477,8 @@ class Tracker(LogMethods):
 
     @_locked
     def reset(self) -> None:
-        """Forget every metric (a new step begins)."""
+        """Forget every metric (a new step begins), and the device timers not read yet."""
+        self.pending_timers = []
         for acc in self._accumulators.values():
             if acc.values:
                 acc.clear()  # drops the records (the tensors they keep alive) now

@@ -13,6 +13,7 @@ from rlmetrics.kinds.extrema import Max, Min
 from rlmetrics.kinds.last import Last
 from rlmetrics.kinds.mean import Mean
 from rlmetrics.kinds.quantile import QuantileSketch
+from rlmetrics.kinds.rank_time import family_kind
 from rlmetrics.kinds.std import Std
 from rlmetrics.kinds.sum import Sum
 
@@ -133,10 +134,14 @@ def unregister_kind(name: str) -> None:
 
 
 def get_kind(name: str) -> Kind:
-    """The registered kind called ``name``."""
+    """The registered kind called ``name`` (a per-rank family's member, such as
+    ``rank_time@4``, is made and registered on first use: ``kinds.rank_time``)."""
     try:
         return _registry[name]
     except KeyError:
+        member = family_kind(name)
+        if member is not None:
+            return register_kind(member, exist_ok=True)
         raise ValueError(
             f"unknown kind {name!r}; registered kinds: {', '.join(sorted(_registry))}"
         ) from None

@@ -27,7 +27,8 @@ Entry points:
 * metric updates (-> list of ``MetricUpdate``): ``batch_metrics``, ``grad_norm_updates``,
   ``lr_update``, ``kl_coef_update``, ``perf_updates``, ``entropy_metric`` (verl's
   ``actor/entropy``), ``loss_update`` (``actor/loss``: a sum of objectives); ``timer``
-  logs ``timing_s/<stage>``; ``log_updates(tracker, updates)`` applies updates.
+  logs ``timing_s/<stage>`` (rank-aware: ``rlmetrics.timing``); ``log_updates(tracker,
+  updates)`` applies updates.
 * aggregation modes (``agg=``): ``AGG_MODES`` = token-mean, token-sum,
   seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (needs
   ``norm_constant``).

@@ -1,4 +1,4 @@
-"""Stage timers and throughput."""
+"""Stage timers and throughput in verl's names, on the rank-aware timer (``rlmetrics.timing``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
 from rlmetrics.rl.updates import MetricUpdate
+from rlmetrics.timing import rank_and_size, throughput_record
 from rlmetrics.tracker import LogMethods
 
 
@@ -28,47 +30,63 @@ def timer(
     *,
     num_tokens: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    **where: Any,
 ) -> Iterator[Stage]:
-    """Time a stage; log ``timing_s/<stage>`` (kind ``max``) on exit.
+    """Time a stage: ``timing_s/<stage>`` with the rank-aware timer (``Tracker.timer``)
+    on exit.
 
-    ``max`` because ranks run a stage in parallel: the step waits for the slowest rank,
-    and a stage entered several times in a step reports its longest run (wrap a loop,
-    not its body). With ``num_tokens`` (the step's tokens, all ranks; or set on the
-    yielded ``Stage`` inside the block) it also logs ``timing_per_token_ms/<stage>`` =
-    1000 · seconds / num_tokens. Timing asynchronous device work needs a device
-    synchronise at the end of the block.
+    ``timing_s/<stage>`` is the slowest rank's time in the step (a rank's entries
+    summed), with ``/mean``, ``/min`` and ``/slowest_rank`` over the ranks; ``where``
+    says which rank this is (``rank=``, ``world_size=``, ``group=``; default: the
+    process group) and ``device="cuda"`` times device work with CUDA events. With
+    ``num_tokens`` (the step's tokens, all ranks; or set on the yielded ``Stage`` inside
+    the block) it also logs ``timing_per_token_ms/<stage>`` = 1000 · seconds /
+    num_tokens, kind ``max`` (its longest entry on the slowest rank; host clock only).
 
     Example:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> with timer(t, "gen", clock=iter([1.0, 3.5]).__next__):
         ...     pass
-        >>> t.compute()
-        {'timing_s/gen': 2.5}
+        >>> t.compute()["timing_s/gen"]
+        2.5
     """
     info = Stage(num_tokens)
+    name = f"timing_s/{stage}"
+    if where.get("device") is not None or where.get("events") is not None:
+        with tracker.timer(name, **where):
+            yield info
+        return
+    rank, size = rank_and_size(name, where.get("rank"), where.get("world_size"),
+                               where.get("group"))  # fmt: skip
     start = clock()
     try:
         yield info
     finally:
         seconds = clock() - start
-        tracker.max(f"timing_s/{stage}", seconds)
+        tracker.elapsed(name, seconds, rank=rank, world_size=size)
         if info.num_tokens is not None:
             per_token = 1000.0 * seconds / max(float(info.num_tokens), 1.0)
             tracker.max(f"timing_per_token_ms/{stage}", per_token)
 
 
-def perf_updates(num_tokens: float | Tensor, step_seconds: float) -> list[MetricUpdate]:
-    """perf/total_num_tokens (sum over ranks) and perf/throughput (tokens per second per
-    rank: the mean over ranks of this rank's tokens / step_seconds).
+def perf_updates(
+    num_tokens: float | Tensor, step_seconds: float, **where: Any
+) -> list[MetricUpdate]:
+    """perf/total_num_tokens (sum over ranks) and perf/throughput: Σ tokens over ranks /
+    (the slowest rank's step seconds × the number of ranks), verl's per-GPU tokens per
+    second, with ``perf/throughput/total`` = Σ tokens / the slowest rank's seconds.
 
-    Log once per step on every rank with this rank's tokens (prompt + response).
+    Log once per step on every rank with this rank's tokens (prompt + response) and its
+    step time; ``where``: ``rank=``, ``world_size=``, ``group=`` (default: the process
+    group; see ``rlmetrics.timing``). Never a mean of per-rank rates: a fast rank's
+    rate is not what the step achieved.
     """
-    if not step_seconds > 0:
-        raise ValueError(f"step_seconds must be > 0, got {step_seconds!r}")
+    name = "perf/throughput"
+    kind, value, weight = throughput_record(name, num_tokens, step_seconds, **where)
     if isinstance(num_tokens, Tensor):
         num_tokens = num_tokens.detach().double()
     return [
         MetricUpdate("perf/total_num_tokens", "sum", num_tokens),
-        MetricUpdate("perf/throughput", "mean", num_tokens / step_seconds),
+        MetricUpdate(name, kind, value, weight),
     ]

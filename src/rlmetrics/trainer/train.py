@@ -91,17 +91,23 @@ def num_tokens(batch: Batch) -> float:
     return float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
 
 
+def stage_timer(r: Rank, tracker: Tracker, stage: str, **options: Any) -> Any:
+    """``timing_s/<stage>`` for this rank of the data-parallel group (rank-aware: the
+    slowest rank's time, the mean, which rank; see rlmetrics.timing)."""
+    return rl.timer(tracker, stage, rank=r.rank, world_size=r.world_size, **options)
+
+
 def prepare(r: Rank, batch: Batch, tracker: Tracker) -> tuple[Batch, list[torch.Tensor]]:
     """Advantages, old and reference log-probs (and values) of this rank's shard; the
     entropy of the old policy (verl's ``actor/entropy``, aggregated like the loss)."""
     algo, tokens = r.cfg.algo, {"num_tokens": num_tokens(batch)}
     if algo.algo == "grpo":  # group statistics need the whole batch: every rank has it
-        with rl.timer(tracker, "adv", **tokens):
+        with stage_timer(r, tracker, "adv", **tokens):
             batch["advantages"] = rl.grpo_advantages(batch["scores"], batch["group"],
                                                      response_mask(batch))  # fmt: skip
             batch["returns"] = batch["advantages"]  # as verl's GRPO estimator returns
     shard, minis = my_shard(r, batch)
-    with rl.timer(tracker, "old_log_prob", **tokens):
+    with stage_timer(r, tracker, "old_log_prob", **tokens):
         start = time.perf_counter()
         both = infer(log_probs_and_entropy(r.actor.model, algo), shard, minis, algo, r.device)
         seconds = time.perf_counter() - start
@@ -112,16 +118,16 @@ def prepare(r: Rank, batch: Batch, tracker: Tracker) -> tuple[Batch, list[torch.
         perf.mfu_update("actor_infer", learner_flops(r, r.actor, shard) / 3, seconds, r.device),
     ])  # fmt: skip
     if algo.kl_coef:
-        with rl.timer(tracker, "ref", **tokens):
+        with stage_timer(r, tracker, "ref", **tokens):
             shard["ref_log_probs"] = infer(
                 sampled_log_probs(r.ref, algo), shard, minis, algo, r.device
             )
     if r.critic is not None:
-        with rl.timer(tracker, "values", **tokens):
+        with stage_timer(r, tracker, "values", **tokens):
             critic = r.critic.model
             values = infer(lambda mb: critic(mb["tokens"][:, :-1]), shard, minis, algo, r.device)
             shard["values"] = values * mask
-        with rl.timer(tracker, "adv", **tokens):
+        with stage_timer(r, tracker, "adv", **tokens):
             ppo_advantages(shard, algo, r.world_size, r.group, r.device)
     return shard, minis
 
@@ -149,7 +155,7 @@ def update(r: Rank, learner: Learner, loss: Any, shard: Batch, minis: list, trac
            total_tokens: float) -> None:  # fmt: skip
     """One learner's update stage, timed, with its MFU and memory metrics."""
     algo, name = r.cfg.algo, learner.name
-    with rl.timer(tracker, f"update_{name}", num_tokens=total_tokens):
+    with stage_timer(r, tracker, f"update_{name}", num_tokens=total_tokens):
         start = time.perf_counter()
         optimize(learner, loss, shard, minis, algo, tracker, world_size=r.world_size,
                  group=r.group)  # fmt: skip
@@ -165,14 +171,14 @@ def log_step(r: Rank, step: int, tracker: Tracker) -> None:
     A Ray actor calls this, then either ``tracker.compute(group)`` or ``tracker.state()``.
     """
     algo, start = r.cfg.algo, time.perf_counter()
-    with rl.timer(tracker, "gen") as gen:
+    with stage_timer(r, tracker, "gen") as gen:
         batch = rollout(
             r.actor.model, r.task, num_prompts=algo.num_prompts, n=algo.samples_per_prompt,
             temperature=algo.temperature, seed=r.cfg.run.seed, step=step,
         )  # fmt: skip
         gen.num_tokens = float(batch["response_lengths"].sum())  # verl: response tokens
     total_tokens = num_tokens(batch)
-    with rl.timer(tracker, "reward", num_tokens=total_tokens):
+    with stage_timer(r, tracker, "reward", num_tokens=total_tokens):
         add_scores(r.task, batch)
     shard, minis = prepare(r, batch, tracker)
     log_batch(r, shard, tracker)
@@ -184,11 +190,11 @@ def log_step(r: Rank, step: int, tracker: Tracker) -> None:
         rl.MetricUpdate("training/global_step", "last", step),
         rl.MetricUpdate("training/epoch", "last", 0),  # prompts are drawn afresh each step
     ])  # fmt: skip
-    seconds = time.perf_counter() - start
-    tracker.max("timing_s/step", seconds)
+    seconds, where = time.perf_counter() - start, {"rank": r.rank, "world_size": r.world_size}
+    tracker.elapsed("timing_s/step", seconds, **where)
     tracker.max("perf/time_per_step", seconds)
     my_tokens = (shard["prompt_lengths"] + shard["response_lengths"]).sum().double()
-    rl.log_updates(tracker, rl.perf_updates(my_tokens, seconds))
+    rl.log_updates(tracker, rl.perf_updates(my_tokens, seconds, **where))
 
 
 def train_step(r: Rank, step: int, tracker: Tracker) -> dict[str, float]:
@@ -235,7 +241,11 @@ def train(
             history.append(metrics)
             if reporter is not None:
                 reporter.log(step, metrics)
-            with rl.timer(tracker, "save_checkpoint") if checkpoint.due(r, step) else nullcontext():
+            with (
+                stage_timer(r, tracker, "save_checkpoint")
+                if checkpoint.due(r, step)
+                else nullcontext()
+            ):
                 checkpoint.maybe_save(r, step, tracker, reporter)  # rank 0, after the log
             checkpoint.maybe_crash_for_test(r, step)
     return history

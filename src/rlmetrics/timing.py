@@ -1,0 +1,236 @@
+"""Rank-aware stage timings and throughput: the slowest rank, the mean, which rank.
+
+``with tracker.timer("timing_s/gen"):`` (or ``tracker.elapsed(name, seconds)`` for a
+time measured elsewhere) reports, over the ranks that timed the stage in the step:
+``name`` the slowest rank's time (what the step waited for), ``name/mean``, ``name/min``
+and ``name/slowest_rank``. A rank's time is the sum of its entries in the step: a stage
+entered three times on a rank counts the three, since "time spent in gen" is what makes
+a rank the slowest. ``tracker.throughput(name, tokens, seconds)`` reports Σ tokens
+divided by the slowest rank's time, per rank (``name``, verl's per-GPU meaning) and in
+all (``name/total``).
+
+The state is one additive slot per rank (``rlmetrics.kinds.rank_time``), so the value
+is exact under any merge order and rides in the step's one packed collective. The rank
+and the group's size R come from ``rank=`` and ``world_size=`` when given (a Ray
+worker, a single-controller setup), else from the process group (``group=``, or the
+default group when torch.distributed is initialised), else rank 0 of 1. With
+``compute(sync=False)`` a rank reports its own time under every key (and its own index
+as the slowest rank). Without a process group, trackers merged on a driver must have
+been given distinct ``rank=``: states of the same rank add up, as one rank's entries do.
+
+``device="cuda"`` times device work with CUDA events recorded on the device's current
+stream at entry and exit: nothing in the timed region waits for the device; the events
+are read when the tracker folds its records at step end (``compute()``, ``state()``,
+``merge()``), where the host waits anyway. A mid-step fold reads the finished ones only.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlmetrics.collectives import resolve_group
+from rlmetrics.kinds.batch import to_device
+
+if TYPE_CHECKING:
+    from rlmetrics.tracker import LogMethods, Tracker
+
+Clock = Callable[[], float]
+EventFactory = Callable[[], Any]
+"""Makes an event with ``record()``, ``query()``, ``synchronize()`` and
+``elapsed_time(end)`` in milliseconds, as ``torch.cuda.Event(enable_timing=True)``."""
+
+
+def rank_and_size(name: str, rank: Any, world_size: Any, group: Any) -> tuple[int, int]:
+    """This process's rank and the group's size for the metric ``name`` (see the module
+    docstring for where they come from).
+
+    Raises:
+        TypeError, ValueError: naming the metric and the argument.
+    """
+    if (rank is None) != (world_size is None):
+        raise TypeError(f"metric {name!r}: pass rank= and world_size= together (or neither), "
+                        f"got rank={rank!r}, world_size={world_size!r}")  # fmt: skip
+    if rank is None:
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            return 0, 1
+        pg = resolve_group(group)
+        rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
+    for arg, number in (("rank", rank), ("world_size", world_size)):
+        if isinstance(number, bool) or not isinstance(number, numbers.Integral):
+            raise TypeError(f"metric {name!r}: {arg} must be an int, got {number!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"metric {name!r}: rank must be in [0, world_size={world_size}), "
+                         f"got {rank!r}")  # fmt: skip
+    return int(rank), int(world_size)
+
+
+def check_seconds(name: str, seconds: Any, *, positive: bool = False) -> float:
+    """An elapsed time as a python float: finite and >= 0 (> 0 with ``positive``)."""
+    if isinstance(seconds, bool | Tensor) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"metric {name!r}: seconds must be a python or numpy number, got "
+                        f"{type(seconds).__name__}")  # fmt: skip
+    value = float(seconds)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"metric {name!r}: seconds must be finite and {bound}, got {seconds!r}")
+    return value
+
+
+def _one_hot(size: int, rank: int, value: float) -> tuple[np.ndarray, np.ndarray]:
+    values, weights = np.zeros(size), np.zeros(size)
+    values[rank], weights[rank] = value, 1.0
+    return values, weights
+
+
+def elapsed_record(
+    name: str, seconds: Any, *, rank: Any = None, world_size: Any = None, group: Any = None
+) -> tuple[str, np.ndarray, np.ndarray]:
+    """The (kind, value, weight) a rank logs for ``seconds`` spent in a stage."""
+    seconds = check_seconds(name, seconds)
+    rank, size = rank_and_size(name, rank, world_size, group)
+    return (f"rank_time@{size}", *_one_hot(size, rank, seconds))
+
+
+def throughput_record(
+    name: str,
+    num_tokens: float | Tensor,
+    seconds: Any,
+    *,
+    rank: Any = None,
+    world_size: Any = None,
+    group: Any = None,
+) -> tuple[str, Any, Any]:
+    """The (kind, value, weight) a rank logs for ``num_tokens`` processed in
+    ``seconds``; a tensor count stays on its device (no host sync, so it is not checked
+    for sign here)."""
+    seconds = check_seconds(name, seconds, positive=True)
+    rank, size = rank_and_size(name, rank, world_size, group)
+    values, weights = _one_hot(size + 1, rank, seconds)
+    weights[size] = 1.0
+    if not isinstance(num_tokens, Tensor):
+        tokens = check_seconds(name, num_tokens)  # the same rule: finite and >= 0
+        values[size] = tokens
+        return f"rank_throughput@{size}", values, weights
+    if num_tokens.numel() != 1:
+        raise ValueError(f"metric {name!r}: num_tokens must hold one number, got a tensor "
+                         f"of shape {tuple(num_tokens.shape)}")  # fmt: skip
+    device = num_tokens.device
+    tokens = num_tokens.detach().reshape(1).to(torch.float64)
+    value = torch.cat((to_device(values[:size], device), tokens))
+    return f"rank_throughput@{size}", value, to_device(weights, device)
+
+
+def log_elapsed(tracker: LogMethods, name: str, seconds: Any, **where: Any) -> None:
+    """Log ``seconds`` this rank spent in the stage ``name`` (``where``: rank=,
+    world_size=, group=)."""
+    kind, value, weight = elapsed_record(name, seconds, **where)
+    tracker.log(name, value, weight, kind=kind)
+
+
+def log_throughput(
+    tracker: LogMethods, name: str, num_tokens: float | Tensor, seconds: Any, **where: Any
+) -> None:
+    """Log ``num_tokens`` this rank processed in ``seconds``."""
+    kind, value, weight = throughput_record(name, num_tokens, seconds, **where)
+    tracker.log(name, value, weight, kind=kind)
+
+
+@dataclass
+class DeviceTimer:
+    """A device timer whose events are not read yet."""
+
+    view: LogMethods  # the tracker or prefixed view it was started on
+    name: str
+    start: Any
+    end: Any
+    rank: int
+    world_size: int
+
+
+@contextmanager
+def timer(
+    tracker: LogMethods,
+    name: str,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    group: Any = None,
+    device: str | torch.device | None = None,
+    clock: Clock = time.perf_counter,
+    events: EventFactory | None = None,
+) -> Iterator[None]:
+    """Time the block as this rank's entry into the stage ``name`` (logged on exit,
+    also when the block raises).
+
+    Args:
+        tracker: a Tracker or a prefixed view.
+        name: the metric, e.g. ``"timing_s/gen"``.
+        rank, world_size, group: where this rank is (see the module docstring); resolved
+            at entry, so a bad one fails before the work.
+        device: a CUDA device to time device work with events (no wait in the block);
+            None or any other device: the host ``clock`` (work queued on a device then
+            needs a synchronise at the end of the block to be counted).
+        clock: seconds, for host timing (tests inject one).
+        events: an event factory instead of CUDA's (tests inject one).
+    """
+    rank, size = rank_and_size(name, rank, world_size, group)
+    if events is None and (device is None or torch.device(device).type != "cuda"):
+        start = clock()
+        try:
+            yield
+        finally:
+            log_elapsed(tracker, name, clock() - start, rank=rank, world_size=size)
+        return
+    stream = None
+    if events is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"metric {name!r}: device={device!r} timing needs CUDA, and "
+                               "torch sees no CUDA device")  # fmt: skip
+        stream = torch.cuda.current_stream(torch.device(device))
+        events = _cuda_events
+    begin, end = events(), events()
+    _record(begin, stream)
+    try:
+        yield
+    finally:
+        _record(end, stream)
+        root: Tracker = getattr(tracker, "tracker", tracker)
+        root.pending_timers.append(DeviceTimer(tracker, name, begin, end, rank, size))
+
+
+def _cuda_events() -> Any:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _record(event: Any, stream: Any) -> None:
+    if stream is None:
+        event.record()
+    else:
+        event.record(stream)
+
+
+def read_device_timers(tracker: Tracker, wait: bool) -> None:
+    """Log the tracker's pending device timers (``Tracker._fold`` calls this): all of
+    them, waiting for their end events, with ``wait``; else the finished ones only."""
+    pending, tracker.pending_timers = tracker.pending_timers, []
+    unread = []
+    for timer_ in pending:
+        if not wait and not timer_.end.query():
+            unread.append(timer_)
+            continue
+        timer_.end.synchronize()
+        seconds = timer_.start.elapsed_time(timer_.end) / 1000.0
+        log_elapsed(timer_.view, timer_.name, seconds, rank=timer_.rank,
+                    world_size=timer_.world_size)  # fmt: skip
+    tracker.pending_timers[:0] = unread
