@@ -63,10 +63,22 @@ class Table:
         self.device_part: DevicePart | None = None
         self.version = 0  # changes when rows are renumbered (``compacted``)
         self.fold_groups: Any = None  # owned by rlmetrics.fold
+        self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
         self._starts: tuple[np.ndarray, np.ndarray] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "fold_groups": None}
+        return {**self.__dict__, "fold_groups": None, "_indices": {}}
+
+    def index_on(self, positions: np.ndarray, device: torch.device) -> Tensor:
+        """``positions`` (an index array the fold keeps across steps) on ``device``,
+        copied there once per array rather than once per step."""
+        key = (id(positions), device)
+        cached = self._indices.get(key)
+        if cached is None or cached[0] is not positions:
+            if len(self._indices) > 256:  # arrays of metric sets that came and went
+                self._indices.clear()
+            cached = self._indices[key] = (positions, to_device(positions, device))
+        return cached[1]
 
     @property
     def num_rows(self) -> int:
@@ -155,8 +167,8 @@ class Table:
             self.maxes[max_pos] = maxes
             part = self.device_part
             if part is not None and sum_pos.size:
-                part.sums[_index(sum_pos, part)] = 0.0
-                part.maxes[_index(max_pos, part)] = -math.inf
+                part.sums[self.index_on(sum_pos, part.device)] = 0.0
+                part.maxes[self.index_on(max_pos, part.device)] = -math.inf
             return
         if kind.num_sums:
             self.sums[sum_pos] += sums
@@ -172,7 +184,8 @@ class Table:
         part = self.device_for(sums.device)
         sums, maxes = sums.to(part.device), maxes.to(part.device)
         _, sum_pos, max_pos = positions
-        sum_index, max_index = _index(sum_pos, part), _index(max_pos, part)
+        sum_index = self.index_on(sum_pos, part.device)
+        max_index = self.index_on(max_pos, part.device)
         if kind.replaces:
             old_sums = part.sums[sum_index] + to_device(self.sums[sum_pos], part.device)
             old_maxes = torch.maximum(
@@ -289,5 +302,3 @@ def _grown_tensor(tensor: Tensor, size: int, fill: float) -> Tensor:
     return torch.cat((tensor, extra.to(tensor.device)))
 
 
-def _index(positions: np.ndarray, part: DevicePart) -> Tensor:
-    return to_device(positions, part.device)
