@@ -842,3 +842,17 @@ def test_results_follow_ieee_arithmetic_on_edge_values() -> None:
         assert got["last"] == 0.1
         for name in ("mean/zero_weight", "max/empty"):
             assert (name in got) == (empty == "nan") and (empty == "omit" or math.isnan(got[name]))
+
+
+def test_a_name_whose_first_call_failed_does_not_disturb_the_next_steps() -> None:
+    """A failed first call leaves no metric, but its name's row stays in the table; the
+    packing built for the other metrics must keep working (it once indexed past it)."""
+    t = Tracker()
+    for step in range(3):
+        t.mean("a", 1.0 + step)
+        t.max("b", [2.0, float(step)])
+        if step == 1:
+            with pytest.raises(ValueError, match="'new'"):
+                t.mean("new", [1.0, 2.0], weight=[1.0])
+        assert t.compute() == {"a": 1.0 + step, "b": 2.0}
+        assert "new" not in t

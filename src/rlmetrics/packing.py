@@ -85,7 +85,8 @@ class Packing:
         device half added there (no host sync)."""
         host = self.template.copy()
         host[self.sum_map] = table.sums[: len(self.sum_map)]
-        host[self.count_map] = table.counts[: table.num_rows].reshape(-1)
+        rows = len(self.count_map) // NUM_FLAGS  # rows added since are not logged here
+        host[self.count_map] = table.counts[:rows].reshape(-1)
         host[self.max_map] = table.maxes[: len(self.max_map)]
         for position, acc in self.extra_rows:
             if acc is not None:
@@ -99,7 +100,7 @@ class Packing:
         buffer = to_device(host, part.device)
         sums, counts, maxes = self._device_maps(part.device)
         buffer.index_add_(0, sums, part.sums[: len(sums)])
-        buffer.index_add_(0, counts, part.counts[: table.num_rows].reshape(-1))
+        buffer.index_add_(0, counts, part.counts[:rows].reshape(-1))
         buffer[maxes] = torch.maximum(buffer[maxes], part.maxes[: len(maxes)])
         return buffer[:-1].to(device)
 
