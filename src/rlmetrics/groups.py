@@ -227,6 +227,8 @@ def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[n
             f"integers), or an integer tensor; got {type(by).__name__}"
         )
     array = np.asarray(by)
+    if array.size == 0:  # no element, no label (an empty list is a float64 array)
+        return np.zeros(array.shape, dtype=np.int64), []
     if array.dtype.kind not in "iuUO":
         raise TypeError(
             f"metric {name!r}: labels must be strings or integers, got labels of dtype "
@@ -236,7 +238,7 @@ def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[n
         uniques, codes = np.unique(array, return_inverse=True)
     except TypeError as error:  # an object array mixing types numpy cannot order
         raise TypeError(
-            f"metric {name!r}: labels must all be strings or all integers ({error})"
+            f"metric {name!r}: labels must be strings or integers, all of one type ({error})"
         ) from error
     parts = [label_part(name, label.item() if isinstance(label, np.generic) else label, mapping)
              for label in uniques]  # fmt: skip
@@ -250,7 +252,7 @@ def check_label_tensor(name: str, by: Tensor) -> Tensor:
             f"metric {name!r}: a by= tensor must be a dense integer tensor, got dtype "
             f"{by.dtype} ({by.layout})"
         )
-    return by.detach()
+    return by  # an integer tensor never requires grad: no detach needed
 
 
 def check_shape(name: str, labels: tuple[int, ...], value: tuple[int, ...]) -> None:
@@ -269,6 +271,8 @@ def split_host(prepared: Prepared, codes: np.ndarray, names: list[str]) -> list[
     if prepared.value is None:  # one number, one label
         return [(names[int(codes.reshape(-1)[0])], prepared.number, prepared.weight_number)]
     num_labels = len(names)
+    if not num_labels:  # an empty call
+        return []
     flat = _expand(codes, prepared.shape).reshape(-1)
     order = np.argsort(flat, kind="stable")
     bounds = np.cumsum(np.bincount(flat, minlength=num_labels))[:-1]

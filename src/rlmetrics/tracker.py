@@ -404,7 +404,8 @@ class Tracker(LogMethods):
         self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
     ) -> None:
         with self._lock:
-            self._recorded += self._groups.log(self, metrics, value, weight, by, labels)
+            deferred = self._groups.log(self, metrics, value, weight, by, labels)
+            self._recorded += deferred  # after the call, which may record (host labels)
             if self._recorded > self.record_limit:
                 self._fold()
 
