@@ -10,12 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlmetrics import Tracker
 from rlmetrics.fold import ModifiedInputError
+
+from gloo_ranks import ok_results, run_ranks
 
 KINDS = ("mean", "sum", "max", "min", "std")
 SOURCES = ("gsm8k", "math", "code")
@@ -269,3 +272,108 @@ def test_a_label_missing_from_labels_at_the_fold_drops_that_call_only() -> None:
     with pytest.raises(ValueError, match="metric 'x': label 5 is not in labels="):
         t.compute(reset=False)
     assert t.compute() == {"y/a": 1.5}
+
+
+# -- real gloo ranks --------------------------------------------------------------------
+
+ALL_SOURCES = ("gsm8k", "math", "rare", "code")
+STEPS = (  # per step: (labels of rank 0, labels of the last rank, labels of the others)
+    (("gsm8k", "math", "rare"), ("gsm8k", "math"), ("gsm8k",)),  # "rare": rank 0 only
+    (("gsm8k", "math", "rare"), ("gsm8k", "math"), ("gsm8k",)),  # steady
+    (("gsm8k", "math"), ("code", "math"), ("math",)),  # "rare" gone, "code" new
+    (("gsm8k", "math"), ("code", "math"), ("math",)),  # steady again
+    (("math",), ("code",), ()),  # fewer labels, all known: still steady; a rank logs none
+)
+STEADY = (1, 3, 4)  # steps whose names the agreed layout already holds
+GROUPED_KINDS = ("mean", "sum", "max", "min", "std")
+
+
+def rank_batch(step: int, rank: int, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This rank's elements of ``step``: values, weights (with zeros), labels."""
+    first, last, other = STEPS[step]
+    sources = first if rank == 0 else last if rank == world - 1 else other
+    rng = np.random.default_rng([step, rank, world])
+    n = 0 if not sources else int(rng.integers(3, 9))
+    labels = np.array(sources, dtype=object)[rng.integers(0, max(len(sources), 1), size=n)]
+    labels[: len(sources)] = sources[:n]  # every listed label present
+    x = rng.normal(loc=100.0, size=n)
+    w = rng.integers(0, 3, size=n).astype(np.float64)
+    w[: len(sources)] = 1.0
+    return x, w, labels
+
+
+def log_rank_step(t: Tracker, step: int, rank: int, world: int) -> None:
+    """This rank's step in two micro-batches; each rank passes its labels another way."""
+    x, w, labels = rank_batch(step, rank, world)
+    codes = np.array([ALL_SOURCES.index(s) for s in labels], dtype=np.int64)
+    half = len(x) // 2
+    for part in (slice(0, half), slice(half, None)):
+        form = rank % 4
+        if form == 0:
+            by, names = list(labels[part]), None
+        elif form == 1:
+            by, names = labels[part], None
+        else:
+            dtype = torch.int64 if form == 2 else torch.int32
+            by, names = torch.from_numpy(codes[part]).to(dtype), dict(enumerate(ALL_SOURCES))
+        value, weight = torch.from_numpy(x[part]), torch.from_numpy(w[part])
+        if form == 1:
+            value, weight = x[part], w[part]
+        for kind in GROUPED_KINDS:
+            getattr(t, kind)(f"score/{kind}", value, weight=weight, by=by, labels=names)
+    t.mean("plain", 1.0)
+
+
+def grouped_steps(rank: int, world: int) -> tuple[list[tuple[dict, int]], int]:
+    """Every step's metrics and this rank's collectives, over a group of its own; and
+    the collectives of a steady step that logs the same kinds without ``by=``."""
+    from test_distributed_caches import count_collectives
+
+    group, plain_group = (dist.new_group(list(range(world))) for _ in range(2))
+    t, plain = Tracker(), Tracker()
+    out = []
+    with pytest.MonkeyPatch.context() as patch:
+        counts = count_collectives(patch)
+        for _ in range(2):
+            for kind in GROUPED_KINDS:
+                getattr(plain, kind)(f"score/{kind}", torch.ones(3), weight=torch.ones(3))
+            before = counts["n"]
+            plain.compute(group=plain_group, timeout=60)
+            baseline = counts["n"] - before
+        for step in range(len(STEPS)):
+            log_rank_step(t, step, rank, world)
+            before = counts["n"]
+            result = t.compute(group=group, timeout=60)
+            out.append((result, counts["n"] - before))
+    return out, baseline
+
+
+def whole_batch_expected(step: int, world: int) -> dict[str, float]:
+    """numpy over every rank's elements of ``step``, per kind and label."""
+    parts = [rank_batch(step, rank, world) for rank in range(world)]
+    x, w, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    out = {"plain": 1.0}
+    for kind in GROUPED_KINDS:
+        for key, value in expected(kind, x, w, labels.astype(str)).items():
+            out[f"score/{kind}/{key.removeprefix('x/')}"] = value
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_agree_on_every_label_and_steady_steps_add_no_collective(world: int) -> None:
+    outcome, baselines = zip(*ok_results(run_ranks(grouped_steps, world, timeout=300)), strict=True)
+    baseline = baselines[0]
+    assert set(baselines) == {baseline} and baseline == 2  # the packed gather, std's extras
+    for step in range(len(STEPS)):
+        results = [per_rank[step][0] for per_rank in outcome]
+        counts = [per_rank[step][1] for per_rank in outcome]
+        assert all(r == results[0] for r in results), f"step {step}: ranks disagree"
+        assert_matches(results[0], whole_batch_expected(step, world))
+        assert len(set(counts)) == 1, counts
+        if step in STEADY:  # no collective beyond a steady step's without by=
+            assert counts[0] == baseline, (step, counts)
+        else:  # new names: the schema is agreed again
+            assert counts[0] > baseline, (step, counts)
+    assert "score/max/rare" in outcome[-1][1][0]  # rank world-1 never saw "rare"
+    assert "score/mean/code" in outcome[0][2][0]  # rank 0 never sees "code"
