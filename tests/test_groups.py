@@ -4,7 +4,11 @@ naming the metric; tensor labels are read at the fold, not at the call."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -377,3 +381,13 @@ def test_gloo_ranks_agree_on_every_label_and_steady_steps_add_no_collective(worl
             assert counts[0] > baseline, (step, counts)
     assert "score/max/rare" in outcome[-1][1][0]  # rank world-1 never saw "rare"
     assert "score/mean/code" in outcome[0][2][0]  # rank 0 never sees "code"
+
+
+def test_the_docs_examples_print_what_they_say() -> None:
+    text = (Path(__file__).parents[1] / "docs" / "groups.md").read_text()
+    for example in re.findall(r"```python\n(.*?)```", text, re.S):
+        said = re.findall(r"^# (.*)$", example, re.M)  # the printed output, as commented
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(example, "docs/groups.md", "exec"), {})
+        assert " ".join(out.getvalue().split()) == " ".join(" ".join(said).split())
