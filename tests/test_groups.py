@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlmetrics import Tracker
@@ -391,3 +392,27 @@ def test_the_docs_examples_print_what_they_say() -> None:
         with contextlib.redirect_stdout(out):
             exec(compile(example, "docs/groups.md", "exec"), {})
         assert " ".join(out.getvalue().split()) == " ".join(" ".join(said).split())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("label_form", ["list", "tensor+labels"])
+def test_cuda_grouped_calls_never_sync_at_the_call_and_match_the_cpu(label_form: str) -> None:
+    rng = np.random.default_rng(2)
+    x, mask, codes = rng.normal(size=(12, 4)), rng.random((12, 4)) > 0.4, np.arange(12) % 3
+    results = []
+    for device in ("cpu", "cuda"):
+        t = Tracker()
+        value = torch.from_numpy(x).to(device)
+        weight = torch.from_numpy(mask).to(device)
+        by, labels = as_labels(label_form, codes)
+        if isinstance(by, Tensor):
+            by = by.to(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for kind in KINDS:
+                getattr(t, kind)(kind, value, weight=weight, by=by, labels=labels)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append(t.compute())
+    assert results[0] == pytest.approx(results[1], rel=1e-12)
+    assert len(results[0]) == len(KINDS) * 3
