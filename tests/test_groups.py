@@ -111,19 +111,24 @@ def test_each_label_equals_numpy_over_the_whole_batch_for_any_split(
     assert_matches(t.compute(), expected(kind, x, w, names))
 
 
+@pytest.mark.parametrize("value_form", ["numpy", "tensor"])
 @pytest.mark.parametrize("label_form", LABEL_FORMS)
-def test_one_label_per_row_applies_to_the_rows_tokens(label_form: str) -> None:
+def test_one_label_per_row_applies_to_the_rows_tokens(label_form: str, value_form: str) -> None:
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(6, 5))
-    mask = rng.random((6, 5)) > 0.3
+    x = rng.normal(size=(6, 5, 2))
+    mask = rng.random((6, 5, 2)) > 0.3
     codes = np.array([0, 1, 1, 2, 0, 1])
     t = Tracker()
     for rows in (slice(0, 2), slice(2, 6)):
         by, labels = as_labels(label_form, codes[rows])
-        t.mean("x", torch.from_numpy(x[rows]), weight=torch.from_numpy(mask[rows]), by=by,
-               labels=labels)  # fmt: skip
-    names = np.array([name_of(label_form, c) for c in codes])
-    want = expected("mean", x.ravel(), mask.ravel().astype(float), np.repeat(names, 5))
+        value, weight = x[rows], mask[rows]
+        if value_form == "tensor":
+            value, weight = torch.from_numpy(value), torch.from_numpy(weight)
+        t.mean("x", value, weight=weight, by=by, labels=labels)
+        t.max("m", value, weight=weight, by=by, labels=labels)
+    names = np.repeat([name_of(label_form, c) for c in codes], 10)
+    want = expected("mean", x.ravel(), mask.ravel().astype(float), names)
+    want |= {f"m/{k[2:]}": v for k, v in expected("max", x.ravel(), mask.ravel(), names).items()}
     assert_matches(t.compute(), want)
 
 

@@ -23,6 +23,7 @@ collective is added.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -270,12 +271,11 @@ def split_host(prepared: Prepared, codes: np.ndarray, names: list[str]) -> list[
     """(name part, value, weight) per label present, from host data."""
     if prepared.value is None:  # one number, one label
         return [(names[int(codes.reshape(-1)[0])], prepared.number, prepared.weight_number)]
-    num_labels = len(names)
-    if not num_labels:  # an empty call
+    if not names:  # an empty call
         return []
-    flat = _expand(codes, prepared.shape).reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    bounds = np.cumsum(np.bincount(flat, minlength=num_labels))[:-1]
+    flat, width = codes.reshape(-1), _width(codes.shape, prepared.shape)
+    order = _element_order(np.argsort(flat, kind="stable"), width)
+    bounds = np.cumsum(np.bincount(flat, minlength=len(names)) * width)[:-1]
     values = np.split(prepared.value.reshape(-1)[order], bounds)
     weight = prepared.weight
     if isinstance(weight, np.ndarray):
@@ -284,7 +284,7 @@ def split_host(prepared: Prepared, codes: np.ndarray, names: list[str]) -> list[
             weight = weight.astype(bool)
         weights: list[Any] = np.split(weight, bounds)
     else:
-        weights = [weight] * num_labels
+        weights = [weight] * len(names)
     parts = zip(names, values, weights, strict=True)
     return [(part, v, w) for part, v, w in parts if v.size]
 
@@ -292,38 +292,49 @@ def split_host(prepared: Prepared, codes: np.ndarray, names: list[str]) -> list[
 def split_tensor(call: Deferred) -> list[Part]:
     """A waiting call's (name part, value, weight) per label present, by index on the
     value's device; tensor labels are read to the host here (a sync)."""
-    prepared = call.prepared
-    value, weight, labels = prepared.value, prepared.weight, call.labels
+    prepared, labels, names = call.prepared, call.labels, call.names
+    value, weight = prepared.value, prepared.weight
     device = next(t.device for t in (value, weight, labels) if isinstance(t, Tensor))
     if value is None:  # a python number with tensor labels
         value = torch.tensor(prepared.number, dtype=torch.float64, device=device)
-    else:
-        value = torch.as_tensor(value, device=device)
-    flat = _expand(torch.as_tensor(labels, device=device), prepared.shape).reshape(-1)
-    sorted_labels, order = torch.sort(flat, stable=True)
-    if call.names is None:
+    value = torch.as_tensor(value, device=device)
+    width = _width(tuple(labels.shape), prepared.shape)
+    if names is None:  # tensor labels: sorted, then read (the sync)
+        sorted_labels, row_order = torch.sort(labels.reshape(-1), stable=True)
         uniques, counts = torch.unique_consecutive(sorted_labels, return_counts=True)
         parts = [label_part(call.metrics[0][0], label, call.mapping) for label in uniques.tolist()]
-    else:  # host codes: the counts are known on the host
-        counts = np.bincount(call.labels.reshape(-1), minlength=len(call.names))
-        counts = counts * (flat.numel() // max(call.labels.size, 1))
-        parts = [p for p, n in zip(call.names, counts.tolist(), strict=True) if n]
-        counts = counts[counts > 0]
-    sizes = counts.tolist()
-    values = value.reshape(-1)[order].split(sizes)
+        sizes = [count * width for count in counts.tolist()]
+    else:  # host codes: sorted and counted on the host
+        flat = labels.reshape(-1)
+        row_order = torch.from_numpy(np.argsort(flat, kind="stable")).to(device)
+        counts = np.bincount(flat, minlength=len(names)).tolist()
+        parts = [part for part, count in zip(names, counts, strict=True) if count]
+        sizes = [count * width for count in counts if count]
+    order = _element_order(row_order, width)
+    values = value.reshape(-1).index_select(0, order).split(sizes)
     if isinstance(weight, np.ndarray | Tensor):
-        weights = torch.as_tensor(weight, device=device).reshape(-1)[order].split(sizes)
+        weight = torch.as_tensor(weight, device=device).reshape(-1).index_select(0, order)
+        weights = weight.split(sizes)
     else:
         weights = [prepared.weight_number if prepared.value is None else weight] * len(sizes)
     return list(zip(parts, values, weights, strict=True))
 
 
-def _expand(labels: Any, shape: tuple[int, ...]) -> Any:
-    """Labels (numpy or torch) broadcast from their shape (a prefix) to ``shape``."""
-    labels = labels.reshape(tuple(labels.shape) + (1,) * (len(shape) - labels.ndim))
-    if isinstance(labels, Tensor):
-        return labels.expand(shape)
-    return np.broadcast_to(labels, shape)
+def _width(labels: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """Elements per label: the product of the value's dimensions past the labels'."""
+    return math.prod(shape[len(labels) :])
+
+
+def _element_order(row_order: Any, width: int) -> Any:
+    """The element indices of the rows (of ``width`` contiguous elements each) taken in
+    ``row_order`` (numpy or torch): sorting rows costs less than sorting elements."""
+    if width == 1:
+        return row_order
+    if isinstance(row_order, Tensor):
+        columns = torch.arange(width, device=row_order.device)
+    else:
+        columns = np.arange(width)
+    return (row_order[:, None] * width + columns).reshape(-1)
 
 
 __all__ = ["Deferred", "Groups"]
