@@ -244,6 +244,7 @@ BAD_CALLS = {  # (by, labels, value, error, message)
     "None label": (np.array(["a", None], dtype=object), None, [1, 2], TypeError, "or integers"),
     "float tensor": (torch.tensor([0.0, 1.0]), None, [1.0, 2.0], TypeError, "integer tensor"),
     "bool tensor": (torch.tensor([True, False]), None, [1.0, 2.0], TypeError, "integer tensor"),
+    "meta tensor": (torch.ones(2, dtype=torch.long, device="meta"), None, [1], TypeError, "data"),
     "a set": ({"a", "b"}, None, [1.0, 2.0], TypeError, "by= must be a sequence"),
     "not in labels=": ([0, 2], {0: "a"}, [1.0, 2.0], ValueError, r"label 2 is not in labels="),
     "labels= bad name": ([0], {0: "a//b"}, [1.0], ValueError, "invalid metric name"),

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 LABEL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 """Tensor dtypes ``by=`` takes (integer labels)."""
+HOST_LABEL_TYPES = (np.ndarray, list, tuple, str, int, np.integer)
+"""Host ``by=`` types: label arrays and sequences, or one label for the whole call."""
 
 Metrics = list[tuple[str, str]]  # (name, kind name) pairs, before the label suffix
 Part = tuple[str, Any, Any]  # a label's name part, its elements' values and weights
@@ -222,7 +224,7 @@ def label_part(name: str, label: Any, mapping: Mapping[Any, str] | None) -> str:
 
 def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[np.ndarray, list]:
     """Host labels as codes (int64, the labels' shape) and each code's name part."""
-    if not isinstance(by, np.ndarray | list | tuple | str | int) or isinstance(by, bool):
+    if not isinstance(by, HOST_LABEL_TYPES) or isinstance(by, bool):
         raise TypeError(
             f"metric {name!r}: by= must be a sequence or numpy array of labels (strings or "
             f"integers), or an integer tensor; got {type(by).__name__}"
@@ -251,8 +253,10 @@ def check_label_tensor(name: str, by: Tensor) -> Tensor:
     if by.dtype not in LABEL_DTYPES or by.layout is not torch.strided or by.is_nested:
         raise TypeError(
             f"metric {name!r}: a by= tensor must be a dense integer tensor, got dtype "
-            f"{by.dtype} ({by.layout})"
+            f"{by.dtype} ({by.layout}{', nested' if by.is_nested else ''})"
         )
+    if by.is_meta:
+        raise TypeError(f"metric {name!r}: a by= tensor must hold data, got a meta tensor")
     return by  # an integer tensor never requires grad: no detach needed
 
 
