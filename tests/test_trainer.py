@@ -50,6 +50,20 @@ INVARIANT_VERL_NAMES = {
              "training/global_step", "training/epoch"),
 }  # fmt: skip
 INVARIANT_VERL_NAMES["ppo"] = (*INVARIANT_VERL_NAMES["grpo"], "critic/loss")
+# per data source (issue 19): logged with by=, compared below like every other metric
+PER_SOURCE = {f"{name}/{source}" for name in ("critic/score/mean", "response_length/mean",
+              "critic/advantages/mean") for source in ("short", "long")}  # fmt: skip
+
+
+def assert_per_source(history: list[dict]) -> None:
+    """Every per-source name is reported on some step, and each step's overall mean
+    score lies between its sources' (it is their count-weighted mean)."""
+    missing = PER_SOURCE - set().union(*history)
+    assert not missing, sorted(missing)
+    for row in history:
+        scores = [v for k, v in row.items() if k.startswith("critic/score/mean/")]
+        assert scores and min(scores) - 1e-12 <= row["critic/score/mean"] <= max(scores) + 1e-12
+
 
 PARTITIONS = {  # name: (world size, algo overrides)
     "dp1-whole": (1, {}),
@@ -107,6 +121,7 @@ def test_metrics_do_not_depend_on_the_partition() -> None:
         reference = runs[algo, "dp1-whole"]
         assert "actor/pg_clipfrac" in reference[0] and "critic/score/mean" in reference[0]
         assert set(INVARIANT_VERL_NAMES[algo]) <= set(reference[0])  # compared below too
+        assert_per_source(reference)  # compared below too
         for name in PARTITIONS:
             for step, (got, want) in enumerate(zip(runs[algo, name], reference, strict=True), 1):
                 got, want = strip(got), strip(want)
@@ -194,6 +209,7 @@ def test_jsonl_has_verl_names(tmp_path) -> None:
         for row in rows:
             assert want <= set(row), (algo, sorted(want - set(row)))
         assert [row["training/global_step"] for row in rows] == [1.0, 2.0]
+        assert_per_source(rows)
         assert rows[0]["perf/time_per_step"] == rows[0]["timing_s/step"]
         assert "timing_s/save_checkpoint" in rows[1]  # step 1's save, reported with step 2
         assert 0 < rows[0]["perf/mfu/actor"] < 1 and cfg.algo.clip_ratio_c == 3.0  # verl's c

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
 from rlmetrics.fold import fold
+from rlmetrics.groups import Groups
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
 from rlmetrics.kinds.base import NUM_FLAGS
@@ -57,50 +58,151 @@ class LogMethods:
     ``weight=``, kept for code written when ``sum``, ``max``, ``min`` and ``dist`` took
     a mask only (pass it by keyword; it is not keyword-only because a keyword-only
     default costs every call a dictionary lookup).
+
+    Every call but ``last`` also takes ``by=``: a label per element (or per row, or one
+    for the call): a python sequence or numpy array of strings or integers, or an integer
+    tensor. Each label's elements are then logged under ``name/<label>``, exactly as if
+    logged alone; ``labels=`` maps labels to the names used (``{0: "gsm8k"}``). Tensor
+    labels are read at the fold (``compute()``), not at the call. See docs/groups.md and
+    ``rlmetrics.groups``.
     """
 
     def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
         raise NotImplementedError
 
-    def mean(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+    def mean(
+        self,
+        name: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Weighted mean: Σ value·weight / Σ weight."""
-        self._log(name, "mean", value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(name, "mean", value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, "mean")], value, weight, mask, by, labels)
 
-    def sum(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+    def sum(
+        self,
+        name: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements)."""
-        self._log(name, "sum", value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(name, "sum", value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, "sum")], value, weight, mask, by, labels)
 
-    def max(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+    def max(
+        self,
+        name: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Largest element (of those with weight > 0)."""
-        self._log(name, "max", value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(name, "max", value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, "max")], value, weight, mask, by, labels)
 
-    def min(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+    def min(
+        self,
+        name: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Smallest element (of those with weight > 0)."""
-        self._log(name, "min", value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(name, "min", value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, "min")], value, weight, mask, by, labels)
 
-    def std(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+    def std(
+        self,
+        name: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
-        self._log(name, "std", value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(name, "std", value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, "std")], value, weight, mask, by, labels)
 
-    def last(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+    def last(
+        self,
+        name: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
         A weight of 0 (or False) leaves the previous value in place."""
-        self._log(name, "last", value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(name, "last", value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, "last")], value, weight, mask, by, labels)
 
-    def dist(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+    def dist(
+        self,
+        name: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
-        self._log(name, "dist", value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(name, "dist", value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, "dist")], value, weight, mask, by, labels)
 
-    def quantile(self, name: str, value: Any, weight: Any = None, mask: Any = None) -> None:
+    def quantile(
+        self,
+        name: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Every element with weight > 0 into a fixed-size sketch: the keys ``dist``
         reports, quantiles within a relative error (see docs/quantiles.md)."""
-        self._log(name, "quantile", value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(
+                name, "quantile", value, weight if mask is None else _alias(name, weight, mask)
+            )
+        else:
+            self._grouped([(name, "quantile")], value, weight, mask, by, labels)
 
     def log(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, *, kind: str
-    ) -> None:
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None, *, kind: str,
+    ) -> None:  # fmt: skip
         """Log into any registered kind (built-in or user-defined) by its name."""
-        self._log(name, kind, value, weight if mask is None else _alias(name, weight, mask))
+        if by is None and labels is None:
+            self._log(name, kind, value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, kind)], value, weight, mask, by, labels)
 
     def timer(self, name: str, **where: Any) -> AbstractContextManager[None]:
         """Time the block as this rank's entry into a stage: ``name`` reports the slowest
@@ -135,10 +237,12 @@ class LogMethods:
         value: Any,
         weight: Any = None,
         mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
     ) -> None:
         """Log one value (and weight) into several metrics, given as (name, kind) pairs,
         converting and checking the input once: the same as one ``log`` call per metric,
-        in order, for less.
+        in order, for less (with ``by=``, the labels are grouped once too).
 
         Example:
             >>> t = Tracker()
@@ -147,11 +251,32 @@ class LogMethods:
             {'len/max': 5.0, 'len/mean': 4.0}
         """
         metrics = list(metrics)
+        if by is not None or labels is not None:
+            if metrics:
+                self._grouped(metrics, value, weight, mask, by, labels)
+            return
         if mask is not None:
             weight = _alias(metrics[0][0] if metrics else "", weight, mask)
         self._log_shared(metrics, value, weight)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
+        raise NotImplementedError
+
+    def _grouped(
+        self, metrics: list[tuple[str, str]], value: Any, weight: Any, mask: Any, by: Any,
+        labels: Any,
+    ) -> None:  # fmt: skip
+        """A call with ``by=`` (or, wrongly, ``labels=`` alone)."""
+        name = metrics[0][0]
+        if mask is not None:
+            weight = _alias(name, weight, mask)
+        if by is None:
+            raise TypeError(f"metric {name!r}: labels= names the labels of by=; pass by= too")
+        self._log_by(metrics, value, weight, by, labels)
+
+    def _log_by(
+        self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
+    ) -> None:
         raise NotImplementedError
 
     def prefixed(self, prefix: str) -> PrefixedTracker:
@@ -242,6 +367,7 @@ class Tracker(LogMethods):
         self._lock = threading.RLock()  # see "Threads" above
         self._recorded = 0  # elements and calls recorded since the last fold
         self.pending_timers: list[Any] = []  # device timers not read yet (rlmetrics.timing)
+        self._groups = Groups()  # calls with by= waiting for the fold
 
     host_arrays: bool = True
     record_limit: int = 1 << 22
@@ -308,14 +434,27 @@ class Tracker(LogMethods):
             for name, kind_name in metrics:
                 self._log(name, kind_name, prepared, None)
 
+    def _log_by(
+        self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
+    ) -> None:
+        with self._lock:
+            deferred = self._groups.log(self, metrics, value, weight, by, labels)
+            self._recorded += deferred  # after the call, which may record (host labels)
+            if self._recorded > self.record_limit:
+                self._fold(wait=False)
+
     def _fold(self, wait: bool = True) -> None:
         """Reduce every record into the states (see ``rlmetrics.fold``), after logging
-        the device timers (all, waiting for them; the finished ones without ``wait``)."""
+        the device timers (all, waiting for them; the finished ones without ``wait``)
+        and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``)."""
         if self.pending_timers:
             read_device_timers(self, wait)
-        if self._recorded:
-            self._recorded = 0
-            fold(list(self._accumulators.values()), self._table, self.nonfinite)
+        if self._recorded and not self._groups.resolving:
+            try:
+                self._groups.resolve(self)
+            finally:
+                self._recorded = 0
+                fold(list(self._accumulators.values()), self._table, self.nonfinite)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -467,6 +606,7 @@ class Tracker(LogMethods):
         self.__dict__.update(state)
         self.__dict__.setdefault("pending_timers", [])
         self._lock = threading.RLock()
+        self.__dict__.setdefault("_groups", Groups())  # pickled before groups existed
         for acc in self._accumulators.values():
             try:
                 kind = self.kind(acc.kind.name)
@@ -477,8 +617,10 @@ class Tracker(LogMethods):
 
     @_locked
     def reset(self) -> None:
-        """Forget every metric (a new step begins), and the device timers not read yet."""
+        """Forget every metric (a new step begins), the device timers not read yet and
+        the calls with ``by=`` not split yet."""
         self.pending_timers = []
+        self._groups.clear()
         for acc in self._accumulators.values():
             if acc.values:
                 acc.clear()  # drops the records (the tensors they keep alive) now
@@ -564,6 +706,12 @@ class PrefixedTracker(LogMethods):
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
         self.tracker._log_shared(named, value, weight)
+
+    def _log_by(
+        self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
+    ) -> None:
+        named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
+        self.tracker._log_by(named, value, weight, by, labels)
 
     def prefixed(self, prefix: str) -> PrefixedTracker:
         return PrefixedTracker(self.tracker, self.prefix + prefix)

@@ -57,6 +57,11 @@ class TaskConfig:
     min_prompt_len: int = opt(1, "shortest prompt (symbols)")
     max_prompt_len: int = opt(5, "longest prompt (symbols)")
     end_bonus: float = opt(0.3, "share of the reward for ending at the right place")
+    source_split: int = opt(
+        2,
+        "prompts of up to this many symbols come from data source 'short', longer ones from "
+        "'long' (metrics per source: <name>/short, <name>/long)",
+    )
 
     def __post_init__(self) -> None:
         check(self.task in TASKS, "task", self.task, f"one of {TASKS}")
@@ -67,6 +72,7 @@ class TaskConfig:
             "max_prompt_len", self.max_prompt_len, ">= min_prompt_len",
         )  # fmt: skip
         check_number(self, "end_bonus", 0.0, 1.0)
+        check(self.source_split >= 0, "source_split", self.source_split, ">= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

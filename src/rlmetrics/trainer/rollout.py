@@ -85,7 +85,8 @@ def rollout(actor: TinyGPT, task: Task, *, num_prompts: int, n: int, temperature
     """The whole batch of ``step``: num_prompts * n sequences, n per prompt in a row.
 
     Returns a Batch with ``tokens`` (B, T) [prompt | response] right-padded,
-    ``prompt_lengths``, ``response_lengths``, ``group`` (the prompt index), and the
+    ``prompt_lengths``, ``response_lengths``, ``group`` (the prompt index), ``source``
+    (the prompt's data source id, see ``Task.sources``), and the
     right-padded ``prompts`` and ``responses`` that ``add_scores`` turns into scores,
     all on the CPU.
     """
@@ -106,6 +107,7 @@ def rollout(actor: TinyGPT, task: Task, *, num_prompts: int, n: int, temperature
         "prompt_lengths": prompt_lengths,
         "response_lengths": lengths,
         "group": torch.arange(num_prompts).repeat_interleave(n),
+        "source": task.sources(prompt_lengths),  # data source ids (task.SOURCES)
         "prompts": prompts,
         "responses": responses,
     }

@@ -7,6 +7,13 @@ of rewards from the first step: ``(1 - end_bonus)`` times the number of position
 answered right divided by the answer's length (or the response's, when it says more),
 plus ``end_bonus`` when the end token comes exactly after the answer.
 A random policy scores about ``1 / num_symbols`` per position; a perfect one scores 1.
+
+The prompts come from two data sources (``SOURCES``): ``short`` (up to
+``source_split`` symbols) and ``long`` (more), mixed in proportion to the sizes of
+their length ranges. A prompt's length is drawn uniformly over the whole range, which
+is the same as drawing its source in that proportion and then its length uniformly
+within the source's range; the trainer reports score, response length and advantage
+per source (``<name>/short``, ``<name>/long``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from rlmetrics.trainer.config import TaskConfig
 
 PAD, SEP, EOS = 0, 1, 2
 NUM_SPECIAL = 3
+SOURCES = ("short", "long")  # data source names, by source id (``Task.sources``)
 
 
 class Task:
@@ -47,6 +55,11 @@ class Task:
         )
         tokens[torch.arange(num), lengths] = SEP
         return tokens, lengths + 1
+
+    def sources(self, prompt_lengths: Tensor) -> Tensor:
+        """Each prompt's data source id (int64, an index into ``SOURCES``), from its
+        length (counting the separator, as ``sample_prompts`` returns it)."""
+        return (prompt_lengths - 1 > self.cfg.source_split).long()
 
     def answers(self, prompts: Tensor, prompt_lengths: Tensor) -> Tensor:
         """The right answers (without the end token), padded with PAD to max_prompt_len."""

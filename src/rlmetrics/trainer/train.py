@@ -30,7 +30,7 @@ from rlmetrics.trainer.rollout import (
     select,
     shard_indices,
 )
-from rlmetrics.trainer.task import Task
+from rlmetrics.trainer.task import SOURCES, Task
 from rlmetrics.trainer.update import (
     Learner,
     actor_loss,
@@ -141,7 +141,8 @@ def learner_flops(r: Rank, learner: Learner, shard: Batch, passes: int = 1) -> f
 
 
 def log_batch(r: Rank, shard: Batch, tracker: Tracker) -> None:
-    """Rollout metrics of this rank's rows: scores, advantages, returns, lengths."""
+    """Rollout metrics of this rank's rows: scores, advantages, returns, lengths; the
+    mean score, response length and advantage per data source too."""
     mask = response_mask(shard)
     prompt_mask = torch.arange(r.task.max_prompt_tokens)[None, :] < shard["prompt_lengths"][:, None]
     rl.log_updates(tracker, rl.batch_metrics(
@@ -149,6 +150,11 @@ def log_batch(r: Rank, shard: Batch, tracker: Tracker) -> None:
         returns=shard["returns"], values=shard.get("values"), prompt_mask=prompt_mask,
         max_response_length=r.task.max_response_len, max_prompt_length=r.task.max_prompt_tokens,
     ))  # fmt: skip
+    # per data source (``by=``: each source's rows under <name>/<source>, exact on any split)
+    by, names, lengths = shard["source"], dict(enumerate(SOURCES)), shard["response_lengths"]
+    tracker.mean("critic/score/mean", shard["scores"], lengths > 0, by=by, labels=names)
+    tracker.mean("response_length/mean", lengths.double(), by=by, labels=names)
+    tracker.mean("critic/advantages/mean", shard["advantages"], mask, by=by, labels=names)
 
 
 def update(r: Rank, learner: Learner, loss: Any, shard: Batch, minis: list, tracker: Tracker,

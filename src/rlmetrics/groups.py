@@ -1,0 +1,344 @@
+"""Per-group metrics: one log call, one metric per label (``by=``).
+
+``t.mean("critic/score", scores, weight=mask, by=sources)`` logs, for every label in
+``sources``, the elements of that label under ``critic/score/<label>``, exactly as if
+each label's elements had been logged alone. Labels give one label per element of the
+value, or per row (a shape that begins the value's shape); a single label applies to
+the whole call.
+
+Host labels (python sequences, numpy arrays) are grouped at the log call, on the host:
+with host values and weights each label's elements are recorded at once; with a tensor
+value or weight the split (an index on the tensor's device) waits for the fold. Tensor
+labels wait for the fold whole: it finds the labels present with one sort and one
+``unique_consecutive`` per call, whose read of the labels is a host sync (the fold runs
+at ``compute()``, ``state()`` or when the record passes its memory bound, so the sync
+lands there, never at the log call). A tensor changed in place before the fold raises
+``ModifiedInputError``, as any logged tensor does.
+
+A metric per label is an ordinary metric: ranks that saw different labels agree on the
+names through the schema agreement (every rank reports every label seen on any rank),
+and once the labels stay the same from step to step the agreed layout fits and no
+collective is added.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlmetrics.fold import ModifiedInputError
+from rlmetrics.inputs import check_name
+from rlmetrics.kinds import Kind
+from rlmetrics.record import Prepared, prepare
+
+if TYPE_CHECKING:
+    from rlmetrics.tracker import Tracker
+
+LABEL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+"""Tensor dtypes ``by=`` takes (integer labels)."""
+HOST_LABEL_TYPES = (np.ndarray, list, tuple, str, int, np.integer)
+"""Host ``by=`` types: label arrays and sequences, or one label for the whole call."""
+
+Metrics = list[tuple[str, str]]  # (name, kind name) pairs, before the label suffix
+Part = tuple[str, Any, Any]  # a label's name part, its elements' values and weights
+
+
+class Deferred(NamedTuple):
+    """A grouped call whose split needs a tensor operation, kept until the fold."""
+
+    metrics: Metrics
+    prepared: Prepared
+    labels: Tensor | np.ndarray  # tensor labels, or host codes (indices into ``names``)
+    names: list[str] | None  # per code, its name part; None for tensor labels
+    mapping: Mapping[Any, str] | None
+    versions: tuple[int, ...]  # of the tensors among value, weight, labels
+
+
+class Groups:
+    """A tracker's grouped calls waiting for its fold (``Tracker._fold``)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Deferred] = []
+        self.resolving = False  # True while ``resolve`` logs the parts (no nested fold)
+
+    def clear(self) -> None:
+        """Drop the waiting calls (the tracker was reset)."""
+        self.pending = []
+
+    def log(
+        self, tracker: Tracker, metrics: Metrics, value: Any, weight: Any, by: Any, labels: Any
+    ) -> int:
+        """Log one grouped call into ``metrics`` of ``tracker``: at once for host labels
+        with host data, else kept for the fold.
+
+        Returns:
+            the elements and calls kept for the fold (the tracker's memory bound counts
+            them; 0 when everything was recorded now).
+
+        Raises:
+            TypeError, ValueError: naming the metric: a kind that takes no groups, labels
+                of the wrong type or shape, a label that makes no valid metric name.
+        """
+        name = metrics[0][0]
+        for metric, kind_name in metrics:
+            check_groupable(check_name(metric), tracker.kind(kind_name))
+        mapping = check_mapping(name, labels)
+        prepared = prepare(name, value, weight, host_arrays=tracker.host_arrays)
+        if isinstance(by, Tensor):
+            codes, names = check_label_tensor(name, by), None
+        else:
+            codes, names = host_codes(name, by, mapping)
+        check_shape(name, tuple(codes.shape), prepared.shape)
+        on_host = not isinstance(prepared.value, Tensor) and not isinstance(prepared.weight, Tensor)
+        if names is not None and on_host:
+            parts = split_host(prepared, codes, names)
+            check_kinds(tracker, metrics, [part for part, _, _ in parts])
+            for part, v, w in parts:
+                tracker._log_shared(labelled(metrics, part), v, w)
+            return 0
+        tensors = (prepared.value, prepared.weight, codes)
+        versions = tuple(t._version for t in tensors if isinstance(t, Tensor))
+        self.pending.append(Deferred(metrics, prepared, codes, names, mapping, versions))
+        return 1 + prepared.size
+
+    def resolve(self, tracker: Tracker) -> None:
+        """Split every waiting call by label and log each label's part (the fold's first
+        step; a host sync per call with tensor labels).
+
+        Raises:
+            ModifiedInputError: a waiting tensor changed in place; those calls are dropped.
+            ValueError: a call could not be logged (a label missing from ``labels=``, a
+                name already logged as another kind); those calls are dropped. Every
+                other call is logged first.
+        """
+        pending, self.pending = self.pending, []
+        modified, errors = [], []
+        self.resolving = True
+        try:
+            with torch.no_grad():
+                for call in pending:
+                    tensors = (call.prepared.value, call.prepared.weight, call.labels)
+                    now = tuple(t._version for t in tensors if isinstance(t, Tensor))
+                    if now != call.versions:
+                        modified.append(call.metrics[0][0])
+                        continue
+                    try:
+                        parts = split_tensor(call)
+                        check_kinds(tracker, call.metrics, [part for part, _, _ in parts])
+                        for part, v, w in parts:
+                            tracker._log_shared(labelled(call.metrics, part), v, w)
+                    except (TypeError, ValueError) as error:
+                        errors.append(str(error))
+        finally:
+            self.resolving = False
+        if modified:
+            raise ModifiedInputError(
+                "tensors logged with by= this step were changed in place before compute(), "
+                "so the values they had when logged are gone; log a copy (tensor.clone()). "
+                f"Grouped metrics dropped from this step: {', '.join(map(repr, modified))}"
+            )
+        if errors:
+            raise ValueError("grouped log calls dropped at the fold: " + "; ".join(errors))
+
+
+def labelled(metrics: Metrics, part: str) -> Metrics:
+    """``metrics`` with ``/part`` appended to every name."""
+    return [(f"{name}/{part}", kind) for name, kind in metrics]
+
+
+def check_kinds(tracker: Tracker, metrics: Metrics, parts: list[str]) -> None:
+    """Raise before anything is logged when a label's name is already another kind's."""
+    logged = tracker.accumulators
+    for part in parts:
+        for name, kind in labelled(metrics, part):
+            acc = logged.get(name)
+            if acc is not None and acc.kind.name != kind:
+                raise ValueError(
+                    f"metric {name!r} is already logged as kind {acc.kind.name!r}; cannot "
+                    f"log it as kind {kind!r}"
+                )
+
+
+def check_groupable(name: str, kind: Kind) -> None:
+    """Kinds that keep one value per call (``last``) or split calls into parts take no
+    ``by=``: a label's elements would not make a call of their own."""
+    if kind.replaces or kind.parts != 1:
+        why = "keeps one replicated value per call" if kind.replaces else "splits each call"
+        raise TypeError(
+            f"metric {name!r}: by= does not apply to kind {kind.name!r}, which {why}; log "
+            "each group's value under its own name instead"
+        )
+
+
+def check_mapping(name: str, labels: Any) -> Mapping[Any, str] | None:
+    """``labels=`` must be None or a mapping from labels to valid name parts."""
+    if labels is None:
+        return None
+    if not isinstance(labels, Mapping):
+        raise TypeError(
+            f"metric {name!r}: labels= must be a mapping from label to name (e.g. "
+            f"{{0: 'gsm8k'}}), got {type(labels).__name__}"
+        )
+    for label, part in labels.items():
+        check_part(name, label, part)
+    return labels
+
+
+def check_part(name: str, label: Any, part: Any) -> str:
+    """A label's name part must be a non-empty printable string that neither starts nor
+    ends with '/' and holds no '//' (the metric's name is ``name/part``)."""
+    if not isinstance(part, str):
+        raise TypeError(
+            f"metric {name!r}: label {label!r} names no metric: expected a string, got "
+            f"{type(part).__name__} {part!r}"
+        )
+    if not part or not part.isprintable() or part[0] == "/" or part[-1] == "/" or "//" in part:
+        raise ValueError(
+            f"metric {name!r}: label {label!r} makes an invalid metric name {name + '/' + part!r}"
+            " (a label must be non-empty and printable, with no leading, trailing or double '/')"
+        )
+    return part
+
+
+def label_part(name: str, label: Any, mapping: Mapping[Any, str] | None) -> str:
+    """The name part of one label (a python str or int): its mapping entry, or itself."""
+    if mapping is not None:
+        if label not in mapping:
+            raise ValueError(
+                f"metric {name!r}: label {label!r} is not in labels= (which maps "
+                f"{sorted(mapping, key=repr)!r})"
+            )
+        return mapping[label]
+    if isinstance(label, bool) or not isinstance(label, str | int):
+        raise TypeError(
+            f"metric {name!r}: labels must be strings or integers, got "
+            f"{type(label).__name__} {label!r}"
+        )
+    return check_part(name, label, str(label))
+
+
+def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[np.ndarray, list]:
+    """Host labels as codes (int64, the labels' shape) and each code's name part."""
+    if not isinstance(by, HOST_LABEL_TYPES) or isinstance(by, bool):
+        raise TypeError(
+            f"metric {name!r}: by= must be a sequence or numpy array of labels (strings or "
+            f"integers), or an integer tensor; got {type(by).__name__}"
+        )
+    array = np.asarray(by)
+    if array.size == 0:  # no element, no label (an empty list is a float64 array)
+        return np.zeros(array.shape, dtype=np.int64), []
+    if array.dtype.kind not in "iuUO":
+        raise TypeError(
+            f"metric {name!r}: labels must be strings or integers, got labels of dtype "
+            f"{array.dtype}"
+        )
+    try:
+        uniques, codes = np.unique(array, return_inverse=True)
+    except TypeError as error:  # an object array mixing types numpy cannot order
+        raise TypeError(
+            f"metric {name!r}: labels must be strings or integers, all of one type ({error})"
+        ) from error
+    parts = [label_part(name, label.item() if isinstance(label, np.generic) else label, mapping)
+             for label in uniques]  # fmt: skip
+    return codes.reshape(array.shape).astype(np.int64, copy=False), parts
+
+
+def check_label_tensor(name: str, by: Tensor) -> Tensor:
+    """Tensor labels must be a dense integer tensor (not bool: a mask is a weight)."""
+    if by.dtype not in LABEL_DTYPES or by.layout is not torch.strided or by.is_nested:
+        raise TypeError(
+            f"metric {name!r}: a by= tensor must be a dense integer tensor, got dtype "
+            f"{by.dtype} ({by.layout}{', nested' if by.is_nested else ''})"
+        )
+    if by.is_meta:
+        raise TypeError(f"metric {name!r}: a by= tensor must hold data, got a meta tensor")
+    return by  # an integer tensor never requires grad: no detach needed
+
+
+def check_shape(name: str, labels: tuple[int, ...], value: tuple[int, ...]) -> None:
+    """Labels give one label per element (the value's shape), per row (a shape that
+    begins the value's shape) or one for all (a single label)."""
+    if labels != value[: len(labels)]:
+        raise ValueError(
+            f"metric {name!r}: by= has shape {labels} but the value has shape {value}; give "
+            "one label per element, one per row (a shape the value's shape begins with) or "
+            "a single label"
+        )
+
+
+def split_host(prepared: Prepared, codes: np.ndarray, names: list[str]) -> list[Part]:
+    """(name part, value, weight) per label present, from host data."""
+    if prepared.value is None:  # one number, one label
+        return [(names[int(codes.reshape(-1)[0])], prepared.number, prepared.weight_number)]
+    if not names:  # an empty call
+        return []
+    flat, width = codes.reshape(-1), _width(codes.shape, prepared.shape)
+    order = _element_order(np.argsort(flat, kind="stable"), width)
+    bounds = np.cumsum(np.bincount(flat, minlength=len(names)) * width)[:-1]
+    values = np.split(prepared.value.reshape(-1)[order], bounds)
+    weight = prepared.weight
+    if isinstance(weight, np.ndarray):
+        weight = weight.reshape(-1)[order]
+        if not prepared.check_weights:  # a bool mask stays one (no data check at the fold)
+            weight = weight.astype(bool)
+        weights: list[Any] = np.split(weight, bounds)
+    else:
+        weights = [weight] * len(names)
+    parts = zip(names, values, weights, strict=True)
+    return [(part, v, w) for part, v, w in parts if v.size]
+
+
+def split_tensor(call: Deferred) -> list[Part]:
+    """A waiting call's (name part, value, weight) per label present, by index on the
+    value's device; tensor labels are read to the host here (a sync)."""
+    prepared, labels, names = call.prepared, call.labels, call.names
+    value, weight = prepared.value, prepared.weight
+    device = next(t.device for t in (value, weight, labels) if isinstance(t, Tensor))
+    if value is None:  # a python number with tensor labels
+        value = torch.tensor(prepared.number, dtype=torch.float64, device=device)
+    value = torch.as_tensor(value, device=device)
+    width = _width(tuple(labels.shape), prepared.shape)
+    if names is None:  # tensor labels: sorted, then read (the sync)
+        sorted_labels, row_order = torch.sort(labels.reshape(-1), stable=True)
+        uniques, counts = torch.unique_consecutive(sorted_labels, return_counts=True)
+        parts = [label_part(call.metrics[0][0], label, call.mapping) for label in uniques.tolist()]
+        sizes = [count * width for count in counts.tolist()]
+    else:  # host codes: sorted and counted on the host
+        flat = labels.reshape(-1)
+        row_order = torch.from_numpy(np.argsort(flat, kind="stable")).to(device)
+        counts = np.bincount(flat, minlength=len(names)).tolist()
+        parts = [part for part, count in zip(names, counts, strict=True) if count]
+        sizes = [count * width for count in counts if count]
+    order = _element_order(row_order, width)
+    values = value.reshape(-1).index_select(0, order).split(sizes)
+    if isinstance(weight, np.ndarray | Tensor):
+        weight = torch.as_tensor(weight, device=device).reshape(-1).index_select(0, order)
+        weights = weight.split(sizes)
+    else:
+        weights = [prepared.weight_number if prepared.value is None else weight] * len(sizes)
+    return list(zip(parts, values, weights, strict=True))
+
+
+def _width(labels: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """Elements per label: the product of the value's dimensions past the labels'."""
+    return math.prod(shape[len(labels) :])
+
+
+def _element_order(row_order: Any, width: int) -> Any:
+    """The element indices of the rows (of ``width`` contiguous elements each) taken in
+    ``row_order`` (numpy or torch): sorting rows costs less than sorting elements."""
+    if width == 1:
+        return row_order
+    if isinstance(row_order, Tensor):
+        columns = torch.arange(width, device=row_order.device)
+    else:
+        columns = np.arange(width)
+    return (row_order[:, None] * width + columns).reshape(-1)
+
+
+__all__ = ["Deferred", "Groups"]
