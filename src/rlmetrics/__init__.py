@@ -14,6 +14,7 @@ from rlmetrics.kinds import (
 )
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import PrefixedTracker, Tracker
+from rlmetrics.window import Window
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "ResultFormula",
     "Tracker",
     "TrackerState",
+    "Window",
     "get_kind",
     "register_kind",
     "unregister_kind",

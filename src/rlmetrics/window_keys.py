@@ -1,0 +1,62 @@
+"""How a window's parts travel through one sync: each metric under a tagged name.
+
+A ``Window`` report syncs one tracker whose metric names say which part of the report
+each is: ``w/<name>`` the window's merged state, ``l<i>/<name>`` a replacing metric's
+(``last``'s) value as of the window's step ``i``, ``s<i>/<name>`` step ``i``'s own state
+(per-step values), ``r/rejected`` the count of steps with rejected calls. Every name
+gets a tag, so a user's name can never be read as another part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def window_key(part: str, name: str) -> str:
+    """The reporter's name of ``name`` in the report's ``part``."""
+    return f"{part}/{name}"
+
+
+@dataclass
+class Decoded:
+    """A report's values, sorted out by part.
+
+    Attributes:
+        window: the window's metrics (result keys as ``Tracker.compute`` reports them).
+        per_step: one dict per step of the window, for the per-step metrics.
+        num_rejected: steps (summed over ranks) with rejected tensor log calls.
+    """
+
+    window: dict[str, float] = field(default_factory=dict)
+    per_step: list[dict[str, float]] = field(default_factory=list)
+    num_rejected: float = 0.0
+
+
+def decode(out: dict[str, float], num_steps: int) -> Decoded:
+    """Split a reporter's ``compute()`` result into the window's parts.
+
+    A replacing metric's value is taken from the highest step any rank sent it for:
+    the last step of the window in which it was logged.
+    """
+    decoded = Decoded(per_step=[{} for _ in range(num_steps)])
+    latest: dict[str, int] = {}
+    for key, value in out.items():
+        part, result_key = key.split("/", 1)
+        tag, index = part[0], part[1:]
+        if tag == "w":
+            decoded.window.setdefault(result_key, value)
+        elif tag == "l":
+            step = int(index)
+            if step > latest.get(result_key, -1):
+                latest[result_key] = step
+                decoded.window[result_key] = value  # overrides w/'s empty (NaN) value
+        elif tag == "s":
+            decoded.per_step[int(index)][result_key] = value
+        elif tag == "r" and not math.isnan(value):
+            decoded.num_rejected = value
+    decoded.window = dict(sorted(decoded.window.items()))
+    return decoded
+
+
+__all__ = ["Decoded", "decode", "window_key"]
