@@ -8,11 +8,15 @@ whether the window closes by itself or is flushed.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import random
+import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,6 +277,21 @@ def test_bad_tracker_and_state_dict() -> None:
         Window(Tracker().prefixed("a/"), every=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"expected a Window\.state_dict"):
         Window(Tracker(), every=1).load_state_dict({"version": 99})
+
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "windows.md"
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_doc_examples_print_what_the_doc_says(index: int) -> None:
+    """docs/windows.md's examples run and print the output shown after them."""
+    pairs = re.findall(r"```python\n(.*?)```\n\nprints\n\n```\n(.*?)```", DOC.read_text(), re.S)
+    code, printed = pairs[index]
+    torch.manual_seed(0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(DOC), "exec"), {})
+    assert out.getvalue() == printed
 
 
 # -- real gloo ranks ---------------------------------------------------------------------
