@@ -387,6 +387,31 @@ def gloo_rejected(rank: int, world: int) -> dict[str, object]:
     return out
 
 
+ASYNC_LENGTHS = (2, 3, 1, 4, 2)  # iterations per logged step
+
+
+def gloo_async(rank: int, world: int) -> list[tuple[dict, int]]:
+    """Windows closed by flush() after a varying number of iterations (every=None):
+    per window, (report, collectives of the flush)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    tracker = Tracker()
+    window = Window(tracker, every=None, group=group, timeout=60)
+    out = []
+    with pytest.MonkeyPatch.context() as patch:
+        counts = count_collectives(patch)
+        for w, length in enumerate(ASYNC_LENGTHS):
+            for it in range(length):
+                tracker.sum("count/samples", rank + 1)
+                tracker.mean("actor/pg_loss", [float(rank), float(it)])
+                tracker.last("training/global_step", 10 * w + it)
+                assert window.step() is None
+            before = counts["n"]
+            out.append((window.flush(), counts["n"] - before))
+    return out
+
+
 def window_expected(steps: list[dict], w: int) -> dict[str, float]:
     """One window's values by numpy (the sketch: one tracker's step over its data)."""
     want: dict[str, float] = {"lr": 0.1 * (3 * w + STEPS_PER_WINDOW - 1)}
@@ -410,6 +435,7 @@ def gloo_outcome(request: pytest.FixtureRequest) -> tuple[int, dict]:
         "windows": (gloo_windows, (world, GLOO_KINDS)),
         "scalar_windows": (gloo_windows, (world + 1, SCALAR_KINDS)),
         "rejected": (gloo_rejected, ()),
+        "async": (gloo_async, ()),
     }
     return world, run_together(calls, world, timeout=600)
 
@@ -455,3 +481,21 @@ def test_gloo_rejected_call_raises_on_every_rank_at_the_report(gloo_outcome: tup
         assert "1 step(s) of the window had rejected calls" in out["error"]
         assert ("'bad'" in out["error"]) == (rank == 1), out["error"]
         assert out["flush"] == {"m": mean}
+
+
+@pytest.mark.slow
+def test_gloo_windows_of_varying_length_stay_one_sync(gloo_outcome: tuple) -> None:
+    """An asynchronous trainer's logged steps of 1 to 4 iterations each: every report
+    after the first is one collective, with the window's sums, means and last value."""
+    world, outcome = gloo_outcome
+    per_rank = ok_results(outcome["async"])
+    for w, length in enumerate(ASYNC_LENGTHS):
+        loss = np.mean([[r, it] for r in range(world) for it in range(length)])
+        want = {
+            "actor/pg_loss": pytest.approx(loss, rel=1e-12),
+            "count/samples": length * world * (world + 1) / 2,
+            "training/global_step": 10 * w + length - 1,
+        }
+        for report, count in (rank_out[w] for rank_out in per_rank):
+            assert report == want
+            assert w == 0 or count == 1, (w, count)

@@ -9,8 +9,8 @@ group reports it: every value equals what one step over the window's data would 
 Time order matters for kinds whose new value replaces the old (``last``): merging two
 ranks' states treats their values as copies that must agree, but two steps' values are
 old and new. The window keeps, per replacing metric, the latest step in which this rank
-logged a value, and syncs it under that step's index; the report takes the highest index
-any rank sent, so ``last`` is the value of the window's last step that logged it, even
+logged a value, and syncs it under that step's age; the report takes the youngest any
+rank sent, so ``last`` is the value of the window's last step that logged it, even
 when ranks logged it in different steps (see docs/windows.md).
 """
 
@@ -205,9 +205,10 @@ class Window:
             kind = self.tracker.kind(metric.kind)
             nonfinite = metric.num_nonfinite  # the window's count, whatever step it is in
             metrics[window_key("w", name)] = _empty(kind, nonfinite)
-            if index >= 0:
+            if index >= 0:  # keyed by its age (steps before the window's last), so a
+                # metric logged every step keeps one key however long the window is
                 value = dataclasses.replace(metric, num_nonfinite=0.0)
-                metrics[window_key(f"l{index}", name)] = value
+                metrics[window_key(f"l{self._num_open - 1 - index}", name)] = value
         for index, state in enumerate(self._per_step):
             for name, metric in state.metrics.items():
                 metrics[window_key(f"s{index}", name)] = metric

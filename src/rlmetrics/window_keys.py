@@ -1,10 +1,10 @@
 """How a window's parts travel through one sync: each metric under a tagged name.
 
 A ``Window`` report syncs one tracker whose metric names say which part of the report
-each is: ``w/<name>`` the window's merged state, ``l<i>/<name>`` a replacing metric's
-(``last``'s) value as of the window's step ``i``, ``s<i>/<name>`` step ``i``'s own state
-(per-step values), ``r/rejected`` the count of steps with rejected calls. Every name
-gets a tag, so a user's name can never be read as another part.
+each is: ``w/<name>`` the window's merged state, ``l<a>/<name>`` a replacing metric's
+(``last``'s) value as of ``a`` steps before the window's last, ``s<i>/<name>`` step
+``i``'s own state (per-step values), ``r/rejected`` the count of steps with rejected
+calls. Every name gets a tag, so a user's name can never be read as another part.
 """
 
 from __future__ import annotations
@@ -36,20 +36,20 @@ class Decoded:
 def decode(out: dict[str, float], num_steps: int) -> Decoded:
     """Split a reporter's ``compute()`` result into the window's parts.
 
-    A replacing metric's value is taken from the highest step any rank sent it for:
+    A replacing metric's value is taken from the youngest step any rank sent it for:
     the last step of the window in which it was logged.
     """
     decoded = Decoded(per_step=[{} for _ in range(num_steps)])
-    latest: dict[str, int] = {}
+    latest: dict[str, int] = {}  # result key -> the youngest age seen
     for key, value in out.items():
         part, result_key = key.split("/", 1)
         tag, index = part[0], part[1:]
         if tag == "w":
             decoded.window.setdefault(result_key, value)
         elif tag == "l":
-            step = int(index)
-            if step > latest.get(result_key, -1):
-                latest[result_key] = step
+            age = int(index)
+            if age < latest.get(result_key, num_steps):
+                latest[result_key] = age
                 decoded.window[result_key] = value  # overrides w/'s empty (NaN) value
         elif tag == "s":
             decoded.per_step[int(index)][result_key] = value
