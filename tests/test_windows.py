@@ -198,6 +198,24 @@ def test_flush_reports_a_partial_window_and_keeps_unstepped_calls() -> None:
     assert window.flush() == {}
 
 
+def test_state_flush_without_reset_and_reset() -> None:
+    """state(): the open window merged in time order, local; flush(reset=False) keeps
+    the window open; reset() drops it without a report."""
+    tracker = Tracker()
+    window = Window(tracker, every=None)
+    for lr, n in ((1.0, 2.0), (2.0, 3.0)):
+        tracker.last("lr", lr)
+        tracker.sum("n", n)
+        window.step()
+    assert window.state().compute() == {"lr": 2.0, "n": 5.0}
+    assert window.flush(reset=False) == {"lr": 2.0, "n": 5.0}
+    tracker.sum("n", 1.0)
+    window.step()
+    assert window.flush(reset=False) == {"lr": 2.0, "n": 6.0} and len(window) == 3
+    window.reset()
+    assert len(window) == 0 and window.flush() == {} and window.state().metrics == {}
+
+
 def test_per_step_values_only_for_selected_names() -> None:
     tracker = Tracker()
     window = Window(tracker, every=2, per_step=["a", "grp/"])

@@ -164,10 +164,13 @@ class Window:
             )
         return self.tracker.kind(metric.kind)
 
-    def flush(self) -> dict[str, float]:
+    def flush(self, reset: bool = True) -> dict[str, float]:
         """Report the open window now (the steps taken so far; ``{}`` when none was
         logged), with one sync over the group, and start a new window. Metrics logged
         since the last ``step()`` stay in the tracker. Every rank must call it.
+
+        Args:
+            reset: False keeps the window open (later steps add to it).
 
         Raises:
             RejectedInputError: as in ``step()``.
@@ -181,8 +184,23 @@ class Window:
         if decoded.num_rejected:
             self._report_rejected(decoded)
         self.per_step_values = decoded.per_step
-        self._clear()
+        if reset:
+            self._clear()
         return decoded.window
+
+    def reset(self) -> None:
+        """Drop the open window without reporting it (no collective)."""
+        self._clear()
+
+    def state(self) -> TrackerState:
+        """The open window on this process as one state, merged in time order (a
+        replacing kind holds its latest value, with the window's non-finite count):
+        what a driver merges across workers, as it merges their steps' states. No
+        collective."""
+        metrics = dict(self._merged.metrics)
+        for name, (_, metric) in self._latest.items():
+            metrics[name] = metric
+        return TrackerState(dict(sorted(metrics.items())))
 
     def _report_rejected(self, decoded: Decoded) -> None:
         """Raise on every rank; the window stays open without the rejected calls."""
