@@ -17,7 +17,6 @@ when ranks logged it in different steps (see docs/windows.md).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -26,7 +25,7 @@ from rlmetrics.kinds import Kind, MetricState
 from rlmetrics.packing import RejectedInputError
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
-from rlmetrics.window_keys import Decoded, decode, window_key
+from rlmetrics.window_keys import Decoded, decode, empty_state, latest_of, window_key
 
 WINDOW_VERSION = 1
 
@@ -145,7 +144,7 @@ class Window:
         )
         latest = dict(self._latest)
         for name, metric in replaced.items():
-            latest[name] = _replace(latest.get(name), index, metric, kinds[name], name)
+            latest[name] = latest_of(latest.get(name), index, metric, kinds[name], name)
         self._merged, self._latest = merged, latest
         for name, kind in kinds.items():
             self._kinds[name] = kind.name
@@ -222,7 +221,7 @@ class Window:
         for name, (index, metric) in self._latest.items():
             kind = self.tracker.kind(metric.kind)
             nonfinite = metric.num_nonfinite  # the window's count, whatever step it is in
-            metrics[window_key("w", name)] = _empty(kind, nonfinite)
+            metrics[window_key("w", name)] = empty_state(kind, nonfinite)
             if index >= 0:  # keyed by its age (steps before the window's last), so a
                 # metric logged every step keeps one key however long the window is
                 value = dataclasses.replace(metric, num_nonfinite=0.0)
@@ -272,37 +271,6 @@ class Window:
         self._kinds = {n: m.kind for n, m in (*self._merged.metrics.items(), *latest.items())}
         self._num_rejected = int(state_dict["num_rejected"])
         self._rejected_message = str(state_dict["rejected_message"])
-
-
-def _replace(
-    old: tuple[int, MetricState] | None, index: int, new: MetricState, kind: Kind, name: str
-) -> tuple[int, MetricState]:
-    """A replacing metric's latest (step, state): the new step's when it holds a value,
-    else the old one; the non-finite counts of both steps add up."""
-    nonfinite = new.num_nonfinite + (old[1].num_nonfinite if old else 0.0)
-    # -1: no value yet (an empty state, kept for empty="nan")
-    keep = (index, new) if _has_value(kind, new, name) else old or (-1, new)
-    return keep[0], dataclasses.replace(keep[1], num_nonfinite=nonfinite)
-
-
-def _has_value(kind: Kind, state: MetricState, name: str) -> bool:
-    """Whether ``state`` reports a value (a ``last`` logged with weight 0 only does not)."""
-    formula = getattr(kind, "result_formula", None)
-    if formula is not None:  # no call to result(), which may warn about ranks
-        return [*state.sums, *state.maxes][formula.present] != 0
-    return kind.result(state, name) is not None
-
-
-def _empty(kind: Kind, num_nonfinite: float) -> MetricState:
-    """An empty state of ``kind`` carrying a non-finite count."""
-    return MetricState(
-        kind.name,
-        (0.0,) * kind.num_sums,
-        (-math.inf,) * kind.num_maxes,
-        kind.empty_extra() if kind.has_extra else None,
-        num_nonfinite,
-        kind.fingerprint(),
-    )
 
 
 def _check_every(every: object) -> int | None:

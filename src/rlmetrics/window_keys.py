@@ -1,4 +1,5 @@
-"""How a window's parts travel through one sync: each metric under a tagged name.
+"""How a window's parts travel through one sync: each metric under a tagged name; and
+the states of replacing kinds in a window.
 
 A ``Window`` report syncs one tracker whose metric names say which part of the report
 each is: ``w/<name>`` the window's merged state, ``l<a>/<name>`` a replacing metric's
@@ -9,8 +10,11 @@ calls. Every name gets a tag, so a user's name can never be read as another part
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+
+from rlmetrics.kinds import Kind, MetricState
 
 
 def window_key(part: str, name: str) -> str:
@@ -59,4 +63,35 @@ def decode(out: dict[str, float], num_steps: int) -> Decoded:
     return decoded
 
 
-__all__ = ["Decoded", "decode", "window_key"]
+def latest_of(
+    old: tuple[int, MetricState] | None, index: int, new: MetricState, kind: Kind, name: str
+) -> tuple[int, MetricState]:
+    """A replacing metric's latest (step, state): the new step's when it holds a value,
+    else the old one; the non-finite counts of both steps add up."""
+    nonfinite = new.num_nonfinite + (old[1].num_nonfinite if old else 0.0)
+    # -1: no value yet (an empty state, kept for empty="nan")
+    keep = (index, new) if has_value(kind, new, name) else old or (-1, new)
+    return keep[0], dataclasses.replace(keep[1], num_nonfinite=nonfinite)
+
+
+def has_value(kind: Kind, state: MetricState, name: str) -> bool:
+    """Whether ``state`` reports a value (a ``last`` logged with weight 0 only does not)."""
+    formula = getattr(kind, "result_formula", None)
+    if formula is not None:  # no call to result(), which may warn about ranks
+        return [*state.sums, *state.maxes][formula.present] != 0
+    return kind.result(state, name) is not None
+
+
+def empty_state(kind: Kind, num_nonfinite: float) -> MetricState:
+    """An empty state of ``kind`` carrying a non-finite count."""
+    return MetricState(
+        kind.name,
+        (0.0,) * kind.num_sums,
+        (-math.inf,) * kind.num_maxes,
+        kind.empty_extra() if kind.has_extra else None,
+        num_nonfinite,
+        kind.fingerprint(),
+    )
+
+
+__all__ = ["Decoded", "decode", "empty_state", "has_value", "latest_of", "window_key"]
