@@ -333,7 +333,7 @@ def gloo_data(
         for _ in range(STEPS_PER_WINDOW):
             step = {}
             for kind in kinds:
-                n = int(rng.integers(0, 9))
+                n = int(rng.integers(1, 9))  # some rank logs it: the names stay the same
                 x = np.round(rng.normal(3.0, 5.0, n), 2)
                 cuts = sorted(int(c) for c in rng.integers(0, n + 1, world - 1))
                 step[f"m/{kind}"] = (kind, x, split(n, cuts))
@@ -367,7 +367,7 @@ def gloo_windows(
 
     group = dist.new_group(list(range(world)))  # nothing agreed yet over it
     tracker = Tracker()
-    window = Window(tracker, every=STEPS_PER_WINDOW, group=group, timeout=60, per_step=["lr"])
+    window = Window(tracker, every=STEPS_PER_WINDOW, group=group, timeout=60, per_step=True)
     out = []
     with pytest.MonkeyPatch.context() as patch:
         counts = count_collectives(patch)
@@ -430,10 +430,10 @@ def gloo_async(rank: int, world: int) -> list[tuple[dict, int]]:
     return out
 
 
-def window_expected(steps: list[dict], w: int) -> dict[str, float]:
-    """One window's values by numpy (the sketch: one tracker's step over its data)."""
-    want: dict[str, float] = {"lr": 0.1 * (3 * w + STEPS_PER_WINDOW - 1)}
-    want["late"] = 100.0 * w + STEPS_PER_WINDOW - 1
+def window_expected(steps: list[dict], w: int, last: int) -> dict[str, float]:
+    """The values of ``steps`` of window ``w`` (``last``: the last one's index in the
+    window) by numpy (the sketch: one tracker's step over their data)."""
+    want: dict[str, float] = {"lr": 0.1 * (3 * w + last), "late": 100.0 * w + last}
     sketch = Tracker()
     for name in steps[0]:
         kind = steps[0][name][0]
@@ -444,6 +444,13 @@ def window_expected(steps: list[dict], w: int) -> dict[str, float]:
         else:
             want.update(reference(kind, name, x, None))
     return {**want, **sketch.compute()}
+
+
+def assert_numpy(got: dict[str, float], want: dict[str, float], kinds: tuple[str, ...]) -> None:
+    assert sorted(got) == sorted(want)
+    for kind in (*kinds, "last"):
+        keys = ["lr", "late"] if kind == "last" else [k for k in want if f"m/{kind}" in k]
+        assert_results({k: got[k] for k in keys}, {k: want[k] for k in keys}, kind, 10.0)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2_ranks", "4_ranks"])
@@ -477,14 +484,12 @@ def test_gloo_window_equals_numpy_with_one_sync_per_report(
         if s < STEPS_PER_WINDOW - 1:
             assert all(result is None for result, _, _ in results) and counts == {0}
             continue
-        got = results[0][0]
-        assert all(result == got for result, _, _ in results)
-        want = window_expected(data[w], w)
-        for kind in (*kinds, "last"):
-            keys = ["lr", "late"] if kind == "last" else [k for k in want if f"m/{kind}" in k]
-            assert_results({k: got[k] for k in keys}, {k: want[k] for k in keys}, kind, 10.0)
-        assert sorted(got) == sorted(want)
-        assert results[0][1] == [{"lr": 0.1 * (3 * w + j)} for j in range(STEPS_PER_WINDOW)]
+        got, per_step = results[0][0], results[0][1]
+        assert all((result, steps) == (got, per_step) for result, steps, _ in results)
+        assert_numpy(got, window_expected(data[w], w, s), kinds)
+        assert len(per_step) == STEPS_PER_WINDOW
+        for j, values in enumerate(per_step):  # synced in the same collective
+            assert_numpy(values, window_expected([data[w][j]], w, j), kinds)
         if w > 0:  # the first report agrees on the schema first
             assert counts == {STEADY[kinds]}, (w, counts)
 
