@@ -312,6 +312,14 @@ def test_doc_examples_print_what_the_doc_says(index: int) -> None:
     assert out.getvalue() == printed
 
 
+def test_docstring_example() -> None:
+    import doctest
+
+    import rlmetrics.window
+
+    assert doctest.testmod(rlmetrics.window).failed == 0
+
+
 # -- real gloo ranks ---------------------------------------------------------------------
 NUM_WINDOWS, STEPS_PER_WINDOW = 3, 3
 GLOO_KINDS = ("mean", "sum", "max", "min", "std", "dist", "quantile")
