@@ -216,6 +216,24 @@ def test_state_flush_without_reset_and_reset() -> None:
     assert len(window) == 0 and window.flush() == {} and window.state().metrics == {}
 
 
+def test_resume_into_a_window_that_wants_other_per_step_values() -> None:
+    """A window saved without per-step values and resumed with them reports none for
+    the saved steps (and the other way round, none at all)."""
+    tracker = Tracker()
+    plain, stepwise = Window(tracker, every=2), Window(tracker, every=2, per_step=True)
+    tracker.sum("n", 1.0)
+    plain.step()
+    stepwise.load_state_dict(plain.state_dict())
+    tracker.sum("n", 2.0)
+    assert stepwise.step() == {"n": 3.0}
+    assert stepwise.per_step_values == [{}, {"n": 2.0}]
+    tracker.sum("n", 1.0)
+    stepwise.step()
+    plain.load_state_dict(stepwise.state_dict())
+    tracker.sum("n", 2.0)
+    assert plain.step() == {"n": 3.0} and plain.per_step_values == []
+
+
 def test_per_step_values_only_for_selected_names() -> None:
     tracker = Tracker()
     window = Window(tracker, every=2, per_step=["a", "grp/"])

@@ -52,7 +52,8 @@ class Window:
         num_steps: the steps taken since the window was created (checkpointed).
         per_step_values: after a report, one dict per step of the reported window (in
             order), each what ``tracker.compute()`` would have reported at that step
-            for the ``per_step`` metrics; synced in the report's one collective.
+            for the ``per_step`` metrics; synced in the report's one collective. Empty
+            without ``per_step``.
 
     Example:
         >>> from rlmetrics import Tracker, Window
@@ -182,7 +183,7 @@ class Window:
         decoded = decode(out, self._num_open)
         if decoded.num_rejected:
             self._report_rejected(decoded)
-        self.per_step_values = decoded.per_step
+        self.per_step_values = decoded.per_step if self._selected is not None else []
         if reset:
             self._clear()
         return decoded.window
@@ -267,7 +268,10 @@ class Window:
         self._num_open = int(state_dict["num_open"])
         self._merged = TrackerState.from_dict(state_dict["merged"])
         self._latest = {name: (int(steps[name]), metric) for name, metric in latest.items()}
-        self._per_step = [TrackerState.from_dict(s) for s in state_dict["per_step"]]
+        per_step = [TrackerState.from_dict(s) for s in state_dict["per_step"]]
+        if self._selected is not None:  # steps saved without per-step values: none
+            missing = self._num_open - len(per_step)
+            self._per_step = [TrackerState()] * missing + per_step
         self._kinds = {n: m.kind for n, m in (*self._merged.metrics.items(), *latest.items())}
         self._num_rejected = int(state_dict["num_rejected"])
         self._rejected_message = str(state_dict["rejected_message"])
