@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -221,6 +222,21 @@ def test_state_pickles_and_merges_across_aggregators():
     driver.add_step_metrics(pickle.loads(pickle.dumps(worker.state())))
     out = driver.get_aggregated_metrics()
     assert out == {"x/mean": pytest.approx(3.0), "n/total": 7.0}
+
+
+def test_last_states_of_later_iterations_replace_earlier_ones():
+    """Iterations are in time order: a `last` state is replaced by a later one's (a
+    merge as of ranks would report their mean and warn), as a number is."""
+    agg = MetricsAggregator()
+    for lr in (1.0, 2.0, 3.0):
+        tracker = Tracker()
+        tracker.last("actor/lr", lr, weight=lr < 3.0)  # the third iteration logs no value
+        tracker.sum("n/total", 1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            agg.add_step_metrics(tracker.state(), sample_count=1)
+    assert agg.get_aggregated_metrics() == {"actor/lr": 2.0, "n/total": 3.0}
+    assert agg.state().compute() == {"actor/lr": 2.0, "n/total": 3.0}
 
 
 def test_nonfinite_values_propagate():

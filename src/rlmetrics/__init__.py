@@ -13,6 +13,7 @@ from rlmetrics.kinds import (
 )
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import PrefixedTracker, Tracker
+from rlmetrics.window import Window
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "PrefixedTracker",
     "Tracker",
     "TrackerState",
+    "Window",
     "get_kind",
     "register_kind",
     "unregister_kind",

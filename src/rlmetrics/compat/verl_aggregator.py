@@ -15,7 +15,9 @@ What is added (see docs/migrating-from-verl.md, "MetricsAggregator"):
 * ``kinds={key: kind}`` fixes a key's kind where the spelling misleads (verl's
   substring rules read "terminated" as "min");
 * keys whose last path part is ``count`` or ends in ``_count`` are summed (verl 0.9.1
-  averages them).
+  averages them);
+* iterations merge in time order (a ``rlmetrics.Window``): a ``last`` state of a later
+  iteration replaces an earlier one's, as a later number does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from rlmetrics.kinds import MetricState
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
+from rlmetrics.window import Window
 
 DAPO_FILTERED_REWARD_COUNTS_KEY = "_dapo_filtered_reward_counts"
 """verl's key for DAPO's ``{reward value: count}`` breakdown (a dict, counts add up)."""
@@ -94,7 +97,10 @@ class MetricsAggregator:
         self.kinds = kinds
         self.step_count = 0
         self.aggregation_rules = self._init_aggregation_rules()
-        self._tracker = Tracker()
+        self._tracker = Tracker()  # one iteration's metrics
+        # the iterations so far, in time order: a ``last`` state of a later iteration
+        # replaces an earlier one (a plain state merge would average them, as ranks)
+        self._window = Window(self._tracker, every=None, sync=False)
         self._unweighted = Tracker()  # verl's fallback when a mean's weights sum to 0
         self.dict_metrics: dict[str, Counter] = {}
 
@@ -117,19 +123,24 @@ class MetricsAggregator:
 
         Raises:
             ValueError: ``sample_count`` is negative or not finite, or a key receives
-                values of two kinds (say a "max" number, then a mean state).
+                values of two kinds (say a "max" number, then a mean state); the
+                iteration is dropped.
         """
         if not isinstance(sample_count, int | float | np.number) or not (
             math.isfinite(sample_count) and sample_count >= 0
         ):
             raise ValueError(f"sample_count must be a finite number >= 0, got {sample_count!r}")
-        if isinstance(metrics, TrackerState):
-            self._tracker.merge(metrics)
-            self.step_count += 1
-            return
+        try:
+            if isinstance(metrics, TrackerState):
+                self._tracker.merge(metrics)
+            else:
+                for key, value in metrics.items():
+                    self._add(key, value, metrics, sample_count)
+            self._window.step()
+        except BaseException:
+            self._tracker.reset()  # the failed iteration is dropped
+            raise
         self.step_count += 1
-        for key, value in metrics.items():
-            self._add(key, value, metrics, sample_count)
 
     def _add(self, key: str, value: Any, metrics: Mapping[str, Any], sample_count: int) -> None:
         from rlmetrics.compat.verl import Metric  # lazy: compat.verl imports this module
@@ -189,7 +200,7 @@ class MetricsAggregator:
         """One value per key over the iterations added (``{}`` before the first)."""
         if self.step_count == 0:
             return {}
-        out: dict[str, Any] = self._tracker.compute(reset=False, sync=False)
+        out: dict[str, Any] = self._window.flush(reset=False)
         fallback = self._unweighted.compute(reset=False, sync=False)
         for key, value in fallback.items():
             out.setdefault(key, value)  # every weight was 0: verl's plain mean
@@ -207,10 +218,11 @@ class MetricsAggregator:
 
     def state(self) -> TrackerState:
         """The weighted metrics as a mergeable state (plain-mean fallbacks not included)."""
-        return self._tracker.state()
+        return self._window.state()
 
     def reset(self) -> None:
         """Forget every iteration (the next step begins)."""
+        self._window.reset()
         self._tracker.reset()
         self._unweighted.reset()
         self.dict_metrics.clear()

@@ -1,0 +1,309 @@
+"""Windows: several steps' metrics merged exactly and reported with one sync.
+
+Log every k steps; an asynchronous trainer's several local updates per logged step; a
+validation pass spread over training steps. Each ``Window.step()`` takes this process's
+step state from the tracker (``Tracker.state()``: one host transfer, no collective) and
+merges it into the open window; when the window closes, one ``compute`` over the process
+group reports it: every value equals what one step over the window's data would report.
+
+Time order matters for kinds whose new value replaces the old (``last``): merging two
+ranks' states treats their values as copies that must agree, but two steps' values are
+old and new. The window keeps, per replacing metric, the latest step in which this rank
+logged a value, and syncs it under that step's age; the report takes the youngest any
+rank sent, so ``last`` is the value of the window's last step that logged it, even
+when ranks logged it in different steps (see docs/windows.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from rlmetrics.kinds import Kind, MetricState
+from rlmetrics.packing import RejectedInputError
+from rlmetrics.state import TrackerState
+from rlmetrics.tracker import Tracker
+from rlmetrics.window_keys import Decoded, decode, empty_state, latest_of, window_key
+
+WINDOW_VERSION = 1
+
+
+class Window:
+    """Merge ``every`` steps of a tracker's metrics and report them once, exactly.
+
+    Call ``step()`` where you would call ``tracker.compute()``: it moves the step's
+    metrics out of the tracker (the tracker starts the next step empty) and returns the
+    window's metrics when this step closes it, None otherwise. Every rank of the group
+    must call ``step()`` and ``flush()`` equally often: a report is a collective.
+
+    Args:
+        tracker: the tracker the steps are logged into (not a prefixed view).
+        every: the steps per window; None reports only at ``flush()`` (an asynchronous
+            trainer's variable number of updates per logged step).
+        group: the process group of the report's sync (see ``Tracker.compute``).
+        timeout: seconds (or a timedelta) after which a missing rank raises.
+        sync: False reports this process's window only.
+        per_step: also report each step's own values (``per_step_values``): True for
+            every metric, or metric names (a name ending in "/" selects a prefix).
+
+    Attributes:
+        num_steps: the steps taken since the window was created (checkpointed).
+        per_step_values: after a report, one dict per step of the reported window (in
+            order), each what ``tracker.compute()`` would have reported at that step
+            for the ``per_step`` metrics; synced in the report's one collective. Empty
+            without ``per_step``.
+
+    Example:
+        >>> from rlmetrics import Tracker, Window
+        >>> t = Tracker()
+        >>> w = Window(t, every=2)
+        >>> t.mean("loss", [1.0, 2.0]); t.last("lr", 0.1)
+        >>> w.step() is None
+        True
+        >>> t.mean("loss", 6.0); t.last("lr", 0.2)
+        >>> w.step()
+        {'loss': 3.0, 'lr': 0.2}
+    """
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        every: int | None,
+        *,
+        group: Any = None,
+        timeout: float | timedelta | None = None,
+        sync: bool = True,
+        per_step: bool | Iterable[str] = False,
+    ) -> None:
+        if not isinstance(tracker, Tracker):
+            hint = "; pass the view's .tracker" if hasattr(tracker, "tracker") else ""
+            name = type(tracker).__name__
+            raise TypeError(f"Window(tracker=...) expects a Tracker, got {name}{hint}")
+        self.tracker = tracker
+        self.every = _check_every(every)
+        self.group, self.timeout, self.sync = group, timeout, sync
+        self._selected = _selector(per_step)
+        # the report's own tracker: the user's keeps logging the next steps meanwhile
+        self._reporter = Tracker(
+            empty=tracker.empty, nonfinite=tracker.nonfinite, quantiles=_quantiles(tracker)
+        )
+        self.num_steps = 0
+        self.per_step_values: list[dict[str, float]] = []
+        self._clear()
+
+    def _clear(self) -> None:
+        """An empty open window."""
+        self._num_open = 0  # steps in the open window
+        self._merged = TrackerState()  # the window's states of non-replacing kinds
+        self._latest: dict[str, tuple[int, MetricState]] = {}  # replacing: (step, state)
+        self._per_step: list[TrackerState] = []
+        self._kinds: dict[str, str] = {}
+        self._num_rejected = 0
+        self._rejected_message = ""
+
+    def __len__(self) -> int:
+        """The steps in the open window."""
+        return self._num_open
+
+    def step(self) -> dict[str, float] | None:
+        """End a step: merge the tracker's metrics into the window and reset the tracker.
+
+        Returns:
+            The window's metrics (every rank the same) when this step closes it, else
+            None.
+
+        Raises:
+            RejectedInputError: at the report, on every rank, when a tensor log call of
+                the window was rejected on any rank (see ``Tracker.compute``); the
+                rejected calls were dropped and the window is kept: ``flush()`` then
+                reports everything else.
+            ValueError: a metric's kind differs from the one it had earlier in the
+                window (the tracker is left as it was).
+        """
+        try:
+            state = self.tracker.state()
+        except RejectedInputError as error:  # reported at the window's sync, on every rank
+            self._num_rejected += 1
+            self._rejected_message = str(error)
+            state = self.tracker.state()  # everything else
+        self._add(state)
+        self.tracker.reset()
+        self.num_steps += 1
+        if self.every is not None and self._num_open >= self.every:
+            return self.flush()
+        return None
+
+    def _add(self, state: TrackerState) -> None:
+        """Merge one step's state into the open window (nothing changes if it raises)."""
+        index = self._num_open
+        kinds = {name: self._kind(name, metric, index) for name, metric in state.metrics.items()}
+        replaced = {n: m for n, m in state.metrics.items() if kinds[n].replaces}
+        merged = self._merged.merge(
+            TrackerState({n: m for n, m in state.metrics.items() if n not in replaced})
+        )
+        latest = dict(self._latest)
+        for name, metric in replaced.items():
+            latest[name] = latest_of(latest.get(name), index, metric, kinds[name], name)
+        self._merged, self._latest = merged, latest
+        for name, kind in kinds.items():
+            self._kinds[name] = kind.name
+        if self._selected is not None:
+            selected = {n: m for n, m in state.metrics.items() if self._selected(n)}
+            self._per_step.append(TrackerState(selected))
+        self._num_open += 1
+
+    def _kind(self, name: str, metric: MetricState, index: int) -> Kind:
+        seen = self._kinds.get(name)
+        if seen is not None and seen != metric.kind:
+            raise ValueError(
+                f"Window: metric {name!r} is kind {metric.kind!r} in the window's step "
+                f"{index} but {seen!r} in an earlier step; a window merges a name's steps, so "
+                "it must keep one kind (flush() the window before changing it)"
+            )
+        return self.tracker.kind(metric.kind)
+
+    def flush(self, reset: bool = True) -> dict[str, float]:
+        """Report the open window now (the steps taken so far; ``{}`` when none was
+        logged), with one sync over the group, and start a new window. Metrics logged
+        since the last ``step()`` stay in the tracker. Every rank must call it.
+
+        Args:
+            reset: False keeps the window open (later steps add to it).
+
+        Raises:
+            RejectedInputError: as in ``step()``.
+        """
+        reporter = self._reporter
+        reporter.reset()
+        reporter.merge(self._encoded())
+        reporter.sum(window_key("r", "rejected"), float(self._num_rejected))
+        out = reporter.compute(group=self.group, timeout=self.timeout, sync=self.sync)
+        decoded = decode(out, self._num_open)
+        if decoded.num_rejected:
+            self._report_rejected(decoded)
+        self.per_step_values = decoded.per_step if self._selected is not None else []
+        if reset:
+            self._clear()
+        return decoded.window
+
+    def reset(self) -> None:
+        """Drop the open window without reporting it (no collective)."""
+        self._clear()
+
+    def state(self) -> TrackerState:
+        """The open window on this process as one state, merged in time order (a
+        replacing kind holds its latest value, with the window's non-finite count):
+        what a driver merges across workers, as it merges their steps' states. No
+        collective."""
+        metrics = dict(self._merged.metrics)
+        for name, (_, metric) in self._latest.items():
+            metrics[name] = metric
+        return TrackerState(dict(sorted(metrics.items())))
+
+    def _report_rejected(self, decoded: Decoded) -> None:
+        """Raise on every rank; the window stays open without the rejected calls."""
+        message = self._rejected_message or (
+            "tensor log calls were rejected on another rank and dropped"
+        )
+        self._num_rejected, self._rejected_message = 0, ""
+        raise RejectedInputError(
+            f"Window: {decoded.num_rejected:g} step(s) of the window had rejected calls "
+            f"(this rank: {message}); flush() reports the rest of the window"
+        )
+
+    def _encoded(self) -> TrackerState:
+        """The open window as the reporter's metrics: each name under a key that says
+        which part of the report it is (see ``rlmetrics.window_keys``)."""
+        metrics: dict[str, MetricState] = {}
+        for name, metric in self._merged.metrics.items():
+            metrics[window_key("w", name)] = metric
+        for name, (index, metric) in self._latest.items():
+            kind = self.tracker.kind(metric.kind)
+            nonfinite = metric.num_nonfinite  # the window's count, whatever step it is in
+            metrics[window_key("w", name)] = empty_state(kind, nonfinite)
+            if index >= 0:  # keyed by its age (steps before the window's last), so a
+                # metric logged every step keeps one key however long the window is
+                value = dataclasses.replace(metric, num_nonfinite=0.0)
+                metrics[window_key(f"l{self._num_open - 1 - index}", name)] = value
+        for index, state in enumerate(self._per_step):
+            for name, metric in state.metrics.items():
+                metrics[window_key(f"s{index}", name)] = metric
+        return TrackerState(dict(sorted(metrics.items())))
+
+    # -- checkpointing ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The open window (plain python and numpy), for a checkpoint."""
+        latest = TrackerState({name: metric for name, (_, metric) in self._latest.items()})
+        return {
+            "version": WINDOW_VERSION,
+            "num_steps": self.num_steps,
+            "num_open": self._num_open,
+            "merged": self._merged.to_dict(),
+            "latest": latest.to_dict(),
+            "latest_steps": {name: index for name, (index, _) in self._latest.items()},
+            "per_step": [state.to_dict() for state in self._per_step],
+            "num_rejected": self._num_rejected,
+            "rejected_message": self._rejected_message,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore an open window saved by ``state_dict()`` (a resumed run continues
+        it). ``every`` and ``per_step`` stay this window's.
+
+        Raises:
+            ValueError: the dict is not a window's ``state_dict()`` of this version.
+        """
+        if not isinstance(state_dict, Mapping) or state_dict.get("version") != WINDOW_VERSION:
+            version = state_dict.get("version") if isinstance(state_dict, Mapping) else None
+            raise ValueError(
+                f"Window.load_state_dict: expected a Window.state_dict() of version "
+                f"{WINDOW_VERSION}, got version {version!r}"
+            )
+        latest = TrackerState.from_dict(state_dict["latest"]).metrics
+        steps = state_dict["latest_steps"]
+        self._clear()
+        self.num_steps = int(state_dict["num_steps"])
+        self._num_open = int(state_dict["num_open"])
+        self._merged = TrackerState.from_dict(state_dict["merged"])
+        self._latest = {name: (int(steps[name]), metric) for name, metric in latest.items()}
+        per_step = [TrackerState.from_dict(s) for s in state_dict["per_step"]]
+        if self._selected is not None:  # steps saved without per-step values: none
+            missing = self._num_open - len(per_step)
+            self._per_step = [TrackerState()] * missing + per_step
+        self._kinds = {n: m.kind for n, m in (*self._merged.metrics.items(), *latest.items())}
+        self._num_rejected = int(state_dict["num_rejected"])
+        self._rejected_message = str(state_dict["rejected_message"])
+
+
+def _check_every(every: object) -> int | None:
+    if every is None:
+        return None
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"Window(every=...) must be an int >= 1 or None, got {every!r}")
+    return every
+
+
+def _selector(per_step: bool | Iterable[str]) -> Any:
+    """A name -> bool test for ``per_step`` (None: no per-step values)."""
+    if per_step is True:
+        return lambda name: True
+    if per_step is False or per_step is None:
+        return None
+    if isinstance(per_step, str):
+        raise TypeError(
+            f"Window(per_step=...) takes True or a collection of names, got the string "
+            f"{per_step!r}; wrap it in a list"
+        )
+    names = frozenset(per_step)
+    prefixes = tuple(name for name in names if name.endswith("/"))
+    return lambda name: name in names or name.startswith(prefixes)
+
+
+def _quantiles(tracker: Tracker) -> tuple[float, ...]:
+    """The quantiles the tracker's ``dist`` reports, for the reporter to report too."""
+    return tuple(tracker.kind("dist").quantiles)  # type: ignore[attr-defined]
+
+
+__all__ = ["WINDOW_VERSION", "Window"]
