@@ -300,5 +300,3 @@ def _grown(array: np.ndarray, size: int, fill: float) -> np.ndarray:
 def _grown_tensor(tensor: Tensor, size: int, fill: float) -> Tensor:
     extra = torch.full((size - len(tensor), *tensor.shape[1:]), fill, dtype=tensor.dtype)
     return torch.cat((tensor, extra.to(tensor.device)))
-
-
