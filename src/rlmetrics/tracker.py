@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -21,12 +20,13 @@ from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
 from rlmetrics.kinds.base import NUM_FLAGS
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
+from rlmetrics.log_methods import LogMethods, PrefixedTracker
 from rlmetrics.packing import Packing, RejectedInputError, in_order, local_reduce
 from rlmetrics.record import Prepared, prepare, record_number, record_prepared, record_tensor
 from rlmetrics.reduced import Reduced
 from rlmetrics.state import TrackerState, check_metric
 from rlmetrics.table import Table
-from rlmetrics.timing import log_elapsed, log_throughput, read_device_timers, timer
+from rlmetrics.timing import read_device_timers
 
 EMPTY_POLICIES = ("omit", "nan")
 _NO_TAIL = np.zeros(0)
@@ -45,250 +45,6 @@ def _locked(method: _Method) -> _Method:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
-
-
-class LogMethods:
-    """The logging calls shared by ``Tracker`` and its prefixed views.
-
-    Every call takes ``weight=``: None (1 per element), a python number, or an array or
-    tensor of the value's shape (a bool mask counts as 0/1). Its meaning is the kind's:
-    a multiplier for ``mean``, ``std`` and ``sum``, a selector (weight > 0) for ``max``,
-    ``min``, ``dist`` and ``last``; a bool mask means the same everywhere. An element
-    with weight 0 contributes nothing, whatever its value. ``mask=`` is an alias of
-    ``weight=``, kept for code written when ``sum``, ``max``, ``min`` and ``dist`` took
-    a mask only (pass it by keyword; it is not keyword-only because a keyword-only
-    default costs every call a dictionary lookup).
-
-    Every call but ``last`` also takes ``by=``: a label per element (or per row, or one
-    for the call): a python sequence or numpy array of strings or integers, or an integer
-    tensor. Each label's elements are then logged under ``name/<label>``, exactly as if
-    logged alone; ``labels=`` maps labels to the names used (``{0: "gsm8k"}``). Tensor
-    labels are read at the fold (``compute()``), not at the call. See docs/groups.md and
-    ``rlmetrics.groups``.
-    """
-
-    def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
-        raise NotImplementedError
-
-    def mean(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Weighted mean: Σ value·weight / Σ weight."""
-        if by is None and labels is None:
-            self._log(name, "mean", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "mean")], value, weight, mask, by, labels)
-
-    def sum(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements)."""
-        if by is None and labels is None:
-            self._log(name, "sum", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "sum")], value, weight, mask, by, labels)
-
-    def max(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Largest element (of those with weight > 0)."""
-        if by is None and labels is None:
-            self._log(name, "max", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "max")], value, weight, mask, by, labels)
-
-    def min(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Smallest element (of those with weight > 0)."""
-        if by is None and labels is None:
-            self._log(name, "min", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "min")], value, weight, mask, by, labels)
-
-    def std(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
-        if by is None and labels is None:
-            self._log(name, "std", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "std")], value, weight, mask, by, labels)
-
-    def last(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
-        A weight of 0 (or False) leaves the previous value in place."""
-        if by is None and labels is None:
-            self._log(name, "last", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "last")], value, weight, mask, by, labels)
-
-    def dist(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
-        if by is None and labels is None:
-            self._log(name, "dist", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "dist")], value, weight, mask, by, labels)
-
-    def quantile(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Every element with weight > 0 into a fixed-size sketch: the keys ``dist``
-        reports, quantiles within a relative error (see docs/quantiles.md)."""
-        if by is None and labels is None:
-            self._log(
-                name, "quantile", value, weight if mask is None else _alias(name, weight, mask)
-            )
-        else:
-            self._grouped([(name, "quantile")], value, weight, mask, by, labels)
-
-    def log(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None, *, kind: str,
-    ) -> None:  # fmt: skip
-        """Log into any registered kind (built-in or user-defined) by its name."""
-        if by is None and labels is None:
-            self._log(name, kind, value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, kind)], value, weight, mask, by, labels)
-
-    def timer(self, name: str, **where: Any) -> AbstractContextManager[None]:
-        """Time the block as this rank's entry into a stage: ``name`` reports the slowest
-        rank's time in the step (a rank's entries summed), ``name/mean``, ``name/min``
-        and ``name/slowest_rank``. ``where``: ``rank=``, ``world_size=`` (default: from
-        the process group), ``group=``, ``device="cuda"`` (CUDA events, read at step
-        end), ``clock=``. See ``rlmetrics.timing``.
-
-        Example:
-            >>> t = Tracker()
-            >>> with t.timer("timing_s/gen", clock=iter([1.0, 3.5]).__next__):
-            ...     pass
-            >>> t.compute()["timing_s/gen"]
-            2.5
-        """
-        return timer(self, name, **where)
-
-    def elapsed(self, name: str, seconds: float, **where: Any) -> None:
-        """Log ``seconds`` (measured elsewhere) as this rank's entry into a stage, as
-        ``timer`` does (``where``: ``rank=``, ``world_size=``, ``group=``)."""
-        log_elapsed(self, name, seconds, **where)
-
-    def throughput(self, name: str, num_tokens: Any, seconds: float, **where: Any) -> None:
-        """Log ``num_tokens`` (a number or a one-element tensor) this rank processed in
-        ``seconds``: ``name`` = Σ tokens / (slowest rank's seconds × ranks), per rank as
-        verl's ``perf/throughput``; ``name/total`` = Σ tokens / slowest rank's seconds."""
-        log_throughput(self, name, num_tokens, seconds, **where)
-
-    def log_shared(
-        self,
-        metrics: Sequence[tuple[str, str]],
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Log one value (and weight) into several metrics, given as (name, kind) pairs,
-        converting and checking the input once: the same as one ``log`` call per metric,
-        in order, for less (with ``by=``, the labels are grouped once too).
-
-        Example:
-            >>> t = Tracker()
-            >>> t.log_shared([("len/mean", "mean"), ("len/max", "max")], [3, 5])
-            >>> t.compute()
-            {'len/max': 5.0, 'len/mean': 4.0}
-        """
-        metrics = list(metrics)
-        if by is not None or labels is not None:
-            if metrics:
-                self._grouped(metrics, value, weight, mask, by, labels)
-            return
-        if mask is not None:
-            weight = _alias(metrics[0][0] if metrics else "", weight, mask)
-        self._log_shared(metrics, value, weight)
-
-    def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
-        raise NotImplementedError
-
-    def _grouped(
-        self, metrics: list[tuple[str, str]], value: Any, weight: Any, mask: Any, by: Any,
-        labels: Any,
-    ) -> None:  # fmt: skip
-        """A call with ``by=`` (or, wrongly, ``labels=`` alone)."""
-        name = metrics[0][0]
-        if mask is not None:
-            weight = _alias(name, weight, mask)
-        if by is None:
-            raise TypeError(f"metric {name!r}: labels= names the labels of by=; pass by= too")
-        self._log_by(metrics, value, weight, by, labels)
-
-    def _log_by(
-        self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
-    ) -> None:
-        raise NotImplementedError
-
-    def prefixed(self, prefix: str) -> PrefixedTracker:
-        """A view that logs every name as ``prefix + name`` into the same tracker."""
-        raise NotImplementedError
-
-
-def _alias(name: str, weight: Any, mask: Any) -> Any:
-    """``mask=`` is ``weight=`` by its older name; both at once is an error."""
-    if weight is not None:
-        raise TypeError(f"metric {name!r}: pass weight= or mask= (an alias), not both")
-    return mask
 
 
 class Tracker(LogMethods):
@@ -691,30 +447,4 @@ class Tracker(LogMethods):
         self._merge_checked(state, kinds)
 
 
-class PrefixedTracker(LogMethods):
-    """A view of a Tracker that prepends a prefix to every name it logs."""
-
-    def __init__(self, tracker: Tracker, prefix: str) -> None:
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a string, got {type(prefix).__name__}")
-        self.tracker = tracker
-        self.prefix = prefix
-
-    def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
-        self.tracker._log(self.prefix + check_name(name), kind, value, weight)
-
-    def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
-        named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
-        self.tracker._log_shared(named, value, weight)
-
-    def _log_by(
-        self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
-    ) -> None:
-        named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
-        self.tracker._log_by(named, value, weight, by, labels)
-
-    def prefixed(self, prefix: str) -> PrefixedTracker:
-        return PrefixedTracker(self.tracker, self.prefix + prefix)
-
-
-__all__ = ["NUM_FLAGS", "PrefixedTracker", "Tracker"]
+__all__ = ["NUM_FLAGS", "LogMethods", "PrefixedTracker", "Tracker"]
