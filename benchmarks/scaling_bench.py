@@ -34,7 +34,6 @@ import argparse
 import gc
 import io
 import json
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -49,6 +48,7 @@ import scaling_model as model
 import scaling_report as report
 from rlmetrics import Tracker
 from rlmetrics import distributed as rd
+from rlmetrics.collectives import free_port
 from rlmetrics.kinds import register_kind
 from rlmetrics.kinds.histogram import Histogram
 
@@ -297,13 +297,6 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         raise
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_world(world: int, timeout: float) -> list[tuple[str, list[dict]]]:

@@ -49,7 +49,6 @@ import datetime
 import gc
 import math
 import platform
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -59,6 +58,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from rlmetrics.collectives import free_port
 
 import sync_ops
 from results_md import write_section
@@ -203,13 +204,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: An
         raise
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:

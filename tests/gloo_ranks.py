@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,12 +17,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from rlmetrics.collectives import free_port
 
 
 def _worker(

@@ -10,6 +10,7 @@ tracker's sync on these and re-exports them.
 from __future__ import annotations
 
 import numbers
+import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -153,6 +154,14 @@ def as_timeout(timeout: float | timedelta | None) -> timedelta | None:
     if seconds > MAX_TIMEOUT_S:
         return None
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a local process group's
+    rendezvous: spawned gloo ranks in the launcher, tests and benchmarks)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_for(work: Any, timeout: timedelta | None, what: str) -> None:

@@ -6,7 +6,7 @@ forwards them with its prefix added to every name.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,24 @@ from rlmetrics.timing import log_elapsed, log_throughput, timer
 
 if TYPE_CHECKING:
     from rlmetrics.tracker import Tracker
+
+
+def _log_method(kind: str, doc: str) -> Callable[..., None]:
+    """The log call of ``kind`` (``LogMethods.mean`` and the others), written once."""
+
+    def log(
+        self: LogMethods, name: str, value: Any, weight: Any = None, mask: Any = None,
+        by: Any = None, labels: Any = None,
+    ) -> None:  # fmt: skip
+        if by is None and labels is None:
+            self._log(name, kind, value, weight if mask is None else _alias(name, weight, mask))
+        else:
+            self._grouped([(name, kind)], value, weight, mask, by, labels)
+
+    log.__name__ = kind
+    log.__qualname__ = f"LogMethods.{kind}"
+    log.__doc__ = doc
+    return log
 
 
 class LogMethods:
@@ -40,129 +58,28 @@ class LogMethods:
     def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
         raise NotImplementedError
 
-    def mean(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Weighted mean: Σ value·weight / Σ weight."""
-        if by is None and labels is None:
-            self._log(name, "mean", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "mean")], value, weight, mask, by, labels)
-
-    def sum(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements)."""
-        if by is None and labels is None:
-            self._log(name, "sum", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "sum")], value, weight, mask, by, labels)
-
-    def max(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Largest element (of those with weight > 0)."""
-        if by is None and labels is None:
-            self._log(name, "max", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "max")], value, weight, mask, by, labels)
-
-    def min(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Smallest element (of those with weight > 0)."""
-        if by is None and labels is None:
-            self._log(name, "min", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "min")], value, weight, mask, by, labels)
-
-    def std(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
-        if by is None and labels is None:
-            self._log(name, "std", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "std")], value, weight, mask, by, labels)
-
-    def last(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
+    mean = _log_method("mean", """Weighted mean: Σ value·weight / Σ weight.""")
+    sum = _log_method(
+        "sum", """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements)."""
+    )
+    max = _log_method("max", """Largest element (of those with weight > 0).""")
+    min = _log_method("min", """Smallest element (of those with weight > 0).""")
+    std = _log_method(
+        "std", """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
+    )
+    last = _log_method(
+        "last",
         """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
-        A weight of 0 (or False) leaves the previous value in place."""
-        if by is None and labels is None:
-            self._log(name, "last", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "last")], value, weight, mask, by, labels)
-
-    def dist(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
-        if by is None and labels is None:
-            self._log(name, "dist", value, weight if mask is None else _alias(name, weight, mask))
-        else:
-            self._grouped([(name, "dist")], value, weight, mask, by, labels)
-
-    def quantile(
-        self,
-        name: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
+        A weight of 0 (or False) leaves the previous value in place.""",
+    )
+    dist = _log_method(
+        "dist", """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
+    )
+    quantile = _log_method(
+        "quantile",
         """Every element with weight > 0 into a fixed-size sketch: the keys ``dist``
-        reports, quantiles within a relative error (see docs/quantiles.md)."""
-        if by is None and labels is None:
-            self._log(
-                name, "quantile", value, weight if mask is None else _alias(name, weight, mask)
-            )
-        else:
-            self._grouped([(name, "quantile")], value, weight, mask, by, labels)
+        reports, quantiles within a relative error (see docs/quantiles.md).""",
+    )
 
     def log(
         self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,

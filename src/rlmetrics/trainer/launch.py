@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 import tempfile
 from datetime import timedelta
@@ -20,15 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlmetrics.collectives import free_port
 from rlmetrics.trainer.config import TrainConfig
 from rlmetrics.trainer.train import train
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def threads_per_rank(world_size: int) -> int:
