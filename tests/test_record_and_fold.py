@@ -3,6 +3,8 @@ at compute() that does not grow with the calls, in-place changes caught, memory 
 
 from __future__ import annotations
 
+import pickle
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlmetrics import Tracker
@@ -187,3 +191,69 @@ def test_mixed_shapes_and_dtypes_reduce_in_call_order() -> None:
     assert out["d/p50"] == np.quantile(whole, 0.5) and out["d/max"] == whole.max()
     assert out["d/mean"] == pytest.approx(whole.mean(), rel=1e-14)
     assert out["order"] == last
+
+
+def test_the_device_half_grows_with_the_names_logged_after_it() -> None:
+    """A tensor-path metric folded mid-step makes the table's device half; names logged
+    after it grow the table past that size. Every read of the device half (a host
+    `last` replacing a device value, a metric's state, packing) must still line up."""
+    t = Tracker()
+    t.host_arrays = False
+    t.last("lr", torch.tensor(1.0, dtype=torch.float64))
+    t.state()  # folds: the device half exists from here on, sized for one metric
+    t.host_arrays = True
+    for i in range(40):  # past the table's first capacity
+        t.mean(f"host/{i:02d}", float(i))
+    t.last("lr", 3.0)  # a host value replaces the device one
+    state = t.state()
+    out = t.compute()
+    assert out["lr"] == 3.0 and state.metrics["lr"].maxes == (3.0, -3.0)
+    assert [out[f"host/{i:02d}"] for i in range(40)] == [float(i) for i in range(40)]
+
+
+SEQUENCE_KINDS = {
+    "mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min,
+    "last": lambda v: v[-1], "std": np.std,
+}  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_step_sequences_match_numpy(seed: int) -> None:
+    """Steps of random calls (names that come and go, past the pool's compaction; python
+    numbers, host arrays, CPU tensors on the host and the tensor path; mid-step folds;
+    a tracker pickled or rebuilt from its state mid-run) report numpy's values on each
+    step's data: the table's rows, halves and renumbering stay consistent."""
+    rng = random.Random(seed)
+    t = Tracker()
+    t.record_limit = rng.choice([5, 50, 1 << 22])
+    for step in range(rng.randint(1, 4)):
+        data: dict[str, tuple[str, list[float]]] = {}
+        size = rng.choice([3, 30, 300])
+        for _ in range(rng.randint(1, 2) * size):
+            name = f"m{rng.randrange(size) + (step * 1000 if rng.random() < 0.3 else 0)}"
+            kind = data[name][0] if name in data else rng.choice(list(SEQUENCE_KINDS))
+            x = rng.uniform(-5.0, 5.0)
+            path = rng.choice(["float", "array", "tensor", "tensor path"])
+            t.host_arrays = path != "tensor path"
+            value: Any = x
+            if path == "array":
+                value = np.array([x])
+            elif path.startswith("tensor"):
+                value = torch.tensor(x, dtype=torch.float64)
+            try:
+                getattr(t, kind)(name, value)
+            except ValueError:  # the name is another kind in the pool: not logged
+                continue
+            data.setdefault(name, (kind, []))[1].append(x)
+        if rng.random() < 0.2:
+            t = pickle.loads(pickle.dumps(t))
+        elif rng.random() < 0.2:
+            rebuilt = Tracker()
+            rebuilt.merge(t.state())
+            t = rebuilt
+        got = t.compute(sync=False)
+        want = {name: SEQUENCE_KINDS[kind](np.array(v)) for name, (kind, v) in data.items()}
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name

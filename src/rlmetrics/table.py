@@ -98,6 +98,8 @@ class Table:
             self.maxes = _grown(self.maxes, self.num_maxes, -math.inf)
         if row >= len(self.counts):
             self.counts = np.concatenate((self.counts, np.zeros_like(self.counts)))
+        if self.device_part is not None:  # the device half keeps the host's capacity
+            self.device_for(self.device_part.device)
         if kind.has_extra:
             self.extras[row] = kind.empty_extra()
             self.extra_kinds[row] = kind
