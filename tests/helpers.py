@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlmetrics import Tracker, TrackerState
 
@@ -308,3 +309,15 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operations dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

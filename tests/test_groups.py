@@ -18,12 +18,12 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlmetrics import Tracker
 from rlmetrics.fold import ModifiedInputError
 
 from gloo_ranks import ok_results, run_ranks
+from helpers import OpCounter
 
 KINDS = ("mean", "sum", "max", "min", "std")
 SOURCES = ("gsm8k", "math", "code")
@@ -171,18 +171,6 @@ def test_label_sets_change_from_step_to_step() -> None:
         assert sorted(k for k in got if k.startswith("x/")) == [f"x/{c}" for c in present]
         assert sorted(k for k in got if k.startswith("m/")) == [f"m/{c}" for c in present]
     assert got == {"x/a": 4.0, "m/a": 3.0}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the torch operations dispatched while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("label_form", LABEL_FORMS)

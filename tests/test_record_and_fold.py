@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pickle
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -14,32 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlmetrics import Tracker
 from rlmetrics.fold import ModifiedInputError
 
-from helpers import reference
+from helpers import OpCounter, reference
 
 KINDS = ("mean", "sum", "max", "min", "std", "last", "dist")
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the torch operations dispatched while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def counting() -> Iterator[OpCounter]:
-    with OpCounter() as counter:
-        yield counter
 
 
 CALLS = {  # (method, inputs made before counting, keyword arguments)
@@ -61,7 +40,7 @@ def test_a_tensor_log_call_dispatches_no_torch_op(call: tuple, host_arrays: bool
     inputs = [make() for _ in range(4)]
     log = getattr(t, method)
     log("x", *inputs[0], **kwargs)  # a name's first call creates its accumulator
-    with counting() as counter:
+    with OpCounter() as counter:
         for args in inputs[1:]:
             log("x", *args, **kwargs)
         t.log_shared([("a", "mean"), ("b", method)], *inputs[1], **kwargs)
@@ -92,7 +71,7 @@ def test_compute_dispatches_as_many_torch_ops_for_100_calls_as_for_10000(host_ar
         t.host_arrays = host_arrays
         t.record_limit = 10**9  # one fold, at compute()
         log_step(t, calls, rng)
-        with counting() as counter:
+        with OpCounter() as counter:
             out = t.compute()
         assert out["lr"] == pytest.approx(1e-3 * calls)
         counts.append(len(counter.ops))
