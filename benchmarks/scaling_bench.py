@@ -48,9 +48,9 @@ import scaling_model as model
 import scaling_report as report
 from rlmetrics import Tracker
 from rlmetrics import distributed as rd
-from rlmetrics.collectives import free_port
 from rlmetrics.kinds import register_kind
 from rlmetrics.kinds.histogram import Histogram
+from spawn_ranks import spawn_ranks
 
 MICRO = 4  # values per metric per step (micro-batches)
 DIST_N = 1_000  # elements per dist metric per rank
@@ -301,22 +301,7 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
 
 def run_world(world: int, timeout: float) -> list[tuple[str, list[dict]]]:
     """Spawn ``world`` gloo ranks; every case's per-rank results."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        out = queue.get(timeout=timeout)
-        if isinstance(out, str):
-            raise RuntimeError(out)
-        return out
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    return spawn_ranks(worker, world, (), timeout)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,9 +57,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from rlmetrics.collectives import free_port
+from spawn_ranks import spawn_ranks
 
 import sync_ops
 from results_md import write_section
@@ -208,22 +207,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: An
 
 def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:
     """Spawn ``world`` gloo ranks and return rank 0's merged timings and op counts."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        out = queue.get(timeout=args.timeout)
-        if isinstance(out, str):
-            raise RuntimeError(out)
-        return out
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    return spawn_ranks(worker, world, (args,), args.timeout)
 
 
 def stats(samples: list[int]) -> tuple[float, float, int]:

@@ -1,0 +1,32 @@
+"""Run a benchmark's worker on a local gloo group of spawned ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from rlmetrics.collectives import free_port
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: float) -> Any:
+    """Spawn ``world`` processes running ``worker(rank, world, port, *args, queue)`` and
+    return the first object one puts on ``queue``; a string there is an error report,
+    raised. The processes are joined (killed after 30 s) whatever happens."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        out = queue.get(timeout=timeout)
+        if isinstance(out, str):
+            raise RuntimeError(out)
+        return out
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
