@@ -230,23 +230,6 @@ class Table:
         return part
 
     # -- one row --------------------------------------------------------------------
-    def state(self, row: int, kind: Kind) -> MetricState:
-        """Row ``row``'s whole state on the host (reads the device half: may sync)."""
-        (s, m), sum_at, max_at = self.widths[row], self.sum_at[row], self.max_at[row]
-        sums = self.sums[sum_at : sum_at + s].copy()
-        maxes = self.maxes[max_at : max_at + m].copy()
-        counts = self.counts[row].copy()
-        part = self.device_part
-        if part is not None:
-            sums += part.sums[sum_at : sum_at + s].cpu().numpy()
-            maxes = np.maximum(maxes, part.maxes[max_at : max_at + m].cpu().numpy())
-            counts += part.counts[row].cpu().numpy()
-        extra = self.whole_extra(row, kind) if kind.has_extra else None
-        return MetricState(
-            kind.name, tuple(sums.tolist()), tuple(maxes.tolist()), extra,
-            float(counts[0]), kind.fingerprint(),
-        )  # fmt: skip
-
     def rejected(self, row: int) -> float:
         """Row ``row``'s rejected-call count (reads the device half: may sync)."""
         count = float(self.counts[row, -1])

@@ -281,7 +281,3 @@ class Accumulator:
     def count(self, slot: int, amount: float = 1.0) -> None:
         """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
         self.table.count(self.row, slot, amount)
-
-    def state(self) -> MetricState:
-        """This metric's whole state on the host (may sync)."""
-        return self.table.state(self.row, self.kind)
