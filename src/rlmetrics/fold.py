@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from itertools import chain
+from itertools import accumulate
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator, Kind
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch, to_device
+from rlmetrics.record import NumberRecords
 from rlmetrics.table import Table
 
 
@@ -42,38 +43,46 @@ class ModifiedInputError(ValueError):
     """A logged tensor was changed in place before the step's end."""
 
 
-def fold(accs: list[Accumulator], table: Table, nonfinite: str) -> None:
-    """Reduce the records of ``accs`` into their rows of ``table``; clear the records.
+def fold(accs: list[Accumulator], numbers: NumberRecords, table: Table, nonfinite: str) -> None:
+    """Reduce the records of ``accs`` (their own, and the tracker's flat ``numbers``)
+    into their rows of ``table``; clear the records.
+
+    Host data folds first, then each device's: a metric's flat numbers were all logged
+    before its first tensor record, so a kind that keeps the latest value sees them in
+    call order.
 
     Raises:
         ModifiedInputError: a logged tensor changed in place; the records of the metrics
             named are dropped (reported once), every other metric is folded.
     """
-    devices: dict[Any, list[_Group]] = {}
+    with_records = list(filter(_get_values, accs))
     modified: list[str] = []
-    for group in _kind_groups(accs, table):
-        members = list(filter(_get_values, group.members))
-        if not members:
-            continue
-        if any(map(_get_versions, members)):
-            dropped = [acc for acc in members if acc.versions and _modified(acc)]
-            for acc in dropped:
+    if any(map(_get_versions, with_records)):
+        for acc in with_records:
+            if acc.versions and _modified(acc):
                 modified.append(acc.name)
                 acc.clear_records()
-            members = list(filter(_get_values, members))
-        record_devices = set(map(_get_record_device, members))
-        if len(record_devices) == 1 and len(members) == len(group.members):
-            devices.setdefault(record_devices.pop(), []).append(group)
-            continue
-        for device in record_devices:
-            on_device = [acc for acc in members if acc.record_device == device]
-            devices.setdefault(device, []).append(_Group(on_device))
-    for device, kinds in devices.items():
-        if device is None:
-            _fold_records(table, device, kinds, nonfinite)
+        with_records = list(filter(_get_values, with_records))
+    on_device: dict[Any, list[Accumulator]] = {}
+    host: list[Accumulator] = []
+    for acc in with_records:
+        if acc.record_device is None:
+            host.append(acc)
         else:
-            with torch.no_grad():
-                _fold_records(table, device, kinds, nonfinite)
+            on_device.setdefault(acc.record_device, []).append(acc)
+    if numbers.values or host:
+        _fold_records(table, _plan(table, None, accs), numbers, host, None, nonfinite)
+        numbers.clear()
+    for device, members in on_device.items():
+        plan = _plan(table, device, members)
+        with torch.no_grad():
+            _fold_records(table, plan, None, plan.members, device, nonfinite)
+    if any(map(_get_num_arrays, with_records)):
+        for acc in with_records:
+            acc.clear_records()
+    else:  # python numbers only: two lists each
+        deque(map(list.clear, map(_get_values, with_records)), 0)
+        deque(map(list.clear, map(_get_weights, with_records)), 0)
     if modified:
         raise ModifiedInputError(
             "tensors logged this step were changed in place before compute(), so the "
@@ -85,7 +94,6 @@ def fold(accs: list[Accumulator], table: Table, nonfinite: str) -> None:
 _get_values = attrgetter("values")
 _get_weights = attrgetter("weights")
 _get_versions = attrgetter("versions")
-_get_record_device = attrgetter("record_device")
 _get_num_arrays = attrgetter("num_arrays")
 _get_row = attrgetter("row")
 _get_num_checked = attrgetter("num_checked")
@@ -107,17 +115,43 @@ class _Group:
         return self._positions
 
 
-def _kind_groups(accs: list[Accumulator], table: Table) -> list[_Group]:
-    """``accs`` grouped by kind object, in order; cached on ``table`` for as long as
-    the same accumulators come (a steady-state step)."""
-    cached = table.fold_groups
+class _Plan:
+    """The metrics of one fold grouped by kind (``members`` in that order), and where
+    each table row's metric is in that order (``index``: -1 for a row not in it)."""
+
+    def __init__(self, accs: list[Accumulator], table: Table) -> None:
+        by_kind: dict[int, list[Accumulator]] = {}
+        for acc in accs:
+            by_kind.setdefault(id(acc.kind), []).append(acc)
+        self.groups = [_Group(members) for members in by_kind.values()]
+        self.members = [acc for group in self.groups for acc in group.members]
+        self.bounds = list(accumulate((len(group.members) for group in self.groups), initial=0))
+        self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
+        self.index = np.full(table.num_rows, -1, dtype=np.int64)
+        self.index[self.rows] = np.arange(len(self.rows))
+        self._numbers: tuple[np.ndarray, _Layout] | None = None
+
+    def numbers_layout(self, table_rows: np.ndarray) -> _Layout:
+        """The layout of flat numbers recorded for ``table_rows``; the last one is kept,
+        since a steady-state step logs its metrics in the same order every time."""
+        cached = self._numbers
+        if cached is not None and np.array_equal(cached[0], table_rows):
+            return cached[1]
+        rows = self.index[table_rows]
+        layout = _Layout.make(rows, rows, len(self.rows))
+        self._numbers = (table_rows, layout)
+        return layout
+
+
+def _plan(table: Table, device: torch.device | None, accs: list[Accumulator]) -> _Plan:
+    """The plan of ``accs`` folding on ``device`` (None: the host), cached on ``table``
+    for as long as the same accumulators come (a steady-state step)."""
+    cached = table.fold_plans.get(device)
     if cached is not None and cached[0] == accs:  # identity
         return cached[1]
-    groups: dict[int, list[Accumulator]] = {}
-    for acc in accs:
-        groups.setdefault(id(acc.kind), []).append(acc)
-    table.fold_groups = (accs, [_Group(members) for members in groups.values()])
-    return table.fold_groups[1]
+    plan = _Plan(accs, table)
+    table.fold_plans[device] = (accs, plan)
+    return plan
 
 
 def _modified(acc: Accumulator) -> bool:
@@ -134,21 +168,25 @@ def _modified(acc: Accumulator) -> bool:
 
 
 def _fold_records(
-    table: Table, device: torch.device | None, groups: list[_Group], nonfinite: str
+    table: Table,
+    plan: _Plan,
+    numbers: NumberRecords | None,
+    accs: list[Accumulator],
+    device: torch.device | None,
+    nonfinite: str,
 ) -> None:
-    """Fold one device's (or the host's) records: one batch for all its metrics, each
-    kind reducing its own rows into ``table``."""
-    accs = [acc for group in groups for acc in group.members]
+    """Fold one backend's records (the host's: ``numbers`` and the host records of
+    ``accs``; a device's: the records of ``accs``): one batch for all, each kind
+    reducing its own rows into ``table``."""
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-        batch, flags = _batch(accs, device, nonfinite)
-        row = element = call = 0
-        for group in groups:
-            kind, members = group.kind, group.members
-            rows = slice(row, row + len(members))
-            size = sum(batch.lengths[rows])
-            calls = sum(map(len, map(_get_values, members)))
-            part = batch.part(rows, slice(element, element + size), slice(call, call + calls))
-            row, element, call = rows.stop, element + size, call + calls
+        batch, layout, flags = _batch(plan, numbers, accs, device, nonfinite)
+        element_at, call_at = layout.element_at, layout.call_at
+        for group, start, stop in zip(plan.groups, plan.bounds, plan.bounds[1:], strict=False):
+            elements = slice(element_at[start], element_at[stop])
+            if elements.start == elements.stop:
+                continue  # nothing of this kind was logged since the last fold
+            kind = group.kind
+            part = batch.part(slice(start, stop), elements, slice(call_at[start], call_at[stop]))
             sums, maxes = kind.reduce(part)
             positions = group.positions(table)
             present = None
@@ -161,14 +199,7 @@ def _fold_records(
             if kind.has_extra:
                 _fold_extras(table, kind, positions[0], kind.reduce_extra(part), batch.on_host)
         if flags is not None:
-            rows_all = np.fromiter(map(_get_row, accs), np.int64, len(accs))
-            table.add_counts(rows_all, flags)
-    if any(map(_get_num_arrays, accs)):
-        for acc in accs:
-            acc.clear_records()
-    else:  # python numbers only: two lists each
-        deque(map(list.clear, map(_get_values, accs)), 0)
-        deque(map(list.clear, map(_get_weights, accs)), 0)
+            table.add_counts(plan.rows, flags)
 
 
 def _fold_extras(
@@ -183,52 +214,115 @@ def _fold_extras(
         dev_extras[row] = kind.merge_dev_extra(dev_extras.get(row), extra)
 
 
+class _Layout(NamedTuple):
+    """Where a fold's elements go: the joined records put in plan order, and the
+    boundaries of each plan row's elements and calls."""
+
+    order: np.ndarray | None  # elements into plan order (None: they are in it)
+    call_order: np.ndarray | None
+    segments: np.ndarray  # per element (in plan order), its plan row
+    lengths: np.ndarray  # per plan row, its elements
+    element_at: list[int]  # per plan row, where its elements start (and the end)
+    call_at: list[int]  # per plan row, where its calls start (and the end)
+
+    @staticmethod
+    def make(rows: np.ndarray, call_rows: np.ndarray, num_rows: int) -> _Layout:
+        """The layout of elements and calls whose plan rows are ``rows``, ``call_rows``
+        (each in the order recorded)."""
+        order = call_order = None
+        if len(rows) > 1 and (rows[1:] < rows[:-1]).any():
+            order = np.argsort(rows, kind="stable")
+            rows = rows[order]
+        if len(call_rows) > 1 and (call_rows[1:] < call_rows[:-1]).any():
+            call_order = np.argsort(call_rows, kind="stable")
+        lengths = np.bincount(rows, minlength=num_rows)
+        row_calls = np.bincount(call_rows, minlength=num_rows)
+        element_at = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        call_at = np.concatenate(([0], np.cumsum(row_calls))).tolist()
+        return _Layout(order, call_order, rows, lengths, element_at, call_at)
+
+
 def _batch(
-    accs: list[Accumulator], device: torch.device | None, nonfinite: str
-) -> tuple[Batch, Array | None]:
-    """The records of ``accs`` as one screened batch, and per metric its framework counts
+    plan: _Plan,
+    numbers: NumberRecords | None,
+    accs: list[Accumulator],
+    device: torch.device | None,
+    nonfinite: str,
+) -> tuple[Batch, _Layout, Array | None]:
+    """The records as one screened batch in ``plan``'s order (each metric's elements
+    together, in call order), its layout, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
+    if not accs:  # python numbers only: checked when logged, one element per call
+        value, weight, table_rows = numbers.arrays()
+        layout = plan.numbers_layout(table_rows)
+        if layout.order is not None:
+            value, weight = value[layout.order], weight[layout.order]
+        calls = np.ones(len(value), dtype=np.int64)
+        return Batch(value, weight, layout.segments, layout.lengths, calls), layout, None
+    # per source (the flat numbers first, then each metric's own records): values,
+    # weights, each element's and each call's plan row, call sizes
+    values, weights, element_rows, call_rows, call_lengths = [], [], [], [], []
+    if numbers is not None and numbers.values:
+        number_values, number_weights, table_rows = numbers.arrays()
+        rows = plan.index[table_rows]
+        values.append(number_values)
+        weights.append(number_weights)
+        element_rows.append(rows)
+        call_rows.append(rows)
+        call_lengths.append(np.ones(len(rows), dtype=np.int64))
+    parts = _Parts()
+    for acc in accs:
+        parts.add(acc)
+    parts.flush()
+    acc_rows = plan.index[np.fromiter(map(_get_row, accs), np.int64, len(accs))]
+    values.append(assemble(parts.values, device))
+    weights.append(assemble(parts.weights, device))
+    element_rows.append(np.repeat(acc_rows, parts.lengths))
+    call_rows.append(np.repeat(acc_rows, [len(acc.values) for acc in accs]))
+    call_lengths.append(np.asarray(parts.call_lengths, dtype=np.int64))
+    value, weight = _joined(values, device), _joined(weights, device)
+    call_row, call_length = _joined_host(call_rows), _joined_host(call_lengths)
+    num_rows = len(plan.rows)
+    layout = _Layout.make(_joined_host(element_rows), call_row, num_rows)
+    if layout.order is not None:
+        order = _on(layout.order, device)
+        value, weight = value[order], weight[order]
+    if layout.call_order is not None:
+        call_row, call_length = call_row[layout.call_order], call_length[layout.call_order]
     make = Batch if device is None else DeviceBatch
-    if any(map(_get_num_arrays, accs)):
-        parts = _Parts()
-        for acc in accs:
-            parts.add(acc)
-        parts.flush()
-        call_lengths, lengths = parts.call_lengths, parts.lengths
-        values = assemble(parts.values, device)
-        weights = assemble(parts.weights, device)
-    else:  # python numbers only: one element per call
-        lengths = list(map(len, map(_get_values, accs)))
-        total = sum(lengths)
-        call_lengths = [1] * total
-        values = np.array(list(chain.from_iterable(map(_get_values, accs))), np.float64)
-        weights = np.array(list(chain.from_iterable(map(_get_weights, accs))), np.float64)
-        if device is not None:
-            values, weights = to_device(values, device), to_device(weights, device)
-    segments = np.repeat(np.arange(len(accs)), lengths)
-    batch = make(values, weights, _on(segments, device), lengths, call_lengths)
-    checks = nonfinite == "error" or any(map(_get_num_checked, accs))
+    batch = make(value, weight, _on(layout.segments, device), layout.lengths, call_length)
     flags = None
     zero = 0.0
-    if checks or nonfinite == "skip":
-        calls = _on(np.repeat(np.arange(len(call_lengths)), call_lengths), device)
-        call_rows = np.repeat(np.arange(len(accs)), [len(acc.values) for acc in accs])
-        bad = ~((weights >= 0) & (weights < math.inf))  # NaN fails both
+    if nonfinite != "propagate" or any(map(_get_num_checked, accs)):
+        calls = _on(np.repeat(np.arange(len(call_length)), call_length), device)
+        bad = ~((weight >= 0) & (weight < math.inf))  # NaN fails both
         if nonfinite == "error":
-            bad = bad | ((weights > 0) & ~batch.isfinite(values))
-        call_bad = batch.sum_by(bad * 1.0, calls, len(call_lengths)) > 0
-        rejected = batch.sum_by(call_bad * 1.0, _on(call_rows, device), len(accs))
-        weights = batch.where(call_bad[calls], zero, weights)
+            bad = bad | ((weight > 0) & ~batch.isfinite(value))
+        call_bad = batch.sum_by(bad * 1.0, calls, len(call_length)) > 0
+        rejected = batch.sum_by(call_bad * 1.0, _on(call_row, device), num_rows)
+        weight = batch.where(call_bad[calls], zero, weight)
         skipped = rejected * 0.0
         if nonfinite == "skip":
-            finite = batch.isfinite(values)
-            skipped = batch.sum_by(((weights > 0) & ~finite) * 1.0)
-            weights = batch.where(finite, weights, zero)
+            finite = batch.isfinite(value)
+            skipped = batch.sum_by(((weight > 0) & ~finite) * 1.0)
+            weight = batch.where(finite, weight, zero)
         flags = batch.columns(skipped, rejected)
-    selected = weights > 0
-    batch.weights, batch.values = weights, batch.where(selected, values, zero)
+    selected = weight > 0
+    batch.weights, batch.values = weight, batch.where(selected, value, zero)
     batch._selected = selected
-    return batch, flags
+    return batch, layout, flags
+
+
+def _joined(arrays: list[Array], device: torch.device | None) -> Array:
+    """Host arrays and (on a device) tensors as one 1-D array on the fold's backend."""
+    if device is not None:
+        arrays = [a if isinstance(a, Tensor) else to_device(a, device) for a in arrays]
+        return torch.cat(arrays) if len(arrays) > 1 else arrays[0]
+    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+
+
+def _joined_host(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
 
 
 class _Parts:

@@ -37,8 +37,51 @@ from rlmetrics.kinds.base import NONFINITE_SLOT
 BOOL_DTYPES = (torch.bool, np.dtype(bool))
 
 
-def record_number(acc: Accumulator, name: str, value: float, weight: float, nonfinite: str) -> None:
-    """Record one python number with a python weight (checked now: it is on the host)."""
+class NumberRecords:
+    """A tracker's python-number log calls, flat and in call order: the value, weight
+    and metric row of each, in three lists, so that a log call appends three numbers
+    and the fold turns each list into one array, however many metrics there were.
+
+    A metric's numbers go here until its first array or tensor record of the step
+    (``Accumulator.flat``); later ones go to its own records, after that one, so each
+    metric's calls keep their order.
+    """
+
+    __slots__ = ("rows", "values", "weights")
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.weights: list[float] = []
+        self.rows: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def clear(self) -> None:
+        self.values.clear()
+        self.weights.clear()
+        self.rows.clear()
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Values and weights (float64) and rows (int64), one array each."""
+        size = len(self.values)
+        return (
+            np.fromiter(self.values, np.float64, size),
+            np.fromiter(self.weights, np.float64, size),
+            np.fromiter(self.rows, np.int64, size),
+        )
+
+
+def record_number(
+    acc: Accumulator,
+    name: str,
+    value: float,
+    weight: float,
+    nonfinite: str,
+    numbers: NumberRecords,
+) -> None:
+    """Record one python number with a python weight (checked now: it is on the host),
+    into ``numbers`` while the metric has no array record this step."""
     if weight != 1.0:
         check_weight_number(name, weight)
         if weight == 0.0:  # contributes nothing, NaN or not, under every policy
@@ -52,8 +95,13 @@ def record_number(acc: Accumulator, name: str, value: float, weight: float, nonf
         acc.count(NONFINITE_SLOT)
         return
     acc.kept_call = True
-    acc.values.append(value)
-    acc.weights.append(weight)
+    if acc.flat:
+        numbers.values.append(value)
+        numbers.weights.append(weight)
+        numbers.rows.append(acc.row)
+    else:
+        acc.values.append(value)
+        acc.weights.append(weight)
 
 
 def _check_parts(acc: Accumulator, name: str, size: int) -> None:
@@ -185,11 +233,13 @@ def record_tensor(
     return size
 
 
-def record_prepared(acc: Accumulator, name: str, prepared: Prepared, nonfinite: str) -> None:
+def record_prepared(
+    acc: Accumulator, name: str, prepared: Prepared, nonfinite: str, numbers: NumberRecords
+) -> None:
     """Record a prepared value into ``acc`` (the metric called ``name``)."""
     value = prepared.value
     if value is None:
-        record_number(acc, name, prepared.number, prepared.weight_number, nonfinite)
+        record_number(acc, name, prepared.number, prepared.weight_number, nonfinite, numbers)
         return
     if acc.kind.parts != 1:
         _check_parts(acc, name, prepared.size)

@@ -22,7 +22,14 @@ from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
 from rlmetrics.log_methods import LogMethods, PrefixedTracker
 from rlmetrics.packing import Packing, RejectedInputError, in_order, local_reduce
-from rlmetrics.record import Prepared, prepare, record_number, record_prepared, record_tensor
+from rlmetrics.record import (
+    NumberRecords,
+    Prepared,
+    prepare,
+    record_number,
+    record_prepared,
+    record_tensor,
+)
 from rlmetrics.reduced import Reduced
 from rlmetrics.state import TrackerState, check_metric
 from rlmetrics.table import Table
@@ -121,6 +128,7 @@ class Tracker(LogMethods):
         self._table = Table()  # every pooled metric's folded state, a row each
         self._local: tuple[list[Accumulator], Packing] | None = None  # compute(sync=False)
         self._lock = threading.RLock()  # see "Threads" above
+        self._numbers = NumberRecords()  # python-number calls since the last fold
         self._recorded = 0  # elements and calls recorded since the last fold
         self.pending_timers: list[Any] = []  # device timers not read yet (rlmetrics.timing)
         self._groups = Groups()  # calls with by= waiting for the fold
@@ -152,6 +160,20 @@ class Tracker(LogMethods):
                     del self._accumulators[name]  # a failed first call leaves no empty metric
                     raise
                 return
+            if (
+                type(value) is float
+                and weight is None
+                and acc.flat
+                and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
+            ):  # the most common call, record_number's work written out
+                numbers = self._numbers
+                numbers.values.append(value)
+                numbers.weights.append(1.0)
+                numbers.rows.append(acc.row)
+                self._recorded += 1
+                if self._recorded > self.record_limit:
+                    self._fold(wait=False)
+                return
             self._log_value(acc, name, value, weight)
         finally:
             lock.release()
@@ -170,16 +192,19 @@ class Tracker(LogMethods):
                 as_number(name, value)
                 as_number(name, weight, "weight")
                 raise
-            record_number(acc, name, number, weight, self.nonfinite)
+            record_number(acc, name, number, weight, self.nonfinite, self._numbers)
             self._recorded += 1
         elif value_type is Tensor and (weight is None or type(weight) is Tensor):
             self._recorded += 1 + record_tensor(
                 acc, name, value, weight, self.nonfinite, self.host_arrays
             )
+            acc.flat = False  # later numbers follow this record in the metric's own
         else:
             if value_type is not Prepared:
                 value = prepare(name, value, weight, host_arrays=self.host_arrays)
-            record_prepared(acc, name, value, self.nonfinite)
+            record_prepared(acc, name, value, self.nonfinite, self._numbers)
+            if value.value is not None:
+                acc.flat = False
             self._recorded += 1 + value.size
         if self._recorded > self.record_limit:
             self._fold(wait=False)
@@ -210,7 +235,7 @@ class Tracker(LogMethods):
                 self._groups.resolve(self)
             finally:
                 self._recorded = 0
-                fold(list(self._accumulators.values()), self._table, self.nonfinite)
+                fold(list(self._accumulators.values()), self._numbers, self._table, self.nonfinite)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -363,6 +388,7 @@ class Tracker(LogMethods):
         self.__dict__.setdefault("pending_timers", [])
         self._lock = threading.RLock()
         self.__dict__.setdefault("_groups", Groups())  # pickled before groups existed
+        self.__dict__.setdefault("_numbers", NumberRecords())
         for acc in self._accumulators.values():
             try:
                 kind = self.kind(acc.kind.name)
@@ -377,6 +403,7 @@ class Tracker(LogMethods):
         the calls with ``by=`` not split yet."""
         self.pending_timers = []
         self._groups.clear()
+        self._numbers.clear()
         for acc in self._accumulators.values():
             if acc.values:
                 acc.clear()  # drops the records (the tensors they keep alive) now

@@ -241,8 +241,9 @@ class Kind:
 class Accumulator:
     """One metric in a Tracker: this step's records, and where its state is.
 
-    A log call appends its value and weight to ``values`` and ``weights`` as logged
-    (python floats, host arrays, tensors): no arithmetic. ``rlmetrics.fold`` reduces
+    A log call appends its value and weight as logged (python floats, host arrays,
+    tensors), no arithmetic: python numbers to the tracker's flat ``NumberRecords``
+    while ``flat`` holds, everything else to ``values`` and ``weights``. ``rlmetrics.fold`` reduces
     the records into the metric's row of the tracker's ``Table`` at step end (or when
     the tracker's records pass their memory bound): host data into the host half, a
     metric with a tensor record on its device into the device half (no host sync).
@@ -263,6 +264,12 @@ class Accumulator:
     record_device: torch.device | None = None  # a tensor record's device: the fold's
     num_arrays: int = 0  # records that are not python numbers
     versions: list[int] = field(default_factory=list)  # tensor records' (weight, value)
+    # python numbers go to the tracker's flat records (until an array record, and only
+    # for a kind that takes a single number)
+    flat: bool = False
+
+    def __post_init__(self) -> None:
+        self.flat = self.kind.parts == 1
 
     def clear(self) -> None:
         """A new step: no records, no calls counted."""
@@ -277,6 +284,7 @@ class Accumulator:
         self.versions.clear()
         self.record_device = None
         self.num_arrays = 0
+        self.flat = self.kind.parts == 1
 
     def count(self, slot: int, amount: float = 1.0) -> None:
         """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -33,8 +32,9 @@ class Batch:
         values: float64, 1-D, every element in call order, metric by metric.
         weights: float64, 1-D, the elements' weights (> 0: selected).
         segments: int64, 1-D, the row (metric) of each element, ascending.
-        lengths: the number of elements of each row (known on the host).
-        call_lengths: the number of elements of each log call, in order.
+        lengths: int64 host array, the number of elements of each row.
+        call_lengths: int64 host array, the number of elements of each log call, in
+            order.
         num_rows: how many metrics the batch holds.
     """
 
@@ -46,14 +46,14 @@ class Batch:
         values: Array,
         weights: Array,
         segments: Array,
-        lengths: Sequence[int],
-        call_lengths: Sequence[int],
+        lengths: Sequence[int] | np.ndarray,
+        call_lengths: Sequence[int] | np.ndarray,
     ) -> None:
         self.values = values
         self.weights = weights
         self.segments = segments
-        self.lengths = list(lengths)
-        self.call_lengths = call_lengths
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.call_lengths = np.asarray(call_lengths, dtype=np.int64)
         self.num_rows = len(self.lengths)
         self._selected: Array | None = None
 
@@ -92,13 +92,13 @@ class Batch:
     def max_by(self, x: Array) -> Array:
         """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
         lengths = self.lengths
-        starts = list(accumulate(lengths[:-1], initial=0))
-        if 0 not in lengths:
+        starts = np.cumsum(lengths) - lengths
+        if lengths.all():
             return np.maximum.reduceat(x, starts)
         out = np.full(self.num_rows, -math.inf)
-        rows = [row for row, length in enumerate(lengths) if length]
-        if rows:
-            out[rows] = np.maximum.reduceat(x, [starts[row] for row in rows])
+        nonempty = lengths > 0
+        if nonempty.any():
+            out[nonempty] = np.maximum.reduceat(x, starts[nonempty])
         return out
 
     def last_by(self, x: Array) -> tuple[Array, Array]:
@@ -111,7 +111,7 @@ class Batch:
     def chunk_index(self, parts: int) -> Array:
         """Per element, which of ``parts`` equal chunks of its call it falls in (calls
         hold a multiple of ``parts`` elements: see ``Kind.parts``)."""
-        lengths = np.asarray(self.call_lengths, dtype=np.int64)
+        lengths = self.call_lengths
         starts = np.cumsum(lengths) - lengths
         position = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
         chunk = np.repeat(np.maximum(-(-lengths // parts), 1), lengths)
@@ -184,7 +184,7 @@ class DeviceBatch(Batch):
         return torch.stack([c.to(torch.float64) for c in columns], dim=1)
 
     def split(self, x: Tensor) -> list[Tensor]:
-        return list(x.split(self.lengths))
+        return list(x.split(self.lengths.tolist()))
 
     def positions(self) -> Tensor:
         return torch.arange(len(self.values), dtype=torch.float64, device=self.values.device)
