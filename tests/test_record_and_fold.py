@@ -236,3 +236,26 @@ def test_random_step_sequences_match_numpy(seed: int) -> None:
         assert got.keys() == want.keys()
         for name, value in want.items():
             assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
+
+
+def test_steps_that_log_the_same_numbers_in_another_order_fold_each_order() -> None:
+    """The flat numbers' layout is kept from one step to the next only while the calls
+    come in the same order: steps that reorder the same calls (same count, same metrics)
+    or change their count report numpy's values on each step's data."""
+    rng = random.Random(7)
+    t = Tracker()
+    names = [(f"m{i}", kind) for i, kind in enumerate(["mean", "last", "max", "std"] * 3)]
+    for step in range(12):
+        calls = [(name, kind, rng.uniform(-3, 3)) for name, kind in names for _ in range(3)]
+        if step % 3:
+            rng.shuffle(calls)
+        if step % 4 == 3:
+            calls = calls[: len(calls) - 2]
+        data: dict[str, tuple[str, list[float]]] = {}
+        for name, kind, x in calls:
+            getattr(t, kind)(name, x)
+            data.setdefault(name, (kind, []))[1].append(x)
+        got = t.compute(sync=False)
+        for name, (kind, values) in data.items():
+            want = SEQUENCE_KINDS[kind](np.array(values))
+            assert got[name] == pytest.approx(want, rel=1e-12, abs=1e-12), (step, name)
