@@ -130,6 +130,20 @@ class _Plan:
         self.index = np.full(table.num_rows, -1, dtype=np.int64)
         self.index[self.rows] = np.arange(len(self.rows))
         self._numbers: tuple[np.ndarray, _Layout] | None = None
+        self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+
+    def positions(self, groups: list[int], table: Table) -> tuple[np.ndarray, np.ndarray]:
+        """The SUM and MAX positions of the rows of ``groups`` (indices into
+        ``self.groups``), flat, in order; kept per set of groups."""
+        key = tuple(groups)
+        cached = self._positions.get(key)
+        if cached is None:
+            positions = [self.groups[i].positions(table) for i in groups]
+            cached = self._positions[key] = (
+                np.concatenate([sums.reshape(-1) for _, sums, _ in positions]),
+                np.concatenate([maxes.reshape(-1) for _, _, maxes in positions]),
+            )
+        return cached
 
     def numbers_layout(self, table_rows: np.ndarray) -> _Layout:
         """The layout of flat numbers recorded for ``table_rows``; the last one is kept,
@@ -181,7 +195,9 @@ def _fold_records(
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
         batch, layout, flags = _batch(plan, numbers, accs, device, nonfinite)
         element_at, call_at = layout.element_at, layout.call_at
-        for group, start, stop in zip(plan.groups, plan.bounds, plan.bounds[1:], strict=False):
+        added: list[tuple[int, np.ndarray, np.ndarray]] = []  # host rows that add
+        for i, group in enumerate(plan.groups):
+            start, stop = plan.bounds[i], plan.bounds[i + 1]
             elements = slice(element_at[start], element_at[stop])
             if elements.start == elements.stop:
                 continue  # nothing of this kind was logged since the last fold
@@ -189,15 +205,26 @@ def _fold_records(
             part = batch.part(slice(start, stop), elements, slice(call_at[start], call_at[stop]))
             sums, maxes = kind.reduce(part)
             positions = group.positions(table)
-            present = None
             if kind.replaces:  # a row with no selected value keeps the old one
                 present = (sums != 0).any(1) | (maxes != -math.inf).any(1)
-            if batch.on_host:
-                table.add(kind, positions, sums, maxes, present)
+                if batch.on_host:
+                    table.replace(positions, sums, maxes, present)
+                else:
+                    table.replace_device(positions, sums, maxes, present)
+            elif batch.on_host:
+                added.append((i, sums, maxes))
             else:
-                table.add_device(kind, positions, sums, maxes, present)
+                table.add_device(positions, sums, maxes)
             if kind.has_extra:
                 _fold_extras(table, kind, positions[0], kind.reduce_extra(part), batch.on_host)
+        if added:
+            sum_positions, max_positions = plan.positions([i for i, _, _ in added], table)
+            table.add(
+                sum_positions,
+                np.concatenate([sums.reshape(-1) for _, sums, _ in added]),
+                max_positions,
+                np.concatenate([maxes.reshape(-1) for _, _, maxes in added]),
+            )
         if flags is not None:
             table.add_counts(plan.rows, flags)
 

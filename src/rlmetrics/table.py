@@ -155,52 +155,58 @@ class Table:
 
     # -- folding --------------------------------------------------------------------
     def add(
-        self, kind: Kind, positions: Positions, sums: np.ndarray, maxes: np.ndarray, present: Any
+        self, sum_positions: np.ndarray, sums: np.ndarray, max_positions: np.ndarray, maxes: Any
     ) -> None:
-        """Fold host rows in (``positions`` as ``positions`` gives them): sums add, maxes
-        take the max. For a replacing kind the rows ``present`` (those with a new value)
-        replace their old value, on both halves."""
-        _, sum_pos, max_pos = positions
-        if kind.replaces:
-            sum_pos, max_pos, sums, maxes = (
-                sum_pos[present], max_pos[present], sums[present], maxes[present]
-            )  # fmt: skip
-            self.sums[sum_pos] = sums
-            self.maxes[max_pos] = maxes
-            part = self.device_part
-            if part is not None and sum_pos.size:
-                part.sums[self.index_on(sum_pos, part.device)] = 0.0
-                part.maxes[self.index_on(max_pos, part.device)] = -math.inf
-            return
-        if kind.num_sums:
-            self.sums[sum_pos] += sums
-        if kind.num_maxes:
-            self.maxes[max_pos] = np.maximum(self.maxes[max_pos], maxes)
+        """Fold host rows in: ``sums`` add at ``sum_positions`` and ``maxes`` take the
+        max at ``max_positions`` (flat, each position once)."""
+        self.sums[sum_positions] += sums
+        self.maxes[max_positions] = np.maximum(self.maxes[max_positions], maxes)
 
-    def add_device(
-        self, kind: Kind, positions: Positions, sums: Tensor, maxes: Tensor, present: Any
+    def replace(
+        self, positions: Positions, sums: np.ndarray, maxes: np.ndarray, present: Any
     ) -> None:
-        """Fold device rows in (no host sync). A replacing kind's rows ``present`` (a
-        device bool per row) replace the old value, which spans both halves: the host
+        """Fold host rows of a replacing kind in (``positions`` as ``positions`` gives
+        them): the rows ``present`` (with a new value) replace their old value, on both
+        halves."""
+        _, sum_pos, max_pos = positions
+        sum_pos, max_pos = sum_pos[present], max_pos[present]
+        self.sums[sum_pos] = sums[present]
+        self.maxes[max_pos] = maxes[present]
+        part = self.device_part
+        if part is not None and sum_pos.size:
+            part.sums[self.index_on(sum_pos, part.device)] = 0.0
+            part.maxes[self.index_on(max_pos, part.device)] = -math.inf
+
+    def add_device(self, positions: Positions, sums: Tensor, maxes: Tensor) -> None:
+        """Fold device rows in (no host sync): sums add, maxes take the max."""
+        part = self.device_for(sums.device)
+        sums, maxes = sums.to(part.device), maxes.to(part.device)
+        _, sum_pos, max_pos = positions
+        sum_index = self.index_on(sum_pos, part.device)
+        max_index = self.index_on(max_pos, part.device)
+        part.sums.index_add_(0, sum_index.reshape(-1), sums.reshape(-1))
+        part.maxes[max_index] = torch.maximum(part.maxes[max_index], maxes)
+
+    def replace_device(
+        self, positions: Positions, sums: Tensor, maxes: Tensor, present: Tensor
+    ) -> None:
+        """Fold device rows of a replacing kind in (no host sync): the rows ``present``
+        (a device bool per row) replace the old value, which spans both halves: the host
         half moves to the device first."""
         part = self.device_for(sums.device)
         sums, maxes = sums.to(part.device), maxes.to(part.device)
         _, sum_pos, max_pos = positions
         sum_index = self.index_on(sum_pos, part.device)
         max_index = self.index_on(max_pos, part.device)
-        if kind.replaces:
-            old_sums = part.sums[sum_index] + to_device(self.sums[sum_pos], part.device)
-            old_maxes = torch.maximum(
-                part.maxes[max_index], to_device(self.maxes[max_pos], part.device)
-            )
-            keep = present.to(part.device)[:, None]
-            part.sums[sum_index] = torch.where(keep, sums, old_sums)
-            part.maxes[max_index] = torch.where(keep, maxes, old_maxes)
-            self.sums[sum_pos] = 0.0
-            self.maxes[max_pos] = -math.inf
-            return
-        part.sums.index_add_(0, sum_index.reshape(-1), sums.reshape(-1))
-        part.maxes[max_index] = torch.maximum(part.maxes[max_index], maxes)
+        old_sums = part.sums[sum_index] + to_device(self.sums[sum_pos], part.device)
+        old_maxes = torch.maximum(
+            part.maxes[max_index], to_device(self.maxes[max_pos], part.device)
+        )
+        keep = present.to(part.device)[:, None]
+        part.sums[sum_index] = torch.where(keep, sums, old_sums)
+        part.maxes[max_index] = torch.where(keep, maxes, old_maxes)
+        self.sums[sum_pos] = 0.0
+        self.maxes[max_pos] = -math.inf
 
     def add_counts(self, rows: np.ndarray, counts: Any) -> None:
         """Add framework counts ([skipped, rejected] per row; host array or tensor)."""

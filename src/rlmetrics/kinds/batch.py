@@ -60,14 +60,14 @@ class Batch:
     def part(self, rows: slice, elements: slice, calls: slice) -> Batch:
         """The batch of ``rows`` (whose elements and calls are ``elements`` and
         ``calls``), its rows numbered from 0: the metrics of one kind."""
+        part = object.__new__(type(self))
         segments = self.segments[elements]
-        part = type(self)(
-            self.values[elements],
-            self.weights[elements],
-            segments - rows.start if rows.start else segments,
-            self.lengths[rows],
-            self.call_lengths[calls],
-        )
+        part.values = self.values[elements]
+        part.weights = self.weights[elements]
+        part.segments = segments - rows.start if rows.start else segments
+        part.lengths = self.lengths[rows]
+        part.call_lengths = self.call_lengths[calls]
+        part.num_rows = rows.stop - rows.start
         part._selected = self.selected()[elements]
         return part
 
@@ -133,6 +133,8 @@ class Batch:
 
     def columns(self, *columns: Array) -> Array:
         """Per-row columns as a (rows, len(columns)) state block."""
+        if len(columns) == 1:
+            return np.asarray(columns[0], dtype=np.float64)[:, None]
         if not columns:
             return np.zeros((self.num_rows, 0))
         return np.array(columns, dtype=np.float64).T
