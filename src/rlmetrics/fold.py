@@ -129,7 +129,7 @@ class _Plan:
         self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
         self.index = np.full(table.num_rows, -1, dtype=np.int64)
         self.index[self.rows] = np.arange(len(self.rows))
-        self._numbers: tuple[np.ndarray, _Layout] | None = None
+        self._numbers: tuple[list[int], _Layout] | None = None
         self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def positions(self, groups: list[int], table: Table) -> tuple[np.ndarray, np.ndarray]:
@@ -145,15 +145,15 @@ class _Plan:
             )
         return cached
 
-    def numbers_layout(self, table_rows: np.ndarray) -> _Layout:
-        """The layout of flat numbers recorded for ``table_rows``; the last one is kept,
-        since a steady-state step logs its metrics in the same order every time."""
+    def numbers_layout(self, numbers: NumberRecords) -> _Layout:
+        """The layout of the flat ``numbers``; the last one is kept, since a
+        steady-state step logs its metrics in the same order every time."""
         cached = self._numbers
-        if cached is not None and np.array_equal(cached[0], table_rows):
+        if cached is not None and cached[0] == numbers.rows:
             return cached[1]
-        rows = self.index[table_rows]
+        rows = self.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
         layout = _Layout.make(rows, rows, len(self.rows))
-        self._numbers = (table_rows, layout)
+        self._numbers = (list(numbers.rows), layout)
         return layout
 
 
@@ -206,7 +206,7 @@ def _fold_records(
             sums, maxes = kind.reduce(part)
             positions = group.positions(table)
             if kind.replaces:  # a row with no selected value keeps the old one
-                present = (sums != 0).any(1) | (maxes != -math.inf).any(1)
+                present = part.count() > 0
                 if batch.on_host:
                     table.replace(positions, sums, maxes, present)
                 else:
@@ -251,6 +251,7 @@ class _Layout(NamedTuple):
     lengths: np.ndarray  # per plan row, its elements
     element_at: list[int]  # per plan row, where its elements start (and the end)
     call_at: list[int]  # per plan row, where its calls start (and the end)
+    ones: np.ndarray  # a 1 per call (the call lengths of flat numbers)
 
     @staticmethod
     def make(rows: np.ndarray, call_rows: np.ndarray, num_rows: int) -> _Layout:
@@ -266,7 +267,8 @@ class _Layout(NamedTuple):
         row_calls = np.bincount(call_rows, minlength=num_rows)
         element_at = np.concatenate(([0], np.cumsum(lengths))).tolist()
         call_at = np.concatenate(([0], np.cumsum(row_calls))).tolist()
-        return _Layout(order, call_order, rows, lengths, element_at, call_at)
+        ones = np.ones(len(call_rows), dtype=np.int64)
+        return _Layout(order, call_order, rows, lengths, element_at, call_at, ones)
 
 
 def _batch(
@@ -280,18 +282,18 @@ def _batch(
     together, in call order), its layout, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
     if not accs:  # python numbers only: checked when logged, one element per call
-        value, weight, table_rows = numbers.arrays()
-        layout = plan.numbers_layout(table_rows)
+        layout = plan.numbers_layout(numbers)
+        value, weight = numbers.arrays()
         if layout.order is not None:
             value, weight = value[layout.order], weight[layout.order]
-        calls = np.ones(len(value), dtype=np.int64)
+        calls = layout.ones
         return Batch(value, weight, layout.segments, layout.lengths, calls), layout, None
     # per source (the flat numbers first, then each metric's own records): values,
     # weights, each element's and each call's plan row, call sizes
     values, weights, element_rows, call_rows, call_lengths = [], [], [], [], []
     if numbers is not None and numbers.values:
-        number_values, number_weights, table_rows = numbers.arrays()
-        rows = plan.index[table_rows]
+        number_values, number_weights = numbers.arrays()
+        rows = plan.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
         values.append(number_values)
         weights.append(number_weights)
         element_rows.append(rows)

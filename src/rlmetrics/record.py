@@ -62,13 +62,12 @@ class NumberRecords:
         self.weights.clear()
         self.rows.clear()
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Values and weights (float64) and rows (int64), one array each."""
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Values and weights, float64 arrays (the rows stay a list: the fold compares
+        them with the last step's)."""
         size = len(self.values)
-        return (
-            np.fromiter(self.values, np.float64, size),
-            np.fromiter(self.weights, np.float64, size),
-            np.fromiter(self.rows, np.int64, size),
+        return np.fromiter(self.values, np.float64, size), np.fromiter(
+            self.weights, np.float64, size
         )
 
 
