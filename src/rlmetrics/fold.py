@@ -286,8 +286,9 @@ def _batch(
         value, weight = numbers.arrays()
         if layout.order is not None:
             value, weight = value[layout.order], weight[layout.order]
-        calls = layout.ones
-        return Batch(value, weight, layout.segments, layout.lengths, calls), layout, None
+        batch = Batch(value, weight, layout.segments, layout.lengths, layout.ones)
+        batch.all_selected = True  # a python number with weight 0 is not recorded
+        return batch, layout, None
     # per source (the flat numbers first, then each metric's own records): values,
     # weights, each element's and each call's plan row, call sizes
     values, weights, element_rows, call_rows, call_lengths = [], [], [], [], []

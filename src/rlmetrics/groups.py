@@ -116,6 +116,8 @@ class Groups:
                 name already logged as another kind); those calls are dropped. Every
                 other call is logged first.
         """
+        if not self.pending:
+            return
         pending, self.pending = self.pending, []
         modified, errors = [], []
         self.resolving = True

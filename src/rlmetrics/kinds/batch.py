@@ -40,6 +40,7 @@ class Batch:
 
     on_host: bool = True
     xp: Any = np  # the array namespace: numpy here, torch on a device
+    all_selected: bool = False  # every weight is > 0 (the fold's batches of python numbers)
 
     def __init__(
         self,
@@ -68,7 +69,8 @@ class Batch:
         part.lengths = self.lengths[rows]
         part.call_lengths = self.call_lengths[calls]
         part.num_rows = rows.stop - rows.start
-        part._selected = self.selected()[elements]
+        part.all_selected = self.all_selected
+        part._selected = None if self.all_selected else self.selected()[elements]
         return part
 
     # -- operations a kind's reduce uses ---------------------------------------------
@@ -80,7 +82,13 @@ class Batch:
 
     def count(self) -> Array:
         """Per row, the number of selected elements."""
+        if self.all_selected:
+            return self.lengths.astype(np.float64)
         return self.sum_by(self.selected())
+
+    def select(self, x: Array, fill: float) -> Array:
+        """``x`` where an element is selected, ``fill`` elsewhere."""
+        return x if self.all_selected else self.where(self.selected(), x, fill)
 
     def sum_by(self, x: Array, keys: Array | None = None, size: int | None = None) -> Array:
         """Per row, the sum of ``x`` over the row's elements (0 for an empty row); with
@@ -103,9 +111,11 @@ class Batch:
 
     def last_by(self, x: Array) -> tuple[Array, Array]:
         """Per row, the last selected element of ``x`` and whether there is one (0/1)."""
-        position = self.where(self.selected(), self.positions(), -1.0)
-        last = self.max_by(position)
-        present = last >= 0
+        if self.all_selected:
+            last, present = np.cumsum(self.lengths) - 1, self.lengths > 0
+        else:
+            last = self.max_by(self.select(self.positions(), -1.0))
+            present = last >= 0
         return self.where(present, self.take(x, last), 0.0), self.where(present, 1.0, 0.0)
 
     def chunk_index(self, parts: int) -> Array:

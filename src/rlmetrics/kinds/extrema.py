@@ -27,9 +27,8 @@ class Max(Kind):
     sign = 1.0
 
     def reduce(self, batch: Batch) -> tuple[Array, Array]:
-        selected = batch.selected()
         # max propagates NaN, like the merge and all_reduce(MAX)
-        extreme = batch.max_by(batch.where(selected, self.sign * batch.values, -math.inf))
+        extreme = batch.max_by(batch.select(self.sign * batch.values, -math.inf))
         return batch.columns(batch.count()), batch.columns(extreme)
 
     def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
