@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 from typing import Any
 
 import numpy as np
@@ -93,15 +94,68 @@ def test_a_tensor_changed_in_place_before_compute_raises_naming_it(where: str, h
     assert t.compute() == {"kept": 5.0}  # the rest of the step is intact
 
 
-def test_a_tensor_that_requires_grad_is_recorded_detached() -> None:
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_a_tensor_that_requires_grad_is_recorded_detached(host_arrays: bool) -> None:
     t = Tracker()
+    t.host_arrays = host_arrays
     x = torch.ones(3, requires_grad=True)
-    loss = (x * 2).sum()
+    loss, weight = (x * 2).sum(), x.sum() * 0 + 2
     t.mean("loss", loss)
-    (recorded,) = t.accumulators["loss"].values
-    assert not recorded.requires_grad and recorded.grad_fn is None
-    loss.backward()
-    assert t.compute() == {"loss": 6.0}
+    t.mean("weighted", loss, weight=weight)
+    for name in ("loss", "weighted"):
+        recorded = [*t.accumulators[name].values, *t.accumulators[name].weights]
+        assert all(r is None or (not r.requires_grad and r.grad_fn is None) for r in recorded)
+    (loss + weight).backward()
+    assert t.compute() == {"loss": 6.0, "weighted": 6.0}
+
+
+REFUSED = {  # label -> (a tensor the log call refuses, the message's end)
+    "complex": (torch.ones(3, dtype=torch.complex64), "must be real, got complex dtype"),
+    "uint16": (torch.ones(3, dtype=torch.uint16), "has unsupported dtype torch.uint16"),
+    "float8": (torch.ones(3).to(torch.float8_e4m3fn), "has unsupported dtype torch.float8"),
+    "complex meta": (torch.ones(3, dtype=torch.complex64, device="meta"), "must be real"),
+    "meta": (torch.ones(3, device="meta"), "must be a dense tensor with data, got a meta"),
+    "sparse": (torch.ones(3).to_sparse(), "must be a dense tensor with data, got a torch.sp"),
+}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("role", ["value", "weight"])
+@pytest.mark.parametrize("label", REFUSED)
+def test_a_refused_tensor_raises_in_the_call_and_records_nothing(
+    label: str, role: str, host_arrays: bool
+) -> None:
+    """Each check of the tensor log call, on both paths, for the value and the weight:
+    the error names the metric and the argument, and the metric's records (versions
+    included) are as before the call."""
+    bad, message = REFUSED[label]
+    t = Tracker()
+    t.host_arrays = host_arrays
+    t.mean("m", torch.tensor([1.0, 3.0]))
+    acc = t.accumulators["m"]
+    before = (len(acc.values), len(acc.weights), list(acc.versions), acc.num_arrays)
+    args = (bad, None) if role == "value" else (torch.ones(3), bad)
+    with pytest.raises(TypeError, match=re.escape(f"metric 'm': {role} {message}")):
+        t.mean("m", *args)
+    assert (len(acc.values), len(acc.weights), list(acc.versions), acc.num_arrays) == before
+    assert t.compute() == {"m": 2.0}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_a_call_refused_after_its_weight_was_checked_leaves_the_versions_aligned(
+    host_arrays: bool,
+) -> None:
+    """A call that fails a later check (``last`` takes one value) records no version
+    counter: the calls around it are checked against their own versions at the fold."""
+    t = Tracker()
+    t.host_arrays = host_arrays
+    weight = torch.ones(2)
+    weight.add_(1)  # a version counter of 1, unlike the records around it
+    t.last("lr", torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"metric 'lr' \(kind 'last'\) takes one value"):
+        t.last("lr", torch.ones(2), weight=weight)
+    t.last("lr", torch.tensor(2.0), weight=torch.tensor(True))
+    assert t.compute() == {"lr": 2.0}
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])

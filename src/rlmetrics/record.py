@@ -25,16 +25,20 @@ import torch
 from torch import Tensor
 
 from rlmetrics.inputs import (
+    REAL_DTYPES,
+    STRIDED,
     as_number,
     check_tensor,
     check_weight_number,
     numeric_array,
+    tensor_error,
     unmask,
 )
 from rlmetrics.kinds import Accumulator
 from rlmetrics.kinds.base import NONFINITE_SLOT
 
-BOOL_DTYPES = (torch.bool, np.dtype(bool))
+BOOL = torch.bool
+BOOL_DTYPES = (BOOL, np.dtype(bool))
 
 
 def record_number(acc: Accumulator, name: str, value: float, weight: float, nonfinite: str) -> None:
@@ -144,31 +148,53 @@ def _on_host(value: Any) -> bool:
 def record_tensor(
     acc: Accumulator, name: str, value: Tensor, weight: Tensor | None, nonfinite: str, host: bool
 ) -> int:
-    """Record a plain tensor value with no weight or a plain tensor weight (the common
-    call, so its checks are written out here, in a few attribute reads); ``host``: CPU
-    tensors go down the host path. Returns the number of elements recorded."""
-    value = check_tensor(name, value)
-    needs_check = nonfinite == "error"
+    """Record a plain tensor value with no weight or a plain tensor weight; ``host``: CPU
+    tensors go down the host path. Returns the number of elements recorded.
+
+    The common call, so ``check_tensor``'s checks are written out here and each tensor
+    attribute is read once (each read is a call into torch): a CPU tensor is not a meta
+    one, so ``is_meta`` is read only off the host path; the weight's dtype serves both
+    its check and the bool-mask test. Any refused tensor gets ``tensor_error``'s message.
+    """
+    if value.dtype not in REAL_DTYPES or value.layout is not STRIDED or value.is_nested:
+        raise tensor_error(name, value)
     on_host = host and value.is_cpu  # else the fold runs on the value's device
-    if weight is not None:
-        weight = check_tensor(name, weight, "weight")
-        if weight.shape != value.shape:
+    if not on_host and value.is_meta:
+        raise tensor_error(name, value)
+    if value.requires_grad:
+        value = value.detach()  # a view: the record must not keep the graph alive
+    if weight is None:
+        needs_check = nonfinite == "error"
+        size = value.numel()
+    else:
+        dtype = weight.dtype
+        if dtype not in REAL_DTYPES or weight.layout is not STRIDED or weight.is_nested:
+            raise tensor_error(name, weight, "weight")
+        if on_host:
+            if not weight.is_cpu:  # a CPU value with a device (or meta) weight
+                if weight.is_meta:
+                    raise tensor_error(name, weight, "weight")
+                on_host = False
+                if acc.record_device is None:
+                    acc.record_device = weight.device
+        elif weight.is_meta:
+            raise tensor_error(name, weight, "weight")
+        if weight.requires_grad:
+            weight = weight.detach()
+        shape = value.shape
+        if weight.shape != shape:
             raise ValueError(
                 f"metric {name!r}: weight shape {tuple(weight.shape)} does not match "
-                f"value shape {tuple(value.shape)}"
+                f"value shape {tuple(shape)}"
             )
-        needs_check = needs_check or weight.dtype is not torch.bool
-        if on_host and not weight.is_cpu:  # a CPU value with a device weight
-            on_host = False
-            if acc.record_device is None:
-                acc.record_device = weight.device
-    size = value.numel()
-    if acc.kind.parts != 1:
+        needs_check = dtype is not BOOL or nonfinite == "error"
+        size = value.numel()
+    kind = acc.kind
+    if kind.parts != 1:
         _check_parts(acc, name, size)
-    if size != 1 and acc.kind.replaces:
+    if size != 1 and kind.replaces:
         raise ValueError(
-            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape "
-            f"{tuple(value.shape)}"
+            f"metric {name!r} (kind {kind.name!r}) takes one value, got shape {tuple(value.shape)}"
         )
     if needs_check:
         acc.num_checked += 1  # may be rejected: compute() tells
