@@ -290,3 +290,38 @@ def test_random_step_sequences_match_numpy(seed: int) -> None:
         assert got.keys() == want.keys()
         for name, value in want.items():
             assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
+
+
+class _Float(float):
+    """A float subclass (as a framework's number type may be)."""
+
+
+NUMBERS = {  # label -> a number type's 2.5 (or 2 / True), as a log call may receive it
+    "float subclass": _Float(2.5),
+    "np.float16": np.float16(2.5),
+    "np.float64": np.float64(2.5),
+    "np.int64": np.int64(2),
+    "np.bool_": np.bool_(True),
+    "bool": True,
+    "0-d array": np.array(2.5),
+    "0-d int array": np.array(2, dtype=np.int32),
+    "fraction": __import__("fractions").Fraction(5, 2),
+}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("label", NUMBERS)
+def test_every_number_type_logs_as_its_float(label: str, host_arrays: bool) -> None:
+    """A number of any real type, as a value or a weight (with a number, an array or a
+    tensor as the other), logs as ``float(number)`` does."""
+    number = NUMBERS[label]
+    got, expected = Tracker(), Tracker()
+    got.host_arrays = expected.host_arrays = host_arrays
+    for t, x in ((got, number), (expected, float(number))):
+        t.mean("value", x)
+        t.mean("value, number weight", x, weight=3.0)
+        t.mean("weight, number value", 4.0, weight=x)
+        t.sum("weight, array value", np.array([1.0, 2.0]), weight=x)
+        t.sum("weight, tensor value", torch.tensor([1.0, 2.0]), weight=x)
+        t.max("value, tensor weight", x, weight=torch.tensor(True))
+    assert got.compute() == expected.compute()

@@ -20,6 +20,9 @@ REAL_DTYPES = frozenset(
     | {torch.int8, torch.int16, torch.int32, torch.int64}
 )
 """Tensor dtypes a log call takes (float8 and unsigned 16-64-bit ints are left out)."""
+_REAL_TYPES = (*NUMBER_TYPES, numbers.Real)
+_COMPLEX_TYPES = (complex, np.complexfloating)
+MaskedArray = np.ma.MaskedArray
 STRIDED = torch.strided  # a module global: one lookup instead of two on the log path
 
 
@@ -35,16 +38,18 @@ def check_name(name: object) -> str:
 def as_number(name: str, value: object, what: str = "value") -> float | None:
     """``value`` as a python float when it is a real number (a 0-d numpy array of one
     included), else None."""
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
-        return float(value)
-    if isinstance(value, (*NUMBER_TYPES, numbers.Real)):
+    if type(value) is float:
+        return value
+    if isinstance(value, np.ndarray):
+        return float(value) if value.ndim == 0 and value.dtype.kind in "biuf" else None
+    if isinstance(value, _REAL_TYPES):
         try:
             return float(value)
         except OverflowError as error:  # a python int beyond float64's range
             raise ValueError(
                 f"metric {name!r}: {what} is out of float64's range ({error})"
             ) from error
-    if isinstance(value, complex | np.complexfloating):
+    if isinstance(value, _COMPLEX_TYPES):
         raise TypeError(f"metric {name!r}: {what} must be real, got complex {value!r}")
     return None
 
@@ -77,9 +82,9 @@ def unmask(name: str, value: object, weight: object) -> tuple[object, object]:
     """A numpy masked array's data, and a weight that is 0 where it is masked (masked
     elements contribute nothing); a masked weight is 0 where masked. Other inputs pass
     through unchanged."""
-    if isinstance(weight, np.ma.MaskedArray):
+    if isinstance(weight, MaskedArray):
         weight = np.ma.filled(weight, 0)
-    if not isinstance(value, np.ma.MaskedArray):
+    if not isinstance(value, MaskedArray):
         return value, weight
     masked = np.ma.getmaskarray(value)
     data = np.ma.getdata(value)

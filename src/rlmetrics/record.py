@@ -27,6 +27,7 @@ from torch import Tensor
 from rlmetrics.inputs import (
     REAL_DTYPES,
     STRIDED,
+    MaskedArray,
     as_number,
     check_tensor,
     check_weight_number,
@@ -38,7 +39,7 @@ from rlmetrics.kinds import Accumulator
 from rlmetrics.kinds.base import NONFINITE_SLOT
 
 BOOL = torch.bool
-BOOL_DTYPES = (BOOL, np.dtype(bool))
+CPU = torch.device("cpu")
 
 
 def record_number(acc: Accumulator, name: str, value: float, weight: float, nonfinite: str) -> None:
@@ -89,32 +90,32 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepare
     Raises:
         TypeError, ValueError: naming ``name`` and what is wrong.
     """
-    if isinstance(value, np.ma.MaskedArray) or isinstance(weight, np.ma.MaskedArray):
+    if isinstance(value, MaskedArray) or isinstance(weight, MaskedArray):
         value, weight = unmask(name, value, weight)
     if isinstance(value, Tensor):
         value = check_tensor(name, value)
+        shape, size = tuple(value.shape), value.numel()
     else:
         number = as_number(name, value)
         if number is not None:
             # a tensor is never a number (0-d ones included: reading one would sync)
-            weight_number = None
+            if weight is None:
+                return Prepared(number, 1.0, None, None, 1, (), False, None)
             if not isinstance(weight, Tensor):
                 weight_number = as_number(name, weight, "weight")
-            if weight is None or weight_number is not None:
-                weight_number = 1.0 if weight is None else weight_number
-                return Prepared(number, weight_number, None, None, 1, (), False, None)
+                if weight_number is not None:
+                    return Prepared(number, weight_number, None, None, 1, (), False, None)
             value = np.array(number)
         else:
             value = numeric_array(name, value)
-    shape = tuple(value.shape)
+        shape, size = value.shape, value.size
     check = False
     if weight is not None:
         weight, check = _weight(name, weight, shape)
     device = None
     if not (host_arrays and _on_host(value) and _on_host(weight)):
         tensor = value if isinstance(value, Tensor) else weight
-        device = tensor.device if isinstance(tensor, Tensor) else torch.device("cpu")
-    size = value.numel() if isinstance(value, Tensor) else value.size
+        device = tensor.device if isinstance(tensor, Tensor) else CPU
     return Prepared(None, 1.0, value, weight, size, shape, check, device)
 
 
@@ -123,13 +124,13 @@ def _weight(name: str, weight: Any, shape: tuple[int, ...]) -> tuple[Any, bool]:
     needs checking (an array that is not a bool mask)."""
     if isinstance(weight, Tensor):
         weight = check_tensor(name, weight, "weight")
-        check = weight.dtype is not torch.bool
+        check = weight.dtype is not BOOL
     else:
         number = as_number(name, weight, "weight")
         if number is not None:
             check_weight_number(name, number)
             return number, False
-        check = getattr(weight, "dtype", None) not in BOOL_DTYPES
+        check = not (isinstance(weight, np.ndarray) and weight.dtype.kind == "b")
         weight = numeric_array(name, weight, "weight")
     if tuple(weight.shape) != shape:
         raise ValueError(
@@ -142,7 +143,7 @@ def _weight(name: str, weight: Any, shape: tuple[int, ...]) -> tuple[Any, bool]:
 def _on_host(value: Any) -> bool:
     """Whether ``value`` is not a tensor or is a plain CPU tensor (subclasses, like
     device tensors, take the device path)."""
-    return not isinstance(value, Tensor) or (type(value) is Tensor and value.device.type == "cpu")
+    return not isinstance(value, Tensor) or (type(value) is Tensor and value.is_cpu)
 
 
 def record_tensor(
