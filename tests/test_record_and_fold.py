@@ -325,3 +325,34 @@ def test_every_number_type_logs_as_its_float(label: str, host_arrays: bool) -> N
         t.sum("weight, tensor value", torch.tensor([1.0, 2.0]), weight=x)
         t.max("value, tensor weight", x, weight=torch.tensor(True))
     assert got.compute() == expected.compute()
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("by", [None, np.array([0, 1, 1, 0])], ids=["plain", "by labels"])
+def test_host_arrays_are_copied_whatever_their_dtype(by: Any, host_arrays: bool) -> None:
+    """Bool and float64 arrays (recorded as plain copies), int and float32 arrays and
+    lists (converted), as values and weights, change nothing when the caller reuses them,
+    and log as their float64 values do."""
+    inputs = {
+        "bool": np.array([True, False, True, True]),
+        "float64": np.array([0.5, 1.5, 2.5, 3.5]),
+        "strided float64": np.arange(8.0)[::2],
+        "int": np.array([1, 0, 2, 5]),
+        "float32": np.array([0.25, 1.0, 2.0, 4.0], dtype=np.float32),
+        "list": [1.0, 0.0, 3.0, 2.0],
+    }
+    mask = np.array([True, True, False, True])
+    got, expected = Tracker(), Tracker()
+    got.host_arrays = expected.host_arrays = host_arrays
+    for label, x in inputs.items():
+        as_float = np.asarray(x, dtype=np.float64).copy()
+        for t, value, weight in ((got, x, mask), (expected, as_float, mask * 1.0)):
+            t.mean(f"{label}/value", value, weight=weight, by=by)
+            t.sum(f"{label}/weight", np.ones(4), weight=value, by=by)
+        for array in (x, mask):
+            if isinstance(array, np.ndarray):
+                array[...] = array[::-1].copy()  # reused by the caller before the step ends
+            else:
+                array.reverse()
+        mask = np.array([True, True, False, True])
+    assert got.compute() == expected.compute()

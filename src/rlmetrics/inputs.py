@@ -22,6 +22,8 @@ REAL_DTYPES = frozenset(
 """Tensor dtypes a log call takes (float8 and unsigned 16-64-bit ints are left out)."""
 _REAL_TYPES = (*NUMBER_TYPES, numbers.Real)
 _COMPLEX_TYPES = (complex, np.complexfloating)
+_ARRAY_TYPES = (np.ndarray, list, tuple)
+_FLOAT64, _BOOL = np.dtype(np.float64), np.dtype(bool)
 MaskedArray = np.ma.MaskedArray
 STRIDED = torch.strided  # a module global: one lookup instead of two on the log path
 
@@ -55,9 +57,10 @@ def as_number(name: str, value: object, what: str = "value") -> float | None:
 
 
 def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
-    """``value`` (numpy array, list, tuple) as a new contiguous float64 numpy array (a
-    copy: a record must not change when the caller's array does)."""
-    if not isinstance(value, np.ndarray | list | tuple):
+    """``value`` (numpy array, list, tuple) as a new contiguous numpy array (a copy: a
+    record must not change when the caller's array does): float64, or bool for a bool
+    array (a mask copies in an eighth of the bytes; the fold reads it as 0 and 1)."""
+    if not isinstance(value, _ARRAY_TYPES):
         raise TypeError(
             f"metric {name!r}: {what} must be a number, numpy array or tensor, "
             f"got {type(value).__name__}"
@@ -75,6 +78,8 @@ def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
             if array.dtype.kind != "c"
             else f"metric {name!r}: {what} must be real, got complex dtype {array.dtype}"
         )
+    if array.dtype is _FLOAT64 or array.dtype is _BOOL:  # native ones: a plain copy
+        return array.copy() if isinstance(value, np.ndarray) else array  # a list's is new
     return np.array(array, dtype=np.float64, order="C")
 
 
