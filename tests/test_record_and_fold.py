@@ -356,3 +356,86 @@ def test_host_arrays_are_copied_whatever_their_dtype(by: Any, host_arrays: bool)
                 array.reverse()
         mask = np.array([True, True, False, True])
     assert got.compute() == expected.compute()
+
+
+def _records(acc: Any) -> tuple:
+    """What a log call left in an accumulator, comparable with ==."""
+
+    def same(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return (x.dtype, x.shape, x.tolist(), x.requires_grad)
+        return type(x), x
+
+    return (
+        [same(v) for v in acc.values],
+        [same(w) for w in acc.weights],
+        list(acc.versions),
+        acc.num_arrays,
+        acc.num_checked,
+        acc.kept_call,
+        acc.record_device,
+    )
+
+
+def _outcome(record: Any, kind: str) -> tuple:
+    from rlmetrics.kinds import Accumulator, get_kind
+    from rlmetrics.table import Table
+
+    table = Table()
+    acc = Accumulator(get_kind(kind), table, table.add_row(get_kind(kind)), "m")
+    try:
+        size = record(acc)
+    except (TypeError, ValueError) as error:
+        return type(error), str(error), _records(acc)
+    return size, _records(acc)
+
+
+TENSOR_VALUES = {
+    "0-d": lambda: torch.tensor(2.5),
+    "1-d": lambda: torch.arange(4.0),
+    "bf16 2-d": lambda: torch.ones(2, 2, dtype=torch.bfloat16),
+    "requires grad": lambda: torch.arange(4.0, requires_grad=True) * 1,
+    "int": lambda: torch.arange(4),
+    "bumped version": lambda: torch.arange(4.0).add_(1),
+}
+WEIGHTS = {
+    "none": lambda v: None,
+    "bool mask": lambda v: torch.ones(v.shape, dtype=torch.bool),
+    "float tensor": lambda v: torch.full(v.shape, 0.5),
+    "requires grad tensor": lambda v: torch.full(v.shape, 0.5, requires_grad=True) * 1,
+    "wrong shape": lambda v: torch.ones(7),
+    "meta": lambda v: torch.ones(v.shape, device="meta"),
+    "complex": lambda v: torch.ones(v.shape, dtype=torch.complex64),
+    "float": lambda v: 2.0,
+    "int": lambda v: 3,
+    "zero": lambda v: 0.0,
+    "negative": lambda v: -1.0,
+    "nan": lambda v: float("nan"),
+    "inf": lambda v: float("inf"),
+    "huge int": lambda v: 10**400,
+}
+
+
+@pytest.mark.parametrize("nonfinite", ["propagate", "error"])
+@pytest.mark.parametrize("host", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("kind", ["mean", "last"])
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("value", TENSOR_VALUES)
+def test_record_tensor_records_what_prepare_and_record_prepared_record(
+    value: str, weight: str, kind: str, host: bool, nonfinite: str
+) -> None:
+    """The tensor fast path (``record_tensor``, with a tensor, a python number or no
+    weight) leaves the same records, returns the same size and raises the same errors
+    as the general path (``prepare`` then ``record_prepared``)."""
+    from rlmetrics.record import prepare, record_prepared, record_tensor
+
+    x = TENSOR_VALUES[value]()
+    w = WEIGHTS[weight](x)
+
+    def general(acc: Any) -> int:
+        prepared = prepare("m", x, w, host_arrays=host)
+        record_prepared(acc, "m", prepared, nonfinite)
+        return prepared.size
+
+    fast = _outcome(lambda acc: record_tensor(acc, "m", x, w, nonfinite, host), kind)
+    assert fast == _outcome(general, kind)

@@ -147,10 +147,16 @@ def _on_host(value: Any) -> bool:
 
 
 def record_tensor(
-    acc: Accumulator, name: str, value: Tensor, weight: Tensor | None, nonfinite: str, host: bool
+    acc: Accumulator,
+    name: str,
+    value: Tensor,
+    weight: Tensor | float | int | None,
+    nonfinite: str,
+    host: bool,
 ) -> int:
-    """Record a plain tensor value with no weight or a plain tensor weight; ``host``: CPU
-    tensors go down the host path. Returns the number of elements recorded.
+    """Record a plain tensor value with no weight, a plain tensor weight or a python
+    float or int weight; ``host``: CPU tensors go down the host path. Returns the number
+    of elements recorded.
 
     The common call, so ``check_tensor``'s checks are written out here and each tensor
     attribute is read once (each read is a call into torch): a CPU tensor is not a meta
@@ -165,6 +171,15 @@ def record_tensor(
     if value.requires_grad:
         value = value.detach()  # a view: the record must not keep the graph alive
     if weight is None:
+        needs_check = nonfinite == "error"
+        size = value.numel()
+    elif type(weight) is not Tensor:  # a python float or int
+        try:
+            weight = float(weight)
+        except OverflowError:  # an int beyond float64's range: as_number names it
+            as_number(name, weight, "weight")
+            raise
+        check_weight_number(name, weight)
         needs_check = nonfinite == "error"
         size = value.numel()
     else:
@@ -201,7 +216,7 @@ def record_tensor(
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
         acc.kept_call = True
-    if weight is not None:
+    if type(weight) is Tensor:
         acc.versions.append(weight._version)
     acc.versions.append(value._version)
     if not on_host and acc.record_device is None:
