@@ -92,7 +92,9 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepare
     """
     if isinstance(value, MaskedArray) or isinstance(weight, MaskedArray):
         value, weight = unmask(name, value, weight)
-    if isinstance(value, Tensor):
+    weight_tensor = isinstance(weight, Tensor)  # each isinstance(x, Tensor) costs
+    value_tensor = isinstance(value, Tensor)
+    if value_tensor:
         value = check_tensor(name, value)
         shape, size = tuple(value.shape), value.numel()
     else:
@@ -101,7 +103,7 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepare
             # a tensor is never a number (0-d ones included: reading one would sync)
             if weight is None:
                 return Prepared(number, 1.0, None, None, 1, (), False, None)
-            if not isinstance(weight, Tensor):
+            if not weight_tensor:
                 weight_number = as_number(name, weight, "weight")
                 if weight_number is not None:
                     return Prepared(number, weight_number, None, None, 1, (), False, None)
@@ -111,18 +113,20 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepare
         shape, size = value.shape, value.size
     check = False
     if weight is not None:
-        weight, check = _weight(name, weight, shape)
+        weight, check = _weight(name, weight, shape, weight_tensor)
     device = None
-    if not (host_arrays and _on_host(value) and _on_host(weight)):
-        tensor = value if isinstance(value, Tensor) else weight
+    if (value_tensor or weight_tensor or not host_arrays) and not (
+        host_arrays and _on_host(value) and _on_host(weight)
+    ):
+        tensor = value if value_tensor else weight
         device = tensor.device if isinstance(tensor, Tensor) else CPU
     return Prepared(None, 1.0, value, weight, size, shape, check, device)
 
 
-def _weight(name: str, weight: Any, shape: tuple[int, ...]) -> tuple[Any, bool]:
+def _weight(name: str, weight: Any, shape: tuple[int, ...], is_tensor: bool) -> tuple[Any, bool]:
     """A weight as recorded (a number, a host copy or a tensor) and whether its data
     needs checking (an array that is not a bool mask)."""
-    if isinstance(weight, Tensor):
+    if is_tensor:
         weight = check_tensor(name, weight, "weight")
         check = weight.dtype is not BOOL
     else:
