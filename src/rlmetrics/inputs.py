@@ -1,4 +1,4 @@
-"""Turning what users log (numbers, arrays, tensors) into float64 values and weights.
+"""Checking what users log (numbers, arrays, tensors): python floats, host copies, tensors.
 
 Checks here look at types, shapes and dtypes only: never at tensor data, which would
 need a device-to-host sync. Data checks (negative weights, non-finite values under
