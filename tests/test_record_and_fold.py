@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 from typing import Any
 
 import numpy as np
@@ -93,15 +94,68 @@ def test_a_tensor_changed_in_place_before_compute_raises_naming_it(where: str, h
     assert t.compute() == {"kept": 5.0}  # the rest of the step is intact
 
 
-def test_a_tensor_that_requires_grad_is_recorded_detached() -> None:
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_a_tensor_that_requires_grad_is_recorded_detached(host_arrays: bool) -> None:
     t = Tracker()
+    t.host_arrays = host_arrays
     x = torch.ones(3, requires_grad=True)
-    loss = (x * 2).sum()
+    loss, weight = (x * 2).sum(), x.sum() * 0 + 2
     t.mean("loss", loss)
-    (recorded,) = t.accumulators["loss"].values
-    assert not recorded.requires_grad and recorded.grad_fn is None
-    loss.backward()
-    assert t.compute() == {"loss": 6.0}
+    t.mean("weighted", loss, weight=weight)
+    for name in ("loss", "weighted"):
+        recorded = [*t.accumulators[name].values, *t.accumulators[name].weights]
+        assert all(r is None or (not r.requires_grad and r.grad_fn is None) for r in recorded)
+    (loss + weight).backward()
+    assert t.compute() == {"loss": 6.0, "weighted": 6.0}
+
+
+REFUSED = {  # label -> (a tensor the log call refuses, the message's end)
+    "complex": (torch.ones(3, dtype=torch.complex64), "must be real, got complex dtype"),
+    "uint16": (torch.ones(3, dtype=torch.uint16), "has unsupported dtype torch.uint16"),
+    "float8": (torch.ones(3).to(torch.float8_e4m3fn), "has unsupported dtype torch.float8"),
+    "complex meta": (torch.ones(3, dtype=torch.complex64, device="meta"), "must be real"),
+    "meta": (torch.ones(3, device="meta"), "must be a dense tensor with data, got a meta"),
+    "sparse": (torch.ones(3).to_sparse(), "must be a dense tensor with data, got a torch.sp"),
+}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("role", ["value", "weight"])
+@pytest.mark.parametrize("label", REFUSED)
+def test_a_refused_tensor_raises_in_the_call_and_records_nothing(
+    label: str, role: str, host_arrays: bool
+) -> None:
+    """Each check of the tensor log call, on both paths, for the value and the weight:
+    the error names the metric and the argument, and the metric's records (versions
+    included) are as before the call."""
+    bad, message = REFUSED[label]
+    t = Tracker()
+    t.host_arrays = host_arrays
+    t.mean("m", torch.tensor([1.0, 3.0]))
+    acc = t.accumulators["m"]
+    before = (len(acc.values), len(acc.weights), list(acc.versions), acc.num_arrays)
+    args = (bad, None) if role == "value" else (torch.ones(3), bad)
+    with pytest.raises(TypeError, match=re.escape(f"metric 'm': {role} {message}")):
+        t.mean("m", *args)
+    assert (len(acc.values), len(acc.weights), list(acc.versions), acc.num_arrays) == before
+    assert t.compute() == {"m": 2.0}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_a_call_refused_after_its_weight_was_checked_leaves_the_versions_aligned(
+    host_arrays: bool,
+) -> None:
+    """A call that fails a later check (``last`` takes one value) records no version
+    counter: the calls around it are checked against their own versions at the fold."""
+    t = Tracker()
+    t.host_arrays = host_arrays
+    weight = torch.ones(2)
+    weight.add_(1)  # a version counter of 1, unlike the records around it
+    t.last("lr", torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"metric 'lr' \(kind 'last'\) takes one value"):
+        t.last("lr", torch.ones(2), weight=weight)
+    t.last("lr", torch.tensor(2.0), weight=torch.tensor(True))
+    assert t.compute() == {"lr": 2.0}
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
@@ -262,3 +316,152 @@ def test_steps_that_log_the_same_numbers_in_another_order_fold_each_order() -> N
         for name, (kind, values) in data.items():
             want = SEQUENCE_KINDS[kind](np.array(values))
             assert got[name] == pytest.approx(want, rel=1e-12, abs=1e-12), (step, name)
+
+
+class _Float(float):
+    """A float subclass (as a framework's number type may be)."""
+
+
+NUMBERS = {  # label -> a number type's 2.5 (or 2 / True), as a log call may receive it
+    "float subclass": _Float(2.5),
+    "np.float16": np.float16(2.5),
+    "np.float64": np.float64(2.5),
+    "np.int64": np.int64(2),
+    "np.bool_": np.bool_(True),
+    "bool": True,
+    "0-d array": np.array(2.5),
+    "0-d int array": np.array(2, dtype=np.int32),
+    "fraction": __import__("fractions").Fraction(5, 2),
+}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("label", NUMBERS)
+def test_every_number_type_logs_as_its_float(label: str, host_arrays: bool) -> None:
+    """A number of any real type, as a value or a weight (with a number, an array or a
+    tensor as the other), logs as ``float(number)`` does."""
+    number = NUMBERS[label]
+    got, expected = Tracker(), Tracker()
+    got.host_arrays = expected.host_arrays = host_arrays
+    for t, x in ((got, number), (expected, float(number))):
+        t.mean("value", x)
+        t.mean("value, number weight", x, weight=3.0)
+        t.mean("weight, number value", 4.0, weight=x)
+        t.sum("weight, array value", np.array([1.0, 2.0]), weight=x)
+        t.sum("weight, tensor value", torch.tensor([1.0, 2.0]), weight=x)
+        t.max("value, tensor weight", x, weight=torch.tensor(True))
+    assert got.compute() == expected.compute()
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("by", [None, np.array([0, 1, 1, 0])], ids=["plain", "by labels"])
+def test_host_arrays_are_copied_whatever_their_dtype(by: Any, host_arrays: bool) -> None:
+    """Bool and float64 arrays (recorded as plain copies), int and float32 arrays and
+    lists (converted), as values and weights, change nothing when the caller reuses them,
+    and log as their float64 values do."""
+    inputs = {
+        "bool": np.array([True, False, True, True]),
+        "float64": np.array([0.5, 1.5, 2.5, 3.5]),
+        "strided float64": np.arange(8.0)[::2],
+        "int": np.array([1, 0, 2, 5]),
+        "float32": np.array([0.25, 1.0, 2.0, 4.0], dtype=np.float32),
+        "list": [1.0, 0.0, 3.0, 2.0],
+    }
+    mask = np.array([True, True, False, True])
+    got, expected = Tracker(), Tracker()
+    got.host_arrays = expected.host_arrays = host_arrays
+    for label, x in inputs.items():
+        as_float = np.asarray(x, dtype=np.float64).copy()
+        for t, value, weight in ((got, x, mask), (expected, as_float, mask * 1.0)):
+            t.mean(f"{label}/value", value, weight=weight, by=by)
+            t.sum(f"{label}/weight", np.ones(4), weight=value, by=by)
+        for array in (x, mask):
+            if isinstance(array, np.ndarray):
+                array[...] = array[::-1].copy()  # reused by the caller before the step ends
+            else:
+                array.reverse()
+        mask = np.array([True, True, False, True])
+    assert got.compute() == expected.compute()
+
+
+def _records(acc: Any) -> tuple:
+    """What a log call left in an accumulator, comparable with ==."""
+
+    def same(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return (x.dtype, x.shape, x.tolist(), x.requires_grad)
+        return type(x), x
+
+    return (
+        [same(v) for v in acc.values],
+        [same(w) for w in acc.weights],
+        list(acc.versions),
+        acc.num_arrays,
+        acc.num_checked,
+        acc.kept_call,
+        acc.record_device,
+    )
+
+
+def _outcome(record: Any, kind: str) -> tuple:
+    from rlmetrics.kinds import Accumulator, get_kind
+    from rlmetrics.table import Table
+
+    table = Table()
+    acc = Accumulator(get_kind(kind), table, table.add_row(get_kind(kind)), "m")
+    try:
+        size = record(acc)
+    except (TypeError, ValueError) as error:
+        return type(error), str(error), _records(acc)
+    return size, _records(acc)
+
+
+TENSOR_VALUES = {
+    "0-d": lambda: torch.tensor(2.5),
+    "1-d": lambda: torch.arange(4.0),
+    "bf16 2-d": lambda: torch.ones(2, 2, dtype=torch.bfloat16),
+    "requires grad": lambda: torch.arange(4.0, requires_grad=True) * 1,
+    "int": lambda: torch.arange(4),
+    "bumped version": lambda: torch.arange(4.0).add_(1),
+}
+WEIGHTS = {
+    "none": lambda v: None,
+    "bool mask": lambda v: torch.ones(v.shape, dtype=torch.bool),
+    "float tensor": lambda v: torch.full(v.shape, 0.5),
+    "requires grad tensor": lambda v: torch.full(v.shape, 0.5, requires_grad=True) * 1,
+    "wrong shape": lambda v: torch.ones(7),
+    "meta": lambda v: torch.ones(v.shape, device="meta"),
+    "complex": lambda v: torch.ones(v.shape, dtype=torch.complex64),
+    "float": lambda v: 2.0,
+    "int": lambda v: 3,
+    "zero": lambda v: 0.0,
+    "negative": lambda v: -1.0,
+    "nan": lambda v: float("nan"),
+    "inf": lambda v: float("inf"),
+    "huge int": lambda v: 10**400,
+}
+
+
+@pytest.mark.parametrize("nonfinite", ["propagate", "error"])
+@pytest.mark.parametrize("host", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("kind", ["mean", "last"])
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("value", TENSOR_VALUES)
+def test_record_tensor_records_what_prepare_and_record_prepared_record(
+    value: str, weight: str, kind: str, host: bool, nonfinite: str
+) -> None:
+    """The tensor fast path (``record_tensor``, with a tensor, a python number or no
+    weight) leaves the same records, returns the same size and raises the same errors
+    as the general path (``prepare`` then ``record_prepared``)."""
+    from rlmetrics.record import NumberRecords, prepare, record_prepared, record_tensor
+
+    x = TENSOR_VALUES[value]()
+    w = WEIGHTS[weight](x)
+
+    def general(acc: Any) -> int:
+        prepared = prepare("m", x, w, host_arrays=host)
+        record_prepared(acc, "m", prepared, nonfinite, NumberRecords())
+        return prepared.size
+
+    fast = _outcome(lambda acc: record_tensor(acc, "m", x, w, nonfinite, host), kind)
+    assert fast == _outcome(general, kind)

@@ -1,4 +1,4 @@
-"""Turning what users log (numbers, arrays, tensors) into float64 values and weights.
+"""Checking what users log (numbers, arrays, tensors): python floats, host copies, tensors.
 
 Checks here look at types, shapes and dtypes only: never at tensor data, which would
 need a device-to-host sync. Data checks (negative weights, non-finite values under
@@ -20,6 +20,12 @@ REAL_DTYPES = frozenset(
     | {torch.int8, torch.int16, torch.int32, torch.int64}
 )
 """Tensor dtypes a log call takes (float8 and unsigned 16-64-bit ints are left out)."""
+_REAL_TYPES = (*NUMBER_TYPES, numbers.Real)
+_COMPLEX_TYPES = (complex, np.complexfloating)
+_ARRAY_TYPES = (np.ndarray, list, tuple)
+_FLOAT64, _BOOL = np.dtype(np.float64), np.dtype(bool)
+MaskedArray = np.ma.MaskedArray
+STRIDED = torch.strided  # a module global: one lookup instead of two on the log path
 
 
 def check_name(name: object) -> str:
@@ -34,24 +40,27 @@ def check_name(name: object) -> str:
 def as_number(name: str, value: object, what: str = "value") -> float | None:
     """``value`` as a python float when it is a real number (a 0-d numpy array of one
     included), else None."""
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
-        return float(value)
-    if isinstance(value, (*NUMBER_TYPES, numbers.Real)):
+    if type(value) is float:
+        return value
+    if isinstance(value, np.ndarray):
+        return float(value) if value.ndim == 0 and value.dtype.kind in "biuf" else None
+    if isinstance(value, _REAL_TYPES):
         try:
             return float(value)
         except OverflowError as error:  # a python int beyond float64's range
             raise ValueError(
                 f"metric {name!r}: {what} is out of float64's range ({error})"
             ) from error
-    if isinstance(value, complex | np.complexfloating):
+    if isinstance(value, _COMPLEX_TYPES):
         raise TypeError(f"metric {name!r}: {what} must be real, got complex {value!r}")
     return None
 
 
 def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
-    """``value`` (numpy array, list, tuple) as a new contiguous float64 numpy array (a
-    copy: a record must not change when the caller's array does)."""
-    if not isinstance(value, np.ndarray | list | tuple):
+    """``value`` (numpy array, list, tuple) as a new contiguous numpy array (a copy: a
+    record must not change when the caller's array does): float64, or bool for a bool
+    array (a mask copies in an eighth of the bytes; the fold reads it as 0 and 1)."""
+    if not isinstance(value, _ARRAY_TYPES):
         raise TypeError(
             f"metric {name!r}: {what} must be a number, numpy array or tensor, "
             f"got {type(value).__name__}"
@@ -69,6 +78,8 @@ def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
             if array.dtype.kind != "c"
             else f"metric {name!r}: {what} must be real, got complex dtype {array.dtype}"
         )
+    if array.dtype is _FLOAT64 or array.dtype is _BOOL:  # native ones: a plain copy
+        return array.copy() if isinstance(value, np.ndarray) else array  # a list's is new
     return np.array(array, dtype=np.float64, order="C")
 
 
@@ -76,9 +87,9 @@ def unmask(name: str, value: object, weight: object) -> tuple[object, object]:
     """A numpy masked array's data, and a weight that is 0 where it is masked (masked
     elements contribute nothing); a masked weight is 0 where masked. Other inputs pass
     through unchanged."""
-    if isinstance(weight, np.ma.MaskedArray):
+    if isinstance(weight, MaskedArray):
         weight = np.ma.filled(weight, 0)
-    if not isinstance(value, np.ma.MaskedArray):
+    if not isinstance(value, MaskedArray):
         return value, weight
     masked = np.ma.getmaskarray(value)
     data = np.ma.getdata(value)
@@ -111,24 +122,31 @@ def check_tensor(name: str, tensor: Tensor, what: str = "value") -> Tensor:
     autograd graph alive)."""
     if (
         tensor.dtype in REAL_DTYPES
-        and tensor.layout is torch.strided
+        and tensor.layout is STRIDED
         and not tensor.is_nested
         and not tensor.is_meta
     ):
         return tensor.detach() if tensor.requires_grad else tensor
+    raise tensor_error(name, tensor, what)
+
+
+def tensor_error(name: str, tensor: Tensor, what: str = "value") -> TypeError:
+    """The error for a tensor ``check_tensor`` refuses, naming the metric and the first
+    problem found (complex, not dense or without data, unsupported dtype). Kept apart
+    from the checks so that ``rlmetrics.record`` can inline them on its fast path."""
     if tensor.is_complex():
-        raise TypeError(f"metric {name!r}: {what} must be real, got complex dtype {tensor.dtype}")
-    if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_meta:
+        return TypeError(f"metric {name!r}: {what} must be real, got complex dtype {tensor.dtype}")
+    if tensor.layout is not STRIDED or tensor.is_nested or tensor.is_meta:
         if tensor.is_nested:
             problem = "a nested tensor; pass its flat values (for example torch.cat(t.unbind()))"
         elif tensor.is_meta:
             problem = "a meta tensor, which holds no data"
         else:
             problem = f"a {tensor.layout} tensor; pass a dense one (tensor.to_dense())"
-        raise TypeError(f"metric {name!r}: {what} must be a dense tensor with data, got {problem}")
+        return TypeError(f"metric {name!r}: {what} must be a dense tensor with data, got {problem}")
     if tensor.dtype not in REAL_DTYPES:
-        raise TypeError(f"metric {name!r}: {what} has unsupported dtype {tensor.dtype}")
-    return tensor.detach() if tensor.requires_grad else tensor
+        return TypeError(f"metric {name!r}: {what} has unsupported dtype {tensor.dtype}")
+    raise AssertionError(f"metric {name!r}: {what} passes every tensor check")  # a caller's bug
 
 
 def check_weight_number(name: str, weight: float) -> None:

@@ -25,16 +25,21 @@ import torch
 from torch import Tensor
 
 from rlmetrics.inputs import (
+    REAL_DTYPES,
+    STRIDED,
+    MaskedArray,
     as_number,
     check_tensor,
     check_weight_number,
     numeric_array,
+    tensor_error,
     unmask,
 )
 from rlmetrics.kinds import Accumulator
 from rlmetrics.kinds.base import NONFINITE_SLOT
 
-BOOL_DTYPES = (torch.bool, np.dtype(bool))
+BOOL = torch.bool
+CPU = torch.device("cpu")
 
 
 class NumberRecords:
@@ -132,47 +137,51 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepare
     Raises:
         TypeError, ValueError: naming ``name`` and what is wrong.
     """
-    if isinstance(value, np.ma.MaskedArray) or isinstance(weight, np.ma.MaskedArray):
+    if isinstance(value, MaskedArray) or isinstance(weight, MaskedArray):
         value, weight = unmask(name, value, weight)
-    if isinstance(value, Tensor):
+    weight_tensor = isinstance(weight, Tensor)  # each isinstance(x, Tensor) costs
+    value_tensor = isinstance(value, Tensor)
+    if value_tensor:
         value = check_tensor(name, value)
+        shape, size = tuple(value.shape), value.numel()
     else:
         number = as_number(name, value)
         if number is not None:
             # a tensor is never a number (0-d ones included: reading one would sync)
-            weight_number = None
-            if not isinstance(weight, Tensor):
+            if weight is None:
+                return Prepared(number, 1.0, None, None, 1, (), False, None)
+            if not weight_tensor:
                 weight_number = as_number(name, weight, "weight")
-            if weight is None or weight_number is not None:
-                weight_number = 1.0 if weight is None else weight_number
-                return Prepared(number, weight_number, None, None, 1, (), False, None)
+                if weight_number is not None:
+                    return Prepared(number, weight_number, None, None, 1, (), False, None)
             value = np.array(number)
         else:
             value = numeric_array(name, value)
-    shape = tuple(value.shape)
+        shape, size = value.shape, value.size
     check = False
     if weight is not None:
-        weight, check = _weight(name, weight, shape)
+        weight, check = _weight(name, weight, shape, weight_tensor)
     device = None
-    if not (host_arrays and _on_host(value) and _on_host(weight)):
-        tensor = value if isinstance(value, Tensor) else weight
-        device = tensor.device if isinstance(tensor, Tensor) else torch.device("cpu")
-    size = value.numel() if isinstance(value, Tensor) else value.size
+    if (value_tensor or weight_tensor or not host_arrays) and not (
+        host_arrays and _on_host(value) and _on_host(weight)
+    ):
+        tensor = value if value_tensor else weight
+        device = tensor.device if isinstance(tensor, Tensor) else CPU
     return Prepared(None, 1.0, value, weight, size, shape, check, device)
 
 
-def _weight(name: str, weight: Any, shape: tuple[int, ...]) -> tuple[Any, bool]:
+def _weight(name: str, weight: Any, shape: tuple[int, ...], is_tensor: bool) -> tuple[Any, bool]:
     """A weight as recorded (a number, a host copy or a tensor) and whether its data
     needs checking (an array that is not a bool mask)."""
-    if isinstance(weight, Tensor):
+    if is_tensor:
         weight = check_tensor(name, weight, "weight")
-        check = weight.dtype is not torch.bool
+        check = weight.dtype is not BOOL
     else:
         number = as_number(name, weight, "weight")
         if number is not None:
             check_weight_number(name, number)
             return number, False
-        check = getattr(weight, "dtype", None) not in BOOL_DTYPES
+        check = not (isinstance(weight, np.ndarray) and weight.dtype.kind == "b")
         weight = numeric_array(name, weight, "weight")
     if tuple(weight.shape) != shape:
         raise ValueError(
@@ -185,43 +194,80 @@ def _weight(name: str, weight: Any, shape: tuple[int, ...]) -> tuple[Any, bool]:
 def _on_host(value: Any) -> bool:
     """Whether ``value`` is not a tensor or is a plain CPU tensor (subclasses, like
     device tensors, take the device path)."""
-    return not isinstance(value, Tensor) or (type(value) is Tensor and value.device.type == "cpu")
+    return not isinstance(value, Tensor) or (type(value) is Tensor and value.is_cpu)
 
 
 def record_tensor(
-    acc: Accumulator, name: str, value: Tensor, weight: Tensor | None, nonfinite: str, host: bool
+    acc: Accumulator,
+    name: str,
+    value: Tensor,
+    weight: Tensor | float | int | None,
+    nonfinite: str,
+    host: bool,
 ) -> int:
-    """Record a plain tensor value with no weight or a plain tensor weight (the common
-    call, so its checks are written out here, in a few attribute reads); ``host``: CPU
-    tensors go down the host path. Returns the number of elements recorded."""
-    value = check_tensor(name, value)
-    needs_check = nonfinite == "error"
+    """Record a plain tensor value with no weight, a plain tensor weight or a python
+    float or int weight; ``host``: CPU tensors go down the host path. Returns the number
+    of elements recorded.
+
+    The common call, so ``check_tensor``'s checks are written out here and each tensor
+    attribute is read once (each read is a call into torch): a CPU tensor is not a meta
+    one, so ``is_meta`` is read only off the host path; the weight's dtype serves both
+    its check and the bool-mask test. Any refused tensor gets ``tensor_error``'s message.
+    """
+    if value.dtype not in REAL_DTYPES or value.layout is not STRIDED or value.is_nested:
+        raise tensor_error(name, value)
     on_host = host and value.is_cpu  # else the fold runs on the value's device
-    if weight is not None:
-        weight = check_tensor(name, weight, "weight")
-        if weight.shape != value.shape:
+    if not on_host and value.is_meta:
+        raise tensor_error(name, value)
+    if value.requires_grad:
+        value = value.detach()  # a view: the record must not keep the graph alive
+    if weight is None:
+        needs_check = nonfinite == "error"
+        size = value.numel()
+    elif type(weight) is not Tensor:  # a python float or int
+        try:
+            weight = float(weight)
+        except OverflowError:  # an int beyond float64's range: as_number names it
+            as_number(name, weight, "weight")
+            raise
+        check_weight_number(name, weight)
+        needs_check = nonfinite == "error"
+        size = value.numel()
+    else:
+        dtype = weight.dtype
+        if dtype not in REAL_DTYPES or weight.layout is not STRIDED or weight.is_nested:
+            raise tensor_error(name, weight, "weight")
+        if on_host:
+            if not weight.is_cpu:  # a CPU value with a device (or meta) weight
+                if weight.is_meta:
+                    raise tensor_error(name, weight, "weight")
+                on_host = False
+                if acc.record_device is None:
+                    acc.record_device = weight.device
+        elif weight.is_meta:
+            raise tensor_error(name, weight, "weight")
+        if weight.requires_grad:
+            weight = weight.detach()
+        shape = value.shape
+        if weight.shape != shape:
             raise ValueError(
                 f"metric {name!r}: weight shape {tuple(weight.shape)} does not match "
-                f"value shape {tuple(value.shape)}"
+                f"value shape {tuple(shape)}"
             )
-        needs_check = needs_check or weight.dtype is not torch.bool
-        if on_host and not weight.is_cpu:  # a CPU value with a device weight
-            on_host = False
-            if acc.record_device is None:
-                acc.record_device = weight.device
-    size = value.numel()
-    if acc.kind.parts != 1:
+        needs_check = dtype is not BOOL or nonfinite == "error"
+        size = value.numel()
+    kind = acc.kind
+    if kind.parts != 1:
         _check_parts(acc, name, size)
-    if size != 1 and acc.kind.replaces:
+    if size != 1 and kind.replaces:
         raise ValueError(
-            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape "
-            f"{tuple(value.shape)}"
+            f"metric {name!r} (kind {kind.name!r}) takes one value, got shape {tuple(value.shape)}"
         )
     if needs_check:
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
         acc.kept_call = True
-    if weight is not None:
+    if type(weight) is Tensor:
         acc.versions.append(weight._version)
     acc.versions.append(value._version)
     if not on_host and acc.record_device is None:

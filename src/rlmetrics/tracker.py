@@ -194,7 +194,10 @@ class Tracker(LogMethods):
                 raise
             record_number(acc, name, number, weight, self.nonfinite, self._numbers)
             self._recorded += 1
-        elif value_type is Tensor and (weight is None or type(weight) is Tensor):
+        elif value_type is Tensor and (
+            weight is None or (weight_type := type(weight)) is Tensor or weight_type is float
+            or weight_type is int
+        ):  # fmt: skip
             self._recorded += 1 + record_tensor(
                 acc, name, value, weight, self.nonfinite, self.host_arrays
             )
@@ -404,6 +407,7 @@ class Tracker(LogMethods):
         self.pending_timers = []
         self._groups.clear()
         self._numbers.clear()
+        self._recorded = 0
         for acc in self._accumulators.values():
             if acc.values:
                 acc.clear()  # drops the records (the tensors they keep alive) now
