@@ -70,7 +70,7 @@ from rlmetrics.packing import (
     sum_part,
     unpack,
 )
-from rlmetrics.reduced import Reduced
+from rlmetrics.results import Reduced
 from rlmetrics.table import Table
 
 # Up to this many gathered floats per step (ranks x (SUM + MAX buffer sizes)), the two

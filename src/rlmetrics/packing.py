@@ -20,7 +20,7 @@ from torch import Tensor
 from rlmetrics.kinds.base import NUM_FLAGS, Accumulator
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.layout import Layout
-from rlmetrics.reduced import Reduced
+from rlmetrics.results import Reduced
 from rlmetrics.table import Table
 
 
@@ -83,6 +83,20 @@ class Packing:
     def pack(self, table: Table, device: torch.device) -> Tensor:
         """This process's ``[SUM | MAX | tail]`` buffer on ``device``: host half copied,
         device half added there (no host sync)."""
+        host = self.pack_host(table)
+        part = table.device_part
+        if part is None:
+            buffer = torch.from_numpy(host[:-1])
+            return buffer if device.type == "cpu" else buffer.to(device)
+        buffer = to_device(host, part.device)
+        sums, counts, maxes = self._device_maps(part.device)
+        buffer.index_add_(0, sums, part.sums[: len(sums)])
+        buffer.index_add_(0, counts, part.counts[: len(counts) // NUM_FLAGS].reshape(-1))
+        buffer[maxes] = torch.maximum(buffer[maxes], part.maxes[: len(maxes)])
+        return buffer[:-1].to(device)
+
+    def pack_host(self, table: Table) -> np.ndarray:
+        """The host half's buffer, with the scratch slot at the end."""
         host = self.template.copy()
         host[self.sum_map] = table.sums[: len(self.sum_map)]
         rows = len(self.count_map) // NUM_FLAGS  # rows added since are not logged here
@@ -93,16 +107,7 @@ class Packing:
                 part = table.device_part
                 dev_extra = None if part is None else part.extras.get(acc.row)
                 host[position] = acc.kind.extra_size(table.extras[acc.row], dev_extra)
-        part = table.device_part
-        if part is None:
-            buffer = torch.from_numpy(host[:-1])
-            return buffer if device.type == "cpu" else buffer.to(device)
-        buffer = to_device(host, part.device)
-        sums, counts, maxes = self._device_maps(part.device)
-        buffer.index_add_(0, sums, part.sums[: len(sums)])
-        buffer.index_add_(0, counts, part.counts[:rows].reshape(-1))
-        buffer[maxes] = torch.maximum(buffer[maxes], part.maxes[: len(maxes)])
-        return buffer[:-1].to(device)
+        return host
 
     def _device_maps(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         maps = self.device_maps.get(device)
@@ -209,7 +214,7 @@ def unpack(
             non-finite values under ``nonfinite="error"``) in a tensor log call.
     """
     counts = sums[layout.num_kind_sums :]
-    if counts.any():  # counts, never negative
+    if np.count_nonzero(counts):
         rejected = counts[1::NUM_FLAGS]
         if rejected.any():
             _raise_rejected(layout, rejected)
@@ -258,7 +263,10 @@ def _split_extras(
 def local_reduce(packing: Packing, table: Table, device: torch.device) -> Reduced:
     """This process's step, with one device-to-host transfer per buffer."""
     layout = packing.layout
-    host = packing.pack(table, device).cpu().numpy()
+    if table.device_part is None:
+        host = packing.pack_host(table)[:-1]
+    else:
+        host = packing.pack(table, device).cpu().numpy()
     sums, maxes = host[: layout.num_sums], host[layout.num_sums :]
     if not layout.extra_slots:
         return unpack(layout, sums, maxes, [], [], [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
-from rlmetrics.results import KindRows
-from rlmetrics.results import results as compute_results
+from rlmetrics.layout import Layout
+from rlmetrics.results import Reduced
 
 STATE_VERSION = 1
 
@@ -170,27 +171,19 @@ def _extra_to_plain(extra: Any) -> Any:
 def results(
     states: Mapping[str, MetricState], kind_of: Callable[[str], Kind], *, empty: str
 ) -> dict[str, float]:
-    """Every metric's values, sorted by name; empty metrics omitted or NaN.
+    """Every metric's values, as ``Reduced.results`` reports a step: the states are
+    laid out in buffers as a sync would leave them.
 
     Raises:
-        ValueError: two metrics report the same key (``x`` as dist reports ``x/mean``).
+        ValueError: two metrics report the same key (``x`` as dist reports ``x/mean``),
+            or a state's slot counts are not its kind's.
     """
-    names = sorted(states)
-    by_kind: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        by_kind.setdefault(states[name].kind, []).append(i)
-    groups = []
-    for kind_name, rows in by_kind.items():
-        kind = kind_of(kind_name)
-        members = [states[names[i]] for i in rows]
-        groups.append(
-            KindRows(
-                kind,
-                np.array(rows, dtype=np.int64),
-                np.array([m.sums for m in members], dtype=np.float64).reshape(len(rows), -1),
-                np.array([m.maxes for m in members], dtype=np.float64).reshape(len(rows), -1),
-                [m.extra for m in members] if kind.has_extra else None,
-            )
-        )
-    nonfinite = np.array([states[name].num_nonfinite for name in names])
-    return compute_results(names, groups, nonfinite=nonfinite, empty=empty)
+    layout = Layout([(name, kind_of(metric.kind)) for name, metric in states.items()])
+    sums, maxes = np.zeros(layout.num_sums), np.full(layout.num_maxes, -math.inf)
+    for slot in layout.slots:
+        metric, kind = states[slot.name], slot.kind
+        sums[slot.sum_offset : slot.sum_offset + kind.num_sums] = metric.sums
+        maxes[slot.max_offset : slot.max_offset + kind.num_maxes] = metric.maxes
+        sums[slot.flag_offset] = metric.num_nonfinite
+    extras = {slot.name: states[slot.name].extra for slot in layout.extra_slots}
+    return Reduced(layout, sums, maxes, extras, None).results(empty=empty)

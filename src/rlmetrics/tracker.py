@@ -23,7 +23,7 @@ from rlmetrics.layout import Layout
 from rlmetrics.log_methods import LogMethods, PrefixedTracker
 from rlmetrics.packing import Packing, RejectedInputError, in_order, local_reduce
 from rlmetrics.record import Prepared, prepare, record_number, record_prepared, record_tensor
-from rlmetrics.reduced import Reduced
+from rlmetrics.results import Reduced
 from rlmetrics.state import TrackerState, check_metric
 from rlmetrics.table import Table
 from rlmetrics.timing import read_device_timers
