@@ -130,12 +130,6 @@ def with_nan_counts(packed: Tensor, layout: Layout) -> Tensor:
     return torch.cat(parts)
 
 
-def sum_part(layout: Layout, nan_counts: bool = False) -> int:
-    """The length of a packed buffer's additive part (SUM slots, and NaN counts when
-    packed with them)."""
-    return layout.num_sums + (layout.num_maxes if nan_counts else 0)
-
-
 def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator | None]:
     """The accumulators in layout order, None where this process logged nothing.
 
@@ -150,10 +144,11 @@ def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Ac
 
 
 def restore_nans(sums: np.ndarray, maxes: np.ndarray, layout: Layout) -> np.ndarray:
-    """The MAX part (tail included) of an all-reduced buffer packed with ``nan_counts``,
-    with NaN back where any rank had one; ``sums`` is the whole additive part."""
+    """The MAX part (tail included) of an all-reduced buffer packed by
+    ``with_nan_counts``, with NaN back where any rank had one; ``sums`` is the whole
+    additive part."""
     counts = sums[layout.num_sums :]
-    if not counts.any():
+    if not np.count_nonzero(counts):
         return maxes
     maxes = maxes.copy()
     maxes[: layout.num_maxes][counts > 0] = math.nan
