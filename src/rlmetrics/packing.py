@@ -2,8 +2,8 @@
 
 Packing copies a tracker's table into the buffer with one indexed assignment per array
 (host half) and one indexed add per array (device half): the host never waits on the
-device here. Unpacking checks the rejected-call
-counts, merges the gathered extras in rank order and returns a ``Reduced`` step.
+device here. Unpacking checks the rejected-call counts, merges the gathered extras in
+rank order and returns a ``Reduced`` step.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,8 @@ class RejectedInputError(ValueError):
 @dataclass(eq=False)
 class Packing:
     """Where a table's slots go in one layout's buffer ``[SUM | MAX | tail]``, for the
-    metrics logged in a step (``accs``: per layout slot, its accumulator or None).
+    metrics logged in a step (``make``'s ``accs``: per layout slot, its accumulator or
+    None).
 
     Built once per set of metrics (the sync code caches it with its plan): packing a
     step is then a copy of ``template`` and one indexed assignment per array, plus one
@@ -41,7 +43,6 @@ class Packing:
     """
 
     layout: Layout
-    accs: list[Accumulator | None]
     template: np.ndarray  # empty SUM and MAX parts, the tail, one scratch slot
     sum_map: np.ndarray  # per table SUM slot, its position
     count_map: np.ndarray  # per table count (rows x NUM_FLAGS, row-major)
@@ -78,7 +79,7 @@ class Packing:
             count_map[row * NUM_FLAGS : (row + 1) * NUM_FLAGS] = np.arange(
                 slot.flag_offset, slot.flag_offset + NUM_FLAGS
             )
-        return cls(layout, accs, template, sum_map, count_map, max_map, extra_rows, table.version)
+        return cls(layout, template, sum_map, count_map, max_map, extra_rows, table.version)
 
     def pack(self, table: Table, device: torch.device) -> Tensor:
         """This process's ``[SUM | MAX | tail]`` buffer on ``device``: host half copied,
@@ -237,21 +238,21 @@ def _split_extras(
     objects: Sequence[Mapping[str, object]],
     sizes: Sequence[int],
 ) -> dict[str, object]:
+    """Each extra slot's extras merged in rank order. A piece read from a gather buffer
+    is a new object, so the first rank's starts the merge; object extras (which may be
+    a rank's own) merge into an empty extra."""
     merged: dict[str, object] = {}
-    offsets = [0] * len(extras)
+    offset = 0  # every rank's buffer has the same layout (the group's padded sizes)
     for slot, size in zip(layout.extra_slots, sizes, strict=True):
         kind = slot.kind
-        value = kind.empty_extra()
         if slot.name in (objects[0] if objects else {}):
-            for rank_objects in objects:
-                value = kind.merge_extra(value, rank_objects[slot.name])
-        else:
-            length = kind.vector_length(size)
-            for rank, buffer in enumerate(extras):
-                piece = buffer[offsets[rank] : offsets[rank] + length]
-                offsets[rank] += length
-                value = kind.merge_extra(value, kind.extra_from_vector(piece))
-        merged[slot.name] = value
+            pieces = [rank_objects[slot.name] for rank_objects in objects]
+            merged[slot.name] = reduce(kind.merge_extra, pieces, kind.empty_extra())
+            continue
+        length = kind.vector_length(size)
+        pieces = [kind.extra_from_vector(buffer[offset : offset + length]) for buffer in extras]
+        offset += length
+        merged[slot.name] = reduce(kind.merge_extra, pieces) if pieces else kind.empty_extra()
     return merged
 
 
