@@ -12,7 +12,7 @@ builds a ``Reduced`` from states, so both paths report the same bits.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +40,25 @@ class Reduced:
     maxes: np.ndarray
     extras: Mapping[str, object]
     keep: np.ndarray | None
+
+    @classmethod
+    def from_states(
+        cls, states: Mapping[str, MetricState], kind_of: Callable[[str], Kind]
+    ) -> Reduced:
+        """States laid out in buffers as a sync leaves them (``TrackerState.compute``).
+
+        Raises:
+            ValueError: a state's slot counts are not its kind's.
+        """
+        layout = Layout([(name, kind_of(metric.kind)) for name, metric in states.items()])
+        sums, maxes = np.zeros(layout.num_sums), np.full(layout.num_maxes, -math.inf)
+        for slot in layout.slots:
+            metric, kind = states[slot.name], slot.kind
+            sums[slot.sum_offset : slot.sum_offset + kind.num_sums] = metric.sums
+            maxes[slot.max_offset : slot.max_offset + kind.num_maxes] = metric.maxes
+            sums[slot.flag_offset] = metric.num_nonfinite
+        extras = {slot.name: states[slot.name].extra for slot in layout.extra_slots}
+        return cls(layout, sums, maxes, extras, None)
 
     def states(self) -> dict[str, MetricState]:
         """Per metric, its merged state, by name (names no rank logged are left out)."""

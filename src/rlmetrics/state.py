@@ -1,16 +1,14 @@
-"""TrackerState: the picklable snapshot that moves between processes, and results."""
+"""TrackerState: the picklable snapshot that moves between processes, and its merge."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
-from rlmetrics.layout import Layout
 from rlmetrics.results import Reduced
 
 STATE_VERSION = 1
@@ -80,10 +78,11 @@ class TrackerState:
         """
         if empty not in ("omit", "nan"):
             raise ValueError(f"compute(empty=...) must be one of ('omit', 'nan'), got {empty!r}")
-        if quantiles is None:
-            return results(self.metrics, get_kind, empty=empty)
-        own = {"dist": Dist(quantiles), "quantile": QuantileSketch(quantiles=quantiles)}
-        return results(self.metrics, lambda name: own.get(name) or get_kind(name), empty=empty)
+        own: dict[str, Kind] = {}
+        if quantiles is not None:
+            own = {"dist": Dist(quantiles), "quantile": QuantileSketch(quantiles=quantiles)}
+        reduced = Reduced.from_states(self.metrics, lambda name: own.get(name) or get_kind(name))
+        return reduced.results(empty=empty)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain python (JSON-friendly except numpy arrays) for checkpoints."""
@@ -166,24 +165,3 @@ def _extra_to_plain(extra: Any) -> Any:
     if isinstance(extra, tuple):
         return list(extra)
     return extra
-
-
-def results(
-    states: Mapping[str, MetricState], kind_of: Callable[[str], Kind], *, empty: str
-) -> dict[str, float]:
-    """Every metric's values, as ``Reduced.results`` reports a step: the states are
-    laid out in buffers as a sync would leave them.
-
-    Raises:
-        ValueError: two metrics report the same key (``x`` as dist reports ``x/mean``),
-            or a state's slot counts are not its kind's.
-    """
-    layout = Layout([(name, kind_of(metric.kind)) for name, metric in states.items()])
-    sums, maxes = np.zeros(layout.num_sums), np.full(layout.num_maxes, -math.inf)
-    for slot in layout.slots:
-        metric, kind = states[slot.name], slot.kind
-        sums[slot.sum_offset : slot.sum_offset + kind.num_sums] = metric.sums
-        maxes[slot.max_offset : slot.max_offset + kind.num_maxes] = metric.maxes
-        sums[slot.flag_offset] = metric.num_nonfinite
-    extras = {slot.name: states[slot.name].extra for slot in layout.extra_slots}
-    return Reduced(layout, sums, maxes, extras, None).results(empty=empty)
