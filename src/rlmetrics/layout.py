@@ -94,9 +94,6 @@ class Layout:
             (slot.name, slot.kind.name, slot.kind.fingerprint()) for slot in self.slots
         )
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.index
-
     def fits(self, accumulators: Mapping[str, Accumulator]) -> bool:
         """Whether every name of ``accumulators`` is here, with the same kind object."""
         if not accumulators.keys() <= self.index.keys():
