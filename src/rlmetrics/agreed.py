@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator
 from rlmetrics.layout import Layout
-from rlmetrics.packing import Packing, sum_part, with_nan_counts
+from rlmetrics.packing import Packing, with_nan_counts
 from rlmetrics.table import Table
 
 HEADER = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
@@ -153,7 +153,7 @@ class Plan:
         if self.pair is None:
             self.pair = Packing.make(layout, self.accs, table, self.tail(sizes.maxes))
         packed = with_nan_counts(self.pair.pack(table, device), layout)
-        additive = sum_part(layout, nan_counts=True)
+        additive = layout.num_sums + layout.num_maxes  # and the NaN counts
         if additive == sizes.sums:
             return packed
         pad = packed.new_zeros(sizes.sums - additive)

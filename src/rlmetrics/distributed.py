@@ -1,30 +1,22 @@
 """Tracker sync over torch.distributed: schema agreement and packed collectives.
 
-Every scalar metric's state packs into a SUM buffer (additive slots) and a MAX buffer
-(max slots; minima are stored negated). A steady-state step reduces both with one
-collective, however many scalar metrics exist: an ``all_gather`` of the two buffers
-concatenated, reduced on the host (rows added in rank order, so every rank gets the
-same bits; max over rows). Above ``GATHER_LIMIT`` gathered floats (many ranks times a
-large layout) the gather's traffic grows with the group, and the step issues
-``all_reduce(SUM)`` and ``all_reduce(MAX)`` instead. The MAX buffer ends with a
-header: a "schema changed" flag and the hash of the layout this rank packed, so ranks
-notice without an extra collective when some rank logged a name its layout lacks, or
-packed another layout (or none: see ``rlmetrics.agreed``); only then do they agree again
-(one byte gather) and repeat the reduce. Every rank's buffers have its group's padded
-sizes, whatever its tracker caches. Kinds with an extra payload (std, dist) add one
-``all_gather``.
+A steady-state step reduces every scalar metric with one collective: an ``all_gather``
+of the packed SUM and MAX buffers, reduced on the host (rows added in rank order, so
+every rank gets the same bits; max over rows), or ``all_reduce(SUM)`` and
+``all_reduce(MAX)`` above ``GATHER_LIMIT``. The MAX buffer ends with a header (see
+``rlmetrics.agreed``) that tells every rank, without another collective, when some rank
+logged a name its layout lacks or packed another layout; only then do ranks agree on
+the schema again (a JSON gather) and repeat the reduce. Kinds with an extra payload
+(std, dist) add one ``all_gather``.
 
 Nothing here unpickles data that did not come from a rank of the same process group:
 schemas travel as JSON, extras of built-in kinds as float64 tensors; only user kinds
 whose extras cannot be packed travel pickled, and only between the group's ranks.
 
-Timeouts, groups and the collectives themselves: ``rlmetrics.collectives`` (its names
-are re-exported here).
-
 Replicas: merge over the data-parallel group only. Tensor- or pipeline-parallel copies
-of a DP rank log the same values; each computes over its own DP group and gets the same
-result, so nothing is counted twice. To compute over a group that contains replicas,
-log only on one copy (see ``is_replica_source``).
+of a DP rank log the same values; to compute over a group that contains replicas, log
+only on one copy (see ``is_replica_source``). Timeouts, groups and the collectives
+themselves live in ``rlmetrics.collectives``, re-exported here.
 """
 
 from __future__ import annotations
@@ -62,26 +54,14 @@ from rlmetrics.collectives import (  # re-exported: rlmetrics.distributed is the
     world_size,
 )
 from rlmetrics.layout import Layout
-from rlmetrics.packing import (
-    extra_sizes,
-    in_order,
-    pack_extras,
-    restore_nans,
-    sum_part,
-    unpack,
-)
-from rlmetrics.reduced import Reduced
+from rlmetrics.packing import extra_sizes, in_order, pack_extras, restore_nans, unpack
+from rlmetrics.results import Reduced
 from rlmetrics.table import Table
 
-# Up to this many gathered floats per step (ranks x (SUM + MAX buffer sizes)), the two
-# buffers are reduced by one all_gather and a host reduction; above it, by
-# all_reduce(SUM) + all_reduce(MAX). Every collective has a fixed cost; the gather's
-# traffic and host work grow with ranks x size. Measured on gloo (2 and 4 ranks on
-# 127.0.0.1, one thread each): from 200 to 24,000 gathered floats the gather took half
-# the process CPU time of the pair or less, and under half its wall time; it was still
-# ahead at 240,000 gathered floats and behind at 800,000 (the list all_gather, which
-# gloo supports in every torch we support, copies each row once more). 200,000 (1.6 MB
-# per rank) stays below that crossover; a few hundred metrics need a few thousand.
+# Above this many gathered floats per step (ranks x packed buffer length), the step
+# issues all_reduce(SUM) + all_reduce(MAX) instead of one all_gather: every collective
+# has a fixed cost, but the gather's traffic and host work grow with the group. On gloo
+# the gather stayed ahead well past this size (docs/scaling.md).
 GATHER_LIMIT = 200_000
 
 
@@ -265,24 +245,21 @@ def _reduce(
     layout = plan.layout
     if layout is None:  # only the header matters
         return host[:0], host[split:]
-    sums = host[: sum_part(layout, nan_counts=True)]
+    sums = host[: layout.num_sums + layout.num_maxes]  # and the NaN counts
     return sums[: layout.num_sums], restore_nans(sums, host[split:], layout)
 
 
 def _add_rows(rows: np.ndarray) -> np.ndarray:
     """The rows added in rank order, so every rank gets the same bits."""
-    total = rows[0] + rows[1] if len(rows) > 1 else rows[0].copy()
-    for row in rows[2:]:
+    total = rows[0].copy()
+    for row in rows[1:]:
         total += row
     return total
 
 
 def _max_rows(rows: np.ndarray) -> np.ndarray:
     """The rows' elementwise max (NaN wins, as in a single process)."""
-    top = np.maximum(rows[0], rows[1]) if len(rows) > 1 else rows[0].copy()
-    for row in rows[2:]:
-        np.maximum(top, row, out=top)
-    return top
+    return np.maximum(rows[0], rows[1]) if len(rows) == 2 else rows.max(axis=0)
 
 
 def _finish(

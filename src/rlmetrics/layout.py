@@ -1,9 +1,8 @@
 """Where each metric of an agreed schema lives in the packed buffers.
 
-A ``Layout`` fixes, for an agreed set of (name, kind) pairs, each metric's additive
-slots and framework counts in the SUM buffer, its max slots in the MAX buffer and (for
-kinds with an extra payload) its piece of the gather buffer; the index arrays that
-packing and unpacking use are built once per layout.
+A ``Layout`` fixes, for a set of (name, kind) pairs, each metric's additive slots and
+framework counts in the SUM buffer, its max slots in the MAX buffer and (for kinds with
+an extra payload) its piece of the gather buffer.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from operator import attrgetter, is_
+from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 
@@ -35,48 +34,65 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class KindGroup:
-    """The metrics of one kind: their rows, and the (rows, slots) SUM and MAX positions
-    of their slots."""
+    """The metrics of one kind object, side by side in both buffers: their states are
+    a (len(names), num_sums) block of the SUM part and a (len(names), ``width``) block
+    of the MAX part, read as views."""
 
     kind: Kind
-    rows: np.ndarray
-    sums: np.ndarray
-    maxes: np.ndarray
+    names: list[str]
+    sums: slice
+    maxes: slice
+    width: int  # MAX slots per metric: the kind's, and an extra kind's extra size
 
 
 class Layout:
-    """The packed positions of an agreed schema.
+    """The packed positions of a schema.
 
-    Metrics are ordered by name (results are reported in that order). The SUM part is
-    [every metric's kind sums | two framework counts per metric]; the MAX part holds the
-    kinds' max slots (and each extra kind's extra size). Index arrays used by packing and
-    unpacking are built once per layout (lazily), so a steady-state step does no
-    per-metric bookkeeping beyond reading the states.
+    Metrics are ordered by name (``names``, ``slots``: results are reported in that
+    order). In the buffers they are grouped by kind object (``groups``), so that each
+    kind reads its metrics' states as one block: the SUM part is [every group's kind
+    sums | two framework counts per metric, in name order]; the MAX part holds the
+    groups' max slots (and each extra kind's extra size).
+
+    Ranks with equal ``signature``s have equal positions: a layout agreed over a group
+    (``distributed.agree_schema``) holds one kind object per kind name, so its grouping
+    follows the kind names, which the signature holds.
     """
 
     def __init__(self, schema: Sequence[tuple[str, Kind]]) -> None:
-        ordered = sorted(schema, key=lambda item: item[0])
-        self.num_kind_sums = sum(kind.num_sums for _, kind in ordered)
-        self.slots: list[Slot] = []
-        self.index: dict[str, int] = {}
+        ordered = sorted(schema, key=itemgetter(0))
+        self.names = [name for name, _ in ordered]
+        self.kinds = [kind for _, kind in ordered]
+        self.index = {name: i for i, name in enumerate(self.names)}
+        members: dict[int, list[int]] = {}
+        for i, kind in enumerate(self.kinds):
+            members.setdefault(id(kind), []).append(i)
+        self.num_kind_sums = sum(kind.num_sums for kind in self.kinds)
+        slots: list[Slot | None] = [None] * len(ordered)
+        self.groups: list[KindGroup] = []
         sum_offset = max_offset = 0
-        flag_offset = self.num_kind_sums
-        for name, kind in ordered:
-            num_maxes = kind.num_maxes + (1 if kind.has_extra else 0)
-            self.index[name] = len(self.slots)
-            self.slots.append(Slot(name, kind, sum_offset, flag_offset, max_offset, num_maxes))
-            sum_offset += kind.num_sums
-            flag_offset += NUM_FLAGS
-            max_offset += num_maxes
-        self.num_sums = flag_offset
+        order: list[int] = []  # the metrics in the groups' order
+        for rows in members.values():
+            order += rows
+            kind = self.kinds[rows[0]]
+            width = kind.num_maxes + (1 if kind.has_extra else 0)
+            sums = slice(sum_offset, sum_offset + len(rows) * kind.num_sums)
+            maxes = slice(max_offset, max_offset + len(rows) * width)
+            self.groups.append(KindGroup(kind, [self.names[i] for i in rows], sums, maxes, width))
+            for i in rows:
+                flags = self.num_kind_sums + i * NUM_FLAGS
+                slots[i] = Slot(self.names[i], kind, sum_offset, flags, max_offset, width)
+                sum_offset += kind.num_sums
+                max_offset += width
+        self.slots: list[Slot] = slots  # type: ignore[assignment]
+        # per name, its position in the groups' order (to report values by name)
+        self.by_name = np.argsort(np.array(order, dtype=np.int64))
+        self.num_sums = self.num_kind_sums + NUM_FLAGS * len(ordered)
         self.num_maxes = max_offset
         self.extra_slots = [slot for slot in self.slots if slot.kind.has_extra]
-        self.signature = tuple((slot.name, slot.kind.fingerprint()) for slot in self.slots)
-        self.names = [slot.name for slot in self.slots]
-        self.kinds = [slot.kind for slot in self.slots]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.index
+        self.signature = tuple(
+            (slot.name, slot.kind.name, slot.kind.fingerprint()) for slot in self.slots
+        )
 
     def fits(self, accumulators: Mapping[str, Accumulator]) -> bool:
         """Whether every name of ``accumulators`` is here, with the same kind object."""
@@ -90,25 +106,3 @@ class Layout:
         """A float64-exact 52-bit hash of the signature, equal on ranks with equal layouts."""
         digest = hashlib.blake2b(repr(self.signature).encode(), digest_size=8).digest()
         return float(int.from_bytes(digest, "little") >> 12)
-
-    @cached_property
-    def kind_groups(self) -> list[KindGroup]:
-        """The metrics grouped by kind object, each group's rows in order."""
-        rows: dict[int, list[int]] = {}
-        for i, kind in enumerate(self.kinds):
-            rows.setdefault(id(kind), []).append(i)
-        groups = []
-        for members in rows.values():
-            kind, count = self.kinds[members[0]], len(members)
-            slots = [self.slots[i] for i in members]
-            sums = [s.sum_offset + np.arange(kind.num_sums) for s in slots]
-            maxes = [s.max_offset + np.arange(kind.num_maxes) for s in slots]
-            groups.append(
-                KindGroup(
-                    kind,
-                    np.array(members, dtype=np.int64),
-                    np.array(sums, dtype=np.int64).reshape(count, kind.num_sums),
-                    np.array(maxes, dtype=np.int64).reshape(count, kind.num_maxes),
-                )
-            )
-        return groups

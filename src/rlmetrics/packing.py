@@ -2,8 +2,8 @@
 
 Packing copies a tracker's table into the buffer with one indexed assignment per array
 (host half) and one indexed add per array (device half): the host never waits on the
-device here. Unpacking checks the rejected-call
-counts, merges the gathered extras in rank order and returns a ``Reduced`` step.
+device here. Unpacking checks the rejected-call counts, merges the gathered extras in
+rank order and returns a ``Reduced`` step.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from torch import Tensor
 from rlmetrics.kinds.base import NUM_FLAGS, Accumulator
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.layout import Layout
-from rlmetrics.reduced import Reduced
+from rlmetrics.results import Reduced
 from rlmetrics.table import Table
 
 
@@ -32,7 +33,8 @@ class RejectedInputError(ValueError):
 @dataclass(eq=False)
 class Packing:
     """Where a table's slots go in one layout's buffer ``[SUM | MAX | tail]``, for the
-    metrics logged in a step (``accs``: per layout slot, its accumulator or None).
+    metrics logged in a step (``make``'s ``accs``: per layout slot, its accumulator or
+    None).
 
     Built once per set of metrics (the sync code caches it with its plan): packing a
     step is then a copy of ``template`` and one indexed assignment per array, plus one
@@ -41,7 +43,6 @@ class Packing:
     """
 
     layout: Layout
-    accs: list[Accumulator | None]
     template: np.ndarray  # empty SUM and MAX parts, the tail, one scratch slot
     sum_map: np.ndarray  # per table SUM slot, its position
     count_map: np.ndarray  # per table count (rows x NUM_FLAGS, row-major)
@@ -78,11 +79,25 @@ class Packing:
             count_map[row * NUM_FLAGS : (row + 1) * NUM_FLAGS] = np.arange(
                 slot.flag_offset, slot.flag_offset + NUM_FLAGS
             )
-        return cls(layout, accs, template, sum_map, count_map, max_map, extra_rows, table.version)
+        return cls(layout, template, sum_map, count_map, max_map, extra_rows, table.version)
 
     def pack(self, table: Table, device: torch.device) -> Tensor:
         """This process's ``[SUM | MAX | tail]`` buffer on ``device``: host half copied,
         device half added there (no host sync)."""
+        host = self.pack_host(table)
+        part = table.device_part
+        if part is None:
+            buffer = torch.from_numpy(host[:-1])
+            return buffer if device.type == "cpu" else buffer.to(device)
+        buffer = to_device(host, part.device)
+        sums, counts, maxes = self._device_maps(part.device)
+        buffer.index_add_(0, sums, part.sums[: len(sums)])
+        buffer.index_add_(0, counts, part.counts[: len(counts) // NUM_FLAGS].reshape(-1))
+        buffer[maxes] = torch.maximum(buffer[maxes], part.maxes[: len(maxes)])
+        return buffer[:-1].to(device)
+
+    def pack_host(self, table: Table) -> np.ndarray:
+        """The host half's buffer, with the scratch slot at the end."""
         host = self.template.copy()
         host[self.sum_map] = table.sums[: len(self.sum_map)]
         rows = len(self.count_map) // NUM_FLAGS  # rows added since are not logged here
@@ -93,16 +108,7 @@ class Packing:
                 part = table.device_part
                 dev_extra = None if part is None else part.extras.get(acc.row)
                 host[position] = acc.kind.extra_size(table.extras[acc.row], dev_extra)
-        part = table.device_part
-        if part is None:
-            buffer = torch.from_numpy(host[:-1])
-            return buffer if device.type == "cpu" else buffer.to(device)
-        buffer = to_device(host, part.device)
-        sums, counts, maxes = self._device_maps(part.device)
-        buffer.index_add_(0, sums, part.sums[: len(sums)])
-        buffer.index_add_(0, counts, part.counts[:rows].reshape(-1))
-        buffer[maxes] = torch.maximum(buffer[maxes], part.maxes[: len(maxes)])
-        return buffer[:-1].to(device)
+        return host
 
     def _device_maps(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         maps = self.device_maps.get(device)
@@ -125,12 +131,6 @@ def with_nan_counts(packed: Tensor, layout: Layout) -> Tensor:
     return torch.cat(parts)
 
 
-def sum_part(layout: Layout, nan_counts: bool = False) -> int:
-    """The length of a packed buffer's additive part (SUM slots, and NaN counts when
-    packed with them)."""
-    return layout.num_sums + (layout.num_maxes if nan_counts else 0)
-
-
 def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator | None]:
     """The accumulators in layout order, None where this process logged nothing.
 
@@ -145,10 +145,11 @@ def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Ac
 
 
 def restore_nans(sums: np.ndarray, maxes: np.ndarray, layout: Layout) -> np.ndarray:
-    """The MAX part (tail included) of an all-reduced buffer packed with ``nan_counts``,
-    with NaN back where any rank had one; ``sums`` is the whole additive part."""
+    """The MAX part (tail included) of an all-reduced buffer packed by
+    ``with_nan_counts``, with NaN back where any rank had one; ``sums`` is the whole
+    additive part."""
     counts = sums[layout.num_sums :]
-    if not counts.any():
+    if not np.count_nonzero(counts):
         return maxes
     maxes = maxes.copy()
     maxes[: layout.num_maxes][counts > 0] = math.nan
@@ -209,7 +210,7 @@ def unpack(
             non-finite values under ``nonfinite="error"``) in a tensor log call.
     """
     counts = sums[layout.num_kind_sums :]
-    if counts.any():  # counts, never negative
+    if np.count_nonzero(counts):
         rejected = counts[1::NUM_FLAGS]
         if rejected.any():
             _raise_rejected(layout, rejected)
@@ -237,28 +238,31 @@ def _split_extras(
     objects: Sequence[Mapping[str, object]],
     sizes: Sequence[int],
 ) -> dict[str, object]:
+    """Each extra slot's extras merged in rank order. A piece read from a gather buffer
+    is a new object, so the first rank's starts the merge; object extras (which may be
+    a rank's own) merge into an empty extra."""
     merged: dict[str, object] = {}
-    offsets = [0] * len(extras)
+    offset = 0  # every rank's buffer has the same layout (the group's padded sizes)
     for slot, size in zip(layout.extra_slots, sizes, strict=True):
         kind = slot.kind
-        value = kind.empty_extra()
         if slot.name in (objects[0] if objects else {}):
-            for rank_objects in objects:
-                value = kind.merge_extra(value, rank_objects[slot.name])
-        else:
-            length = kind.vector_length(size)
-            for rank, buffer in enumerate(extras):
-                piece = buffer[offsets[rank] : offsets[rank] + length]
-                offsets[rank] += length
-                value = kind.merge_extra(value, kind.extra_from_vector(piece))
-        merged[slot.name] = value
+            pieces = [rank_objects[slot.name] for rank_objects in objects]
+            merged[slot.name] = reduce(kind.merge_extra, pieces, kind.empty_extra())
+            continue
+        length = kind.vector_length(size)
+        pieces = [kind.extra_from_vector(buffer[offset : offset + length]) for buffer in extras]
+        offset += length
+        merged[slot.name] = reduce(kind.merge_extra, pieces) if pieces else kind.empty_extra()
     return merged
 
 
 def local_reduce(packing: Packing, table: Table, device: torch.device) -> Reduced:
     """This process's step, with one device-to-host transfer per buffer."""
     layout = packing.layout
-    host = packing.pack(table, device).cpu().numpy()
+    if table.device_part is None:
+        host = packing.pack_host(table)[:-1]
+    else:
+        host = packing.pack(table, device).cpu().numpy()
     sums, maxes = host[: layout.num_sums], host[layout.num_sums :]
     if not layout.extra_slots:
         return unpack(layout, sums, maxes, [], [], [])

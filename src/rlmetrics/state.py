@@ -1,16 +1,15 @@
-"""TrackerState: the picklable snapshot that moves between processes, and results."""
+"""TrackerState: the picklable snapshot that moves between processes, and its merge."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
-from rlmetrics.results import KindRows
-from rlmetrics.results import results as compute_results
+from rlmetrics.results import Reduced
 
 STATE_VERSION = 1
 
@@ -79,10 +78,11 @@ class TrackerState:
         """
         if empty not in ("omit", "nan"):
             raise ValueError(f"compute(empty=...) must be one of ('omit', 'nan'), got {empty!r}")
-        if quantiles is None:
-            return results(self.metrics, get_kind, empty=empty)
-        own = {"dist": Dist(quantiles), "quantile": QuantileSketch(quantiles=quantiles)}
-        return results(self.metrics, lambda name: own.get(name) or get_kind(name), empty=empty)
+        own: dict[str, Kind] = {}
+        if quantiles is not None:
+            own = {"dist": Dist(quantiles), "quantile": QuantileSketch(quantiles=quantiles)}
+        reduced = Reduced.from_states(self.metrics, lambda name: own.get(name) or get_kind(name))
+        return reduced.results(empty=empty)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain python (JSON-friendly except numpy arrays) for checkpoints."""
@@ -165,32 +165,3 @@ def _extra_to_plain(extra: Any) -> Any:
     if isinstance(extra, tuple):
         return list(extra)
     return extra
-
-
-def results(
-    states: Mapping[str, MetricState], kind_of: Callable[[str], Kind], *, empty: str
-) -> dict[str, float]:
-    """Every metric's values, sorted by name; empty metrics omitted or NaN.
-
-    Raises:
-        ValueError: two metrics report the same key (``x`` as dist reports ``x/mean``).
-    """
-    names = sorted(states)
-    by_kind: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        by_kind.setdefault(states[name].kind, []).append(i)
-    groups = []
-    for kind_name, rows in by_kind.items():
-        kind = kind_of(kind_name)
-        members = [states[names[i]] for i in rows]
-        groups.append(
-            KindRows(
-                kind,
-                np.array(rows, dtype=np.int64),
-                np.array([m.sums for m in members], dtype=np.float64).reshape(len(rows), -1),
-                np.array([m.maxes for m in members], dtype=np.float64).reshape(len(rows), -1),
-                [m.extra for m in members] if kind.has_extra else None,
-            )
-        )
-    nonfinite = np.array([states[name].num_nonfinite for name in names])
-    return compute_results(names, groups, nonfinite=nonfinite, empty=empty)

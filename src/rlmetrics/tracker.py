@@ -30,7 +30,7 @@ from rlmetrics.record import (
     record_prepared,
     record_tensor,
 )
-from rlmetrics.reduced import Reduced
+from rlmetrics.results import Reduced
 from rlmetrics.state import TrackerState, check_metric
 from rlmetrics.table import Table
 from rlmetrics.timing import read_device_timers

@@ -48,10 +48,10 @@ class Last(Kind):
         total, sources = sums[:, 0], sums[:, 1]
         high, neg_low = maxes[:, 0], maxes[:, 1]
         present = sources != 0
-        agree = (high == -neg_low) | np.isnan(high)
-        if agree[present].all():
+        disagree = high > -neg_low  # max > min (False where NaN, or empty)
+        if not np.count_nonzero(disagree):
             return {"": high}, present
-        for i in np.flatnonzero(present & ~agree).tolist():
+        for i in np.flatnonzero(disagree).tolist():
             if names[i] not in _warned:
                 _warned.add(names[i])
                 warnings.warn(
@@ -62,4 +62,4 @@ class Last(Kind):
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        return {"": np.where(agree, high, total / np.where(present, sources, 1.0))}, present
+        return {"": np.where(disagree, total / np.where(present, sources, 1.0), high)}, present

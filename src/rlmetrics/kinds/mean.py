@@ -32,4 +32,4 @@ class Mean(Kind):
     def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
         total, weight = sums[:, 0], sums[:, 1]
         present = weight != 0
-        return {"": total / np.where(present, weight, 1.0)}, present
+        return {"": total / (weight + ~present)}, present  # an empty row divides by 1

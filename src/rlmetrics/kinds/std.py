@@ -93,7 +93,7 @@ class MomentTriples(Kind):
         return 1
 
     def extra_vector(self, extra: Any, dev_extra: Any, device: torch.device, size: int) -> Tensor:
-        host = torch.tensor(extra, dtype=torch.float64, device=device)
+        host = torch.from_numpy(np.array(extra, dtype=np.float64)).to(device)
         if dev_extra is None:
             return host
         return self.merge_dev_extra(host, dev_extra.to(device))
@@ -102,7 +102,7 @@ class MomentTriples(Kind):
         return 3 * self.num_triples
 
     def extra_from_vector(self, vector: np.ndarray) -> tuple[float, ...]:
-        return tuple(float(x) for x in vector)
+        return tuple(vector.tolist())
 
 
 class Std(MomentTriples):
