@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
-from itertools import accumulate
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from rlmetrics.assemble import Parts, assemble, joined, joined_host, on_backend
+from rlmetrics.fold_plan import Layout, Plan, plan_for
 from rlmetrics.kinds.base import Accumulator, Kind
-from rlmetrics.kinds.batch import Array, Batch, DeviceBatch, to_device
+from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
 from rlmetrics.record import NumberRecords
 from rlmetrics.table import Table
 
@@ -71,10 +71,10 @@ def fold(accs: list[Accumulator], numbers: NumberRecords, table: Table, nonfinit
         else:
             on_device.setdefault(acc.record_device, []).append(acc)
     if numbers.values or host:
-        _fold_records(table, _plan(table, None, accs), numbers, host, None, nonfinite)
+        _fold_records(table, plan_for(table, None, accs), numbers, host, None, nonfinite)
         numbers.clear()
     for device, members in on_device.items():
-        plan = _plan(table, device, members)
+        plan = plan_for(table, device, members)
         with torch.no_grad():
             _fold_records(table, plan, None, plan.members, device, nonfinite)
     if any(map(_get_num_arrays, with_records)):
@@ -99,75 +99,6 @@ _get_row = attrgetter("row")
 _get_num_checked = attrgetter("num_checked")
 
 
-class _Group:
-    """Metrics of one kind, and (computed once) their rows' positions in the table."""
-
-    def __init__(self, members: list[Accumulator]) -> None:
-        self.members = members
-        self.kind = members[0].kind
-        self._positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-
-    def positions(self, table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The members' rows, and their (rows, slots) SUM and MAX positions."""
-        if self._positions is None:
-            rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
-            self._positions = (rows, *table.positions(rows, self.kind))
-        return self._positions
-
-
-class _Plan:
-    """The metrics of one fold grouped by kind (``members`` in that order), and where
-    each table row's metric is in that order (``index``: -1 for a row not in it)."""
-
-    def __init__(self, accs: list[Accumulator], table: Table) -> None:
-        by_kind: dict[int, list[Accumulator]] = {}
-        for acc in accs:
-            by_kind.setdefault(id(acc.kind), []).append(acc)
-        self.groups = [_Group(members) for members in by_kind.values()]
-        self.members = [acc for group in self.groups for acc in group.members]
-        self.bounds = list(accumulate((len(group.members) for group in self.groups), initial=0))
-        self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
-        self.index = np.full(table.num_rows, -1, dtype=np.int64)
-        self.index[self.rows] = np.arange(len(self.rows))
-        self._numbers: tuple[list[int], _Layout] | None = None
-        self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
-
-    def positions(self, groups: list[int], table: Table) -> tuple[np.ndarray, np.ndarray]:
-        """The SUM and MAX positions of the rows of ``groups`` (indices into
-        ``self.groups``), flat, in order; kept per set of groups."""
-        key = tuple(groups)
-        cached = self._positions.get(key)
-        if cached is None:
-            positions = [self.groups[i].positions(table) for i in groups]
-            cached = self._positions[key] = (
-                np.concatenate([sums.reshape(-1) for _, sums, _ in positions]),
-                np.concatenate([maxes.reshape(-1) for _, _, maxes in positions]),
-            )
-        return cached
-
-    def numbers_layout(self, numbers: NumberRecords) -> _Layout:
-        """The layout of the flat ``numbers``; the last one is kept, since a
-        steady-state step logs its metrics in the same order every time."""
-        cached = self._numbers
-        if cached is not None and cached[0] == numbers.rows:
-            return cached[1]
-        rows = self.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
-        layout = _Layout.make(rows, rows, len(self.rows))
-        self._numbers = (list(numbers.rows), layout)
-        return layout
-
-
-def _plan(table: Table, device: torch.device | None, accs: list[Accumulator]) -> _Plan:
-    """The plan of ``accs`` folding on ``device`` (None: the host), cached on ``table``
-    for as long as the same accumulators come (a steady-state step)."""
-    cached = table.fold_plans.get(device)
-    if cached is not None and cached[0] == accs:  # identity
-        return cached[1]
-    plan = _Plan(accs, table)
-    table.fold_plans[device] = (accs, plan)
-    return plan
-
-
 def _modified(acc: Accumulator) -> bool:
     """Whether a tensor record changed in place since its log call (its version counter
     moved); ``versions`` holds, per tensor record in call order, the weight's then the
@@ -183,7 +114,7 @@ def _modified(acc: Accumulator) -> bool:
 
 def _fold_records(
     table: Table,
-    plan: _Plan,
+    plan: Plan,
     numbers: NumberRecords | None,
     accs: list[Accumulator],
     device: torch.device | None,
@@ -241,43 +172,13 @@ def _fold_extras(
         dev_extras[row] = kind.merge_dev_extra(dev_extras.get(row), extra)
 
 
-class _Layout(NamedTuple):
-    """Where a fold's elements go: the joined records put in plan order, and the
-    boundaries of each plan row's elements and calls."""
-
-    order: np.ndarray | None  # elements into plan order (None: they are in it)
-    call_order: np.ndarray | None
-    segments: np.ndarray  # per element (in plan order), its plan row
-    lengths: np.ndarray  # per plan row, its elements
-    element_at: list[int]  # per plan row, where its elements start (and the end)
-    call_at: list[int]  # per plan row, where its calls start (and the end)
-    ones: np.ndarray  # a 1 per call (the call lengths of flat numbers)
-
-    @staticmethod
-    def make(rows: np.ndarray, call_rows: np.ndarray, num_rows: int) -> _Layout:
-        """The layout of elements and calls whose plan rows are ``rows``, ``call_rows``
-        (each in the order recorded)."""
-        order = call_order = None
-        if len(rows) > 1 and (rows[1:] < rows[:-1]).any():
-            order = np.argsort(rows, kind="stable")
-            rows = rows[order]
-        if len(call_rows) > 1 and (call_rows[1:] < call_rows[:-1]).any():
-            call_order = np.argsort(call_rows, kind="stable")
-        lengths = np.bincount(rows, minlength=num_rows)
-        row_calls = np.bincount(call_rows, minlength=num_rows)
-        element_at = np.concatenate(([0], np.cumsum(lengths))).tolist()
-        call_at = np.concatenate(([0], np.cumsum(row_calls))).tolist()
-        ones = np.ones(len(call_rows), dtype=np.int64)
-        return _Layout(order, call_order, rows, lengths, element_at, call_at, ones)
-
-
 def _batch(
-    plan: _Plan,
+    plan: Plan,
     numbers: NumberRecords | None,
     accs: list[Accumulator],
     device: torch.device | None,
     nonfinite: str,
-) -> tuple[Batch, _Layout, Array | None]:
+) -> tuple[Batch, Layout, Array | None]:
     """The records as one screened batch in ``plan``'s order (each metric's elements
     together, in call order), its layout, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
@@ -300,7 +201,7 @@ def _batch(
         element_rows.append(rows)
         call_rows.append(rows)
         call_lengths.append(np.ones(len(rows), dtype=np.int64))
-    parts = _Parts()
+    parts = Parts()
     for acc in accs:
         parts.add(acc)
     parts.flush()
@@ -310,26 +211,26 @@ def _batch(
     element_rows.append(np.repeat(acc_rows, parts.lengths))
     call_rows.append(np.repeat(acc_rows, [len(acc.values) for acc in accs]))
     call_lengths.append(np.asarray(parts.call_lengths, dtype=np.int64))
-    value, weight = _joined(values, device), _joined(weights, device)
-    call_row, call_length = _joined_host(call_rows), _joined_host(call_lengths)
+    value, weight = joined(values, device), joined(weights, device)
+    call_row, call_length = joined_host(call_rows), joined_host(call_lengths)
     num_rows = len(plan.rows)
-    layout = _Layout.make(_joined_host(element_rows), call_row, num_rows)
+    layout = Layout.make(joined_host(element_rows), call_row, num_rows)
     if layout.order is not None:
-        order = _on(layout.order, device)
+        order = on_backend(layout.order, device)
         value, weight = value[order], weight[order]
     if layout.call_order is not None:
         call_row, call_length = call_row[layout.call_order], call_length[layout.call_order]
     make = Batch if device is None else DeviceBatch
-    batch = make(value, weight, _on(layout.segments, device), layout.lengths, call_length)
+    batch = make(value, weight, on_backend(layout.segments, device), layout.lengths, call_length)
     flags = None
     zero = 0.0
     if nonfinite != "propagate" or any(map(_get_num_checked, accs)):
-        calls = _on(np.repeat(np.arange(len(call_length)), call_length), device)
+        calls = on_backend(np.repeat(np.arange(len(call_length)), call_length), device)
         bad = ~((weight >= 0) & (weight < math.inf))  # NaN fails both
         if nonfinite == "error":
             bad = bad | ((weight > 0) & ~batch.isfinite(value))
         call_bad = batch.sum_by(bad * 1.0, calls, len(call_length)) > 0
-        rejected = batch.sum_by(call_bad * 1.0, _on(call_row, device), num_rows)
+        rejected = batch.sum_by(call_bad * 1.0, on_backend(call_row, device), num_rows)
         weight = batch.where(call_bad[calls], zero, weight)
         skipped = rejected * 0.0
         if nonfinite == "skip":
@@ -341,142 +242,3 @@ def _batch(
     batch.weights, batch.values = weight, batch.where(selected, value, zero)
     batch._selected = selected
     return batch, layout, flags
-
-
-def _joined(arrays: list[Array], device: torch.device | None) -> Array:
-    """Host arrays and (on a device) tensors as one 1-D array on the fold's backend."""
-    if device is not None:
-        arrays = [a if isinstance(a, Tensor) else to_device(a, device) for a in arrays]
-        return torch.cat(arrays) if len(arrays) > 1 else arrays[0]
-    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-
-
-def _joined_host(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-
-
-class _Parts:
-    """Metrics' records as flat parts (host arrays or tensors), metric by metric in call
-    order; each run of python numbers, across metrics, becomes one array."""
-
-    def __init__(self) -> None:
-        self.values: list[Any] = []
-        self.weights: list[Any] = []
-        self.call_lengths: list[int] = []
-        self.lengths: list[int] = []
-        self.numbers: list[float] = []
-        self.number_weights: list[float] = []
-
-    def add(self, acc: Accumulator) -> None:
-        values, weights = acc.values, acc.weights
-        if not acc.num_arrays:  # python numbers only: checked when logged, never rejected
-            self.numbers += values
-            self.number_weights += weights
-            self.call_lengths += [1] * len(values)
-            self.lengths.append(len(values))
-            return
-        start = len(self.call_lengths)
-        for value, weight in zip(values, weights, strict=True):
-            if type(value) is float:
-                self.numbers.append(value)
-                self.number_weights.append(weight)
-                self.call_lengths.append(1)
-                continue
-            self.flush()
-            size = value.numel() if isinstance(value, Tensor) else value.size
-            self.values.append(value)
-            if weight is None or type(weight) is float:
-                self.weights.append(np.full(size, 1.0 if weight is None else weight))
-            else:
-                self.weights.append(weight)
-            self.call_lengths.append(size)
-        self.lengths.append(sum(self.call_lengths[start:]))
-
-    def flush(self) -> None:
-        """End the current run of python numbers."""
-        if self.numbers:
-            self.values.append(np.array(self.numbers))
-            self.weights.append(np.array(self.number_weights))
-            self.numbers, self.number_weights = [], []
-
-
-def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
-    """Flat parts (host arrays of any shape and real dtype, tensors) as one 1-D float64
-    array (``device`` None) or tensor on ``device``, in order.
-
-    Tensors are concatenated by shape class (0-d ones stacked; others by their trailing
-    shape), so the number of torch operations depends on the classes, not on the number
-    of parts; a permutation restores the order when there are several classes.
-    """
-    host = [i for i, part in enumerate(parts) if not isinstance(part, Tensor)]
-    classes: dict[tuple[Any, ...], list[int]] = {}
-    for i, part in enumerate(parts):
-        if isinstance(part, Tensor):
-            classes.setdefault((part.device, part.dim() == 0, part.shape[1:]), []).append(i)
-    blocks: list[Any] = []
-    order: list[int] = []
-    if host:
-        flat = [_flat_host(parts[i]) for i in host]
-        blocks.append(np.concatenate(flat) if len(flat) > 1 else flat[0])
-        order += host
-    target = device or torch.device("cpu")
-    for (part_device, scalar, _), members in classes.items():
-        tensors = [parts[i] for i in members]
-        blocks.append(_tensor_block(tensors, scalar, target, part_device))
-        order += members
-    if device is None:
-        blocks = [b if isinstance(b, np.ndarray) else b.numpy() for b in blocks]
-        flat_all = np.concatenate(blocks) if len(blocks) > 1 else blocks[0] if blocks else None
-        if flat_all is None:
-            return np.zeros(0)
-    else:
-        blocks = [to_device(b, device) if isinstance(b, np.ndarray) else b for b in blocks]
-        if not blocks:
-            return torch.zeros(0, dtype=torch.float64, device=device)
-        flat_all = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-    if len(blocks) > 1 and order != sorted(order):
-        sizes = [_size(parts[i]) for i in order]
-        permutation = _permutation(order, sizes)
-        flat_all = flat_all[permutation if device is None else _on(permutation, device)]
-    return flat_all
-
-
-def _flat_host(part: np.ndarray) -> np.ndarray:
-    if part.ndim == 1 and part.dtype == np.float64:
-        return part
-    return np.asarray(part, dtype=np.float64).reshape(-1)
-
-
-def _tensor_block(
-    tensors: list[Tensor], scalar: bool, target: torch.device, source: torch.device
-) -> Tensor:
-    """Tensors of one shape class as one flat float64 tensor on ``target``."""
-    if scalar:
-        out = torch.empty(len(tensors), dtype=torch.float64, device=source)
-        torch.stack(tensors, out=out)
-    else:
-        rows = sum(t.shape[0] for t in tensors)
-        out = torch.empty((rows, *tensors[0].shape[1:]), dtype=torch.float64, device=source)
-        torch.cat(tensors, out=out)
-        out = out.view(-1)
-    return out if source == target else out.to(target)
-
-
-def _size(part: Any) -> int:
-    return part.numel() if isinstance(part, Tensor) else np.size(part)
-
-
-def _permutation(order: list[int], sizes: list[int]) -> np.ndarray:
-    """Where each element of the parts, in their original order, lies in the blocks
-    laid out in ``order`` (part indices) with ``sizes`` elements each."""
-    sizes_arr = np.asarray(sizes, dtype=np.int64)
-    laid_start = np.cumsum(sizes_arr) - sizes_arr
-    original = np.argsort(np.asarray(order), kind="stable")  # part i's place in order
-    lengths = sizes_arr[original]
-    source_start = laid_start[original]
-    target_start = np.cumsum(lengths) - lengths
-    return np.repeat(source_start - target_start, lengths) + np.arange(int(lengths.sum()))
-
-
-def _on(array: np.ndarray, device: torch.device | None) -> Array:
-    return array if device is None else to_device(array, device)

@@ -1,0 +1,123 @@
+"""Which metrics a fold reduces, grouped by kind, and where their elements go.
+
+A ``Plan`` orders the metrics of one fold (the host's or one device's) kind by kind;
+each kind's metrics reduce as one slice of the batch. A ``Layout`` puts the records'
+elements and calls into that order (a stable sort by metric) and says where each
+metric's begin. Both are kept across steps while the same metrics come back
+(``plan_for``; a plan keeps the layout of its flat numbers while their row list is the
+same).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from operator import attrgetter
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from rlmetrics.kinds.base import Accumulator
+from rlmetrics.record import NumberRecords
+from rlmetrics.table import Table
+
+_get_row = attrgetter("row")
+
+
+class Layout(NamedTuple):
+    """Where a fold's elements go: the joined records put in plan order, and the
+    boundaries of each plan row's elements and calls."""
+
+    order: np.ndarray | None  # elements into plan order (None: they are in it)
+    call_order: np.ndarray | None
+    segments: np.ndarray  # per element (in plan order), its plan row
+    lengths: np.ndarray  # per plan row, its elements
+    element_at: list[int]  # per plan row, where its elements start (and the end)
+    call_at: list[int]  # per plan row, where its calls start (and the end)
+    ones: np.ndarray  # a 1 per call (the call lengths of flat numbers)
+
+    @staticmethod
+    def make(rows: np.ndarray, call_rows: np.ndarray, num_rows: int) -> Layout:
+        """The layout of elements and calls whose plan rows are ``rows``, ``call_rows``
+        (each in the order recorded)."""
+        order = call_order = None
+        if len(rows) > 1 and (rows[1:] < rows[:-1]).any():
+            order = np.argsort(rows, kind="stable")
+            rows = rows[order]
+        if len(call_rows) > 1 and (call_rows[1:] < call_rows[:-1]).any():
+            call_order = np.argsort(call_rows, kind="stable")
+        lengths = np.bincount(rows, minlength=num_rows)
+        row_calls = np.bincount(call_rows, minlength=num_rows)
+        element_at = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        call_at = np.concatenate(([0], np.cumsum(row_calls))).tolist()
+        ones = np.ones(len(call_rows), dtype=np.int64)
+        return Layout(order, call_order, rows, lengths, element_at, call_at, ones)
+
+
+class Group:
+    """Metrics of one kind, and (computed once) their rows' positions in the table."""
+
+    def __init__(self, members: list[Accumulator]) -> None:
+        self.members = members
+        self.kind = members[0].kind
+        self._positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def positions(self, table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The members' rows, and their (rows, slots) SUM and MAX positions."""
+        if self._positions is None:
+            rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
+            self._positions = (rows, *table.positions(rows, self.kind))
+        return self._positions
+
+
+class Plan:
+    """The metrics of one fold grouped by kind (``members`` in that order), and where
+    each table row's metric is in that order (``index``: -1 for a row not in it)."""
+
+    def __init__(self, accs: list[Accumulator], table: Table) -> None:
+        by_kind: dict[int, list[Accumulator]] = {}
+        for acc in accs:
+            by_kind.setdefault(id(acc.kind), []).append(acc)
+        self.groups = [Group(members) for members in by_kind.values()]
+        self.members = [acc for group in self.groups for acc in group.members]
+        self.bounds = list(accumulate((len(group.members) for group in self.groups), initial=0))
+        self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
+        self.index = np.full(table.num_rows, -1, dtype=np.int64)
+        self.index[self.rows] = np.arange(len(self.rows))
+        self._numbers: tuple[list[int], Layout] | None = None
+        self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+
+    def positions(self, groups: list[int], table: Table) -> tuple[np.ndarray, np.ndarray]:
+        """The SUM and MAX positions of the rows of ``groups`` (indices into
+        ``self.groups``), flat, in order; kept per set of groups."""
+        key = tuple(groups)
+        cached = self._positions.get(key)
+        if cached is None:
+            positions = [self.groups[i].positions(table) for i in groups]
+            cached = self._positions[key] = (
+                np.concatenate([sums.reshape(-1) for _, sums, _ in positions]),
+                np.concatenate([maxes.reshape(-1) for _, _, maxes in positions]),
+            )
+        return cached
+
+    def numbers_layout(self, numbers: NumberRecords) -> Layout:
+        """The layout of the flat ``numbers``; the last one is kept, since a
+        steady-state step logs its metrics in the same order every time."""
+        cached = self._numbers
+        if cached is not None and cached[0] == numbers.rows:
+            return cached[1]
+        rows = self.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
+        layout = Layout.make(rows, rows, len(self.rows))
+        self._numbers = (list(numbers.rows), layout)
+        return layout
+
+
+def plan_for(table: Table, device: torch.device | None, accs: list[Accumulator]) -> Plan:
+    """The plan of ``accs`` folding on ``device`` (None: the host), cached on ``table``
+    for as long as the same accumulators come (a steady-state step)."""
+    cached = table.fold_plans.get(device)
+    if cached is not None and cached[0] == accs:  # identity
+        return cached[1]
+    plan = Plan(accs, table)
+    table.fold_plans[device] = (accs, plan)
+    return plan
