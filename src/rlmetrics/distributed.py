@@ -169,14 +169,27 @@ class _GroupSync:
 _GROUP_LAYOUTS: weakref.WeakKeyDictionary[Any, GroupLayouts] = weakref.WeakKeyDictionary()
 
 
+# Per tracker (weakly), its sync state per process group: kept here rather than on the
+# tracker, so a pickled or copied tracker starts without it.
+_SYNCS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, _GroupSync]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def group_syncs(tracker: Any) -> weakref.WeakKeyDictionary[Any, _GroupSync]:
+    """The tracker's sync state per process group (empty before its first sync), keyed
+    by the group object (weakly), never by id(): a group created after another was
+    destroyed may reuse its id on some ranks only."""
+    cache = _SYNCS.get(tracker)
+    if cache is None:
+        cache = _SYNCS[tracker] = weakref.WeakKeyDictionary()
+    return cache
+
+
 def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> _GroupSync:
     """The tracker's sync state for ``group``; on the group's first sync in this
     process (so on every rank's), the schema agreed first."""
-    cache = tracker.sync_cache
-    if not isinstance(cache, weakref.WeakKeyDictionary):
-        cache = tracker.sync_cache = weakref.WeakKeyDictionary()
-    # keyed by the group object (weakly), never by id(): a group created after another
-    # was destroyed may reuse its id on some ranks only
+    cache = group_syncs(tracker)
     sync = cache.get(group)
     if sync is not None:
         return sync

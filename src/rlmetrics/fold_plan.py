@@ -10,9 +10,10 @@ same).
 
 from __future__ import annotations
 
+import weakref
 from itertools import accumulate
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -115,9 +116,19 @@ class Plan:
 def plan_for(table: Table, device: torch.device | None, accs: list[Accumulator]) -> Plan:
     """The plan of ``accs`` folding on ``device`` (None: the host), cached on ``table``
     for as long as the same accumulators come (a steady-state step)."""
-    cached = table.fold_plans.get(device)
+    plans = _PLANS.get(table)
+    if plans is None:
+        plans = _PLANS[table] = {}
+    cached = plans.get(device)
     if cached is not None and cached[0] == accs:  # identity
         return cached[1]
     plan = Plan(accs, table)
-    table.fold_plans[device] = (accs, plan)
+    plans[device] = (accs, plan)
     return plan
+
+
+# Per table (weakly: a compacted table replaces it), the last plan per device, with the
+# accumulators it was made for.
+_PLANS: weakref.WeakKeyDictionary[Table, dict[Any, tuple[list[Accumulator], Plan]]] = (
+    weakref.WeakKeyDictionary()
+)

@@ -62,12 +62,11 @@ class Table:
         self.extra_kinds: dict[int, Kind] = {}
         self.device_part: DevicePart | None = None
         self.version = 0  # changes when rows are renumbered (``compacted``)
-        self.fold_plans: dict[Any, Any] = {}  # owned by rlmetrics.fold
         self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
         self._starts: tuple[np.ndarray, np.ndarray] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "fold_plans": {}, "_indices": {}}
+        return {**self.__dict__, "_indices": {}}
 
     def index_on(self, positions: np.ndarray, device: torch.device) -> Tensor:
         """``positions`` (an index array the fold keeps across steps) on ``device``,

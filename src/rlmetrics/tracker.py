@@ -124,7 +124,6 @@ class Tracker(LogMethods):
         # allocation per name per step, and the sync code can recognise a step's
         # accumulators as the last one's (see rlmetrics.distributed._GroupSync)
         self._pool: dict[str, Accumulator] = {}
-        self.sync_cache: Any = None  # owned by rlmetrics.distributed
         self._table = Table()  # every pooled metric's folded state, a row each
         self._local: tuple[list[Accumulator], Packing] | None = None  # compute(sync=False)
         self._lock = threading.RLock()  # see "Threads" above
@@ -376,11 +375,11 @@ class Tracker(LogMethods):
             self._table.load(acc.row, metric, acc.kind)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the caches (the sync cache holds this process's groups, weakly)
-        and the lock."""
+        """Pickle without the local packing cache and the lock (the sync state per
+        process group lives in ``rlmetrics.distributed``, not here)."""
         with self._lock:
             self._fold()
-            state = {**self.__dict__, "sync_cache": None, "_local": None}
+            state = {**self.__dict__, "_local": None}
             del state["_lock"]
             return {**state, "_pool": dict(self._accumulators)}
 
