@@ -23,7 +23,6 @@ raises ``ModifiedInputError`` naming the metric: its value at the log call is go
 from __future__ import annotations
 
 import math
-from collections import deque
 from operator import attrgetter
 from typing import Any
 
@@ -77,12 +76,8 @@ def fold(accs: list[Accumulator], numbers: NumberRecords, table: Table, nonfinit
         plan = plan_for(table, device, members)
         with torch.no_grad():
             _fold_records(table, plan, None, plan.members, device, nonfinite)
-    if any(map(_get_num_arrays, with_records)):
-        for acc in with_records:
-            acc.clear_records()
-    else:  # python numbers only: two lists each
-        deque(map(list.clear, map(_get_values, with_records)), 0)
-        deque(map(list.clear, map(_get_weights, with_records)), 0)
+    for acc in with_records:  # each holds an array record (numbers alone go flat)
+        acc.clear_records()
     if modified:
         raise ModifiedInputError(
             "tensors logged this step were changed in place before compute(), so the "
@@ -92,9 +87,7 @@ def fold(accs: list[Accumulator], numbers: NumberRecords, table: Table, nonfinit
 
 
 _get_values = attrgetter("values")
-_get_weights = attrgetter("weights")
 _get_versions = attrgetter("versions")
-_get_num_arrays = attrgetter("num_arrays")
 _get_row = attrgetter("row")
 _get_num_checked = attrgetter("num_checked")
 
@@ -187,7 +180,7 @@ def _batch(
         value, weight = numbers.arrays()
         if layout.order is not None:
             value, weight = value[layout.order], weight[layout.order]
-        batch = Batch(value, weight, layout.segments, layout.lengths, layout.ones)
+        batch = Batch(value, weight, layout.segments, layout.lengths, layout.call_lengths)
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
     # per source (the flat numbers first, then each metric's own records): values,
@@ -195,7 +188,7 @@ def _batch(
     values, weights, element_rows, call_rows, call_lengths = [], [], [], [], []
     if numbers is not None and numbers.values:
         number_values, number_weights = numbers.arrays()
-        rows = plan.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
+        rows = plan.number_rows(numbers)
         values.append(number_values)
         weights.append(number_weights)
         element_rows.append(rows)
@@ -212,14 +205,14 @@ def _batch(
     call_rows.append(np.repeat(acc_rows, [len(acc.values) for acc in accs]))
     call_lengths.append(np.asarray(parts.call_lengths, dtype=np.int64))
     value, weight = joined(values, device), joined(weights, device)
-    call_row, call_length = joined_host(call_rows), joined_host(call_lengths)
     num_rows = len(plan.rows)
-    layout = Layout.make(joined_host(element_rows), call_row, num_rows)
+    layout = Layout.make(
+        joined_host(element_rows), joined_host(call_rows), joined_host(call_lengths), num_rows
+    )
     if layout.order is not None:
         order = on_backend(layout.order, device)
         value, weight = value[order], weight[order]
-    if layout.call_order is not None:
-        call_row, call_length = call_row[layout.call_order], call_length[layout.call_order]
+    call_row, call_length = layout.call_rows, layout.call_lengths
     make = Batch if device is None else DeviceBatch
     batch = make(value, weight, on_backend(layout.segments, device), layout.lengths, call_length)
     flags = None

@@ -30,29 +30,31 @@ class Layout(NamedTuple):
     boundaries of each plan row's elements and calls."""
 
     order: np.ndarray | None  # elements into plan order (None: they are in it)
-    call_order: np.ndarray | None
     segments: np.ndarray  # per element (in plan order), its plan row
     lengths: np.ndarray  # per plan row, its elements
     element_at: list[int]  # per plan row, where its elements start (and the end)
     call_at: list[int]  # per plan row, where its calls start (and the end)
-    ones: np.ndarray  # a 1 per call (the call lengths of flat numbers)
+    call_rows: np.ndarray  # per call (in plan order), its plan row
+    call_lengths: np.ndarray  # per call (in plan order), its elements
 
     @staticmethod
-    def make(rows: np.ndarray, call_rows: np.ndarray, num_rows: int) -> Layout:
-        """The layout of elements and calls whose plan rows are ``rows``, ``call_rows``
-        (each in the order recorded)."""
-        order = call_order = None
+    def make(
+        rows: np.ndarray, call_rows: np.ndarray, call_lengths: np.ndarray, num_rows: int
+    ) -> Layout:
+        """The layout of elements whose plan rows are ``rows`` and calls whose plan rows
+        and sizes are ``call_rows``, ``call_lengths`` (each in the order recorded)."""
+        order = None
         if len(rows) > 1 and (rows[1:] < rows[:-1]).any():
             order = np.argsort(rows, kind="stable")
             rows = rows[order]
         if len(call_rows) > 1 and (call_rows[1:] < call_rows[:-1]).any():
             call_order = np.argsort(call_rows, kind="stable")
+            call_rows, call_lengths = call_rows[call_order], call_lengths[call_order]
         lengths = np.bincount(rows, minlength=num_rows)
         row_calls = np.bincount(call_rows, minlength=num_rows)
         element_at = np.concatenate(([0], np.cumsum(lengths))).tolist()
         call_at = np.concatenate(([0], np.cumsum(row_calls))).tolist()
-        ones = np.ones(len(call_rows), dtype=np.int64)
-        return Layout(order, call_order, rows, lengths, element_at, call_at, ones)
+        return Layout(order, rows, lengths, element_at, call_at, call_rows, call_lengths)
 
 
 class Group:
@@ -107,15 +109,20 @@ class Plan:
         cached = self._numbers
         if cached is not None and cached[0] == numbers.rows:
             return cached[1]
-        rows = self.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
-        layout = Layout.make(rows, rows, len(self.rows))
+        rows = self.number_rows(numbers)
+        calls = np.ones(len(rows), dtype=np.int64)  # one element per call
+        layout = Layout.make(rows, rows, calls, len(self.rows))
         self._numbers = (list(numbers.rows), layout)
         return layout
 
+    def number_rows(self, numbers: NumberRecords) -> np.ndarray:
+        """Per flat number, its metric's place in this plan."""
+        return self.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
+
 
 def plan_for(table: Table, device: torch.device | None, accs: list[Accumulator]) -> Plan:
-    """The plan of ``accs`` folding on ``device`` (None: the host), cached on ``table``
-    for as long as the same accumulators come (a steady-state step)."""
+    """The plan of ``accs`` folding on ``device`` (None: the host), kept per table and
+    device for as long as the same accumulators come (a steady-state step)."""
     plans = _PLANS.get(table)
     if plans is None:
         plans = _PLANS[table] = {}

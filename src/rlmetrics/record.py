@@ -59,9 +59,6 @@ class NumberRecords:
         self.weights: list[float] = []
         self.rows: list[int] = []
 
-    def __len__(self) -> int:
-        return len(self.values)
-
     def clear(self) -> None:
         self.values.clear()
         self.weights.clear()
@@ -273,6 +270,7 @@ def record_tensor(
     if not on_host and acc.record_device is None:
         acc.record_device = value.device
     acc.num_arrays += 1
+    acc.flat = False  # the metric's later numbers follow this record in its own
     acc.values.append(value)
     acc.weights.append(weight)
     return size
@@ -305,5 +303,6 @@ def record_prepared(
     if device is not None and acc.record_device is None:
         acc.record_device = device
     acc.num_arrays += 1
+    acc.flat = False  # the metric's later numbers follow this record in its own
     acc.values.append(value)
     acc.weights.append(weight)

@@ -200,13 +200,10 @@ class Tracker(LogMethods):
             self._recorded += 1 + record_tensor(
                 acc, name, value, weight, self.nonfinite, self.host_arrays
             )
-            acc.flat = False  # later numbers follow this record in the metric's own
         else:
             if value_type is not Prepared:
                 value = prepare(name, value, weight, host_arrays=self.host_arrays)
             record_prepared(acc, name, value, self.nonfinite, self._numbers)
-            if value.value is not None:
-                acc.flat = False
             self._recorded += 1 + value.size
         if self._recorded > self.record_limit:
             self._fold(wait=False)
