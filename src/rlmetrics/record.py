@@ -207,9 +207,10 @@ def record_tensor(
     of elements recorded.
 
     The common call, so ``check_tensor``'s checks are written out here and each tensor
-    attribute is read once (each read is a call into torch): a CPU tensor is not a meta
-    one, so ``is_meta`` is read only off the host path; the weight's dtype serves both
-    its check and the bool-mask test. Any refused tensor gets ``tensor_error``'s message.
+    attribute is read once, and only when needed (each read is a call into torch): a
+    CPU tensor is not a meta one, so ``is_meta`` is read only off the host path; a bool
+    weight cannot require grad; the weight's dtype serves its check and the bool-mask
+    test. Any refused tensor gets ``tensor_error``'s message.
     """
     if value.dtype not in REAL_DTYPES or value.layout is not STRIDED or value.is_nested:
         raise tensor_error(name, value)
@@ -222,12 +223,7 @@ def record_tensor(
         needs_check = nonfinite == "error"
         size = value.numel()
     elif type(weight) is not Tensor:  # a python float or int
-        try:
-            weight = float(weight)
-        except OverflowError:  # an int beyond float64's range: as_number names it
-            as_number(name, weight, "weight")
-            raise
-        check_weight_number(name, weight)
+        weight = _weight_number(name, weight)
         needs_check = nonfinite == "error"
         size = value.numel()
     else:
@@ -243,16 +239,19 @@ def record_tensor(
                     acc.record_device = weight.device
         elif weight.is_meta:
             raise tensor_error(name, weight, "weight")
-        if weight.requires_grad:
-            weight = weight.detach()
+        if dtype is BOOL:  # a mask: its data needs no check, and it cannot require grad
+            needs_check = nonfinite == "error"
+        else:
+            needs_check = True
+            if weight.requires_grad:
+                weight = weight.detach()
         shape = value.shape
         if weight.shape != shape:
             raise ValueError(
                 f"metric {name!r}: weight shape {tuple(weight.shape)} does not match "
                 f"value shape {tuple(shape)}"
             )
-        needs_check = dtype is not BOOL or nonfinite == "error"
-        size = value.numel()
+        size = shape.numel()
     kind = acc.kind
     if kind.parts != 1:
         _check_parts(acc, name, size)
@@ -274,6 +273,17 @@ def record_tensor(
     acc.values.append(value)
     acc.weights.append(weight)
     return size
+
+
+def _weight_number(name: str, weight: float | int) -> float:
+    """A python weight of a tensor value, as a checked float."""
+    try:
+        weight = float(weight)
+    except OverflowError:  # an int beyond float64's range: as_number names it
+        as_number(name, weight, "weight")
+        raise
+    check_weight_number(name, weight)
+    return weight
 
 
 def record_prepared(
