@@ -24,6 +24,12 @@ from torch import Tensor
 
 Array = Any  # np.ndarray on the host, torch.Tensor on a device
 
+COLUMNS = ("weighted_value", "weight", "selected", "value", "negated_value")
+"""The per-element columns a kind can declare its slots with (``Batch.column``):
+value × weight, the weight, 1 where selected (weight > 0), and for max slots the value
+and the negated value, -inf where not selected. An element that is not selected has
+value and weight 0 by then, so it adds nothing to any of the sums."""
+
 
 class Batch:
     """One backend's records of one kind (see the module docstring).
@@ -85,6 +91,29 @@ class Batch:
         if self.all_selected:
             return self.lengths.astype(np.float64)
         return self.sum_by(self.selected())
+
+    def column(self, name: str) -> Array:
+        """A per-element column by its name in ``COLUMNS`` (what a kind's declared
+        slots are made of: see ``Kind.sum_columns``)."""
+        if name == "weighted_value":
+            return self.values * self.weights
+        if name == "weight":
+            return self.weights
+        if name == "selected":
+            return self.selected()
+        if name == "value":
+            return self.select(self.values, -math.inf)
+        if name == "negated_value":
+            return self.select(-self.values, -math.inf)
+        raise ValueError(f"unknown column {name!r}; columns: {', '.join(COLUMNS)}")
+
+    def column_sum(self, name: str) -> Array:
+        """Per row, the sum of the column ``name`` (a count for "selected")."""
+        return self.count() if name == "selected" else self.sum_by(self.column(name))
+
+    def column_max(self, name: str) -> Array:
+        """Per row, the max of the column ``name`` (-inf for an empty row; NaN wins)."""
+        return self.max_by(self.column(name))
 
     def select(self, x: Array, fill: float) -> Array:
         """``x`` where an element is selected, ``fill`` elsewhere."""
