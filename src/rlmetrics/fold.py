@@ -121,12 +121,9 @@ def _fold_records(
         batch, layout, flags = _batch(plan, numbers, accs, device, nonfinite)
         element_at, call_at = layout.element_at, layout.call_at
         added: list[tuple[int, Array, Array]] = []  # (group or FUSED, flat sums, flat maxes)
-        first = 0
-        if plan.num_columnar:
-            first = plan.num_columnar
-            fused = plan.fused(table)
-            if element_at[fused.num_rows]:  # else nothing of these kinds was logged
-                added.append((FUSED, *_reduce_fused(table, batch, layout, fused)))
+        first = plan.num_columnar  # the groups of columnar kinds reduce together
+        if first and element_at[plan.bounds[first]]:  # else none of them was logged
+            added.append((FUSED, *_reduce_fused(table, batch, layout, plan.fused(table))))
         for i in range(first, len(plan.groups)):
             start, stop = plan.bounds[i], plan.bounds[i + 1]
             elements = slice(element_at[start], element_at[stop])
@@ -164,15 +161,15 @@ def _reduce_fused(table: Table, batch: Batch, layout: Layout, fused: Fused) -> t
     if rows != batch.num_rows:
         elements, calls = layout.element_at[rows], layout.call_at[rows]
         batch = batch.part(slice(0, rows), slice(0, elements), slice(0, calls))
-    per_row = (
-        _joined(list(map(batch.column_sum, fused.sum_columns)), batch),
-        _joined(list(map(batch.column_max, fused.max_columns)), batch),
-    )
-    sources = (fused.sum_source, fused.max_source)
+    sums = _joined(list(map(batch.column_sum, fused.sum_columns)), batch)
+    maxes = _joined(list(map(batch.column_max, fused.max_columns)), batch)
     if batch.on_host:
-        return per_row[0][sources[0]], per_row[1][sources[1]]
+        return sums[fused.sum_source], maxes[fused.max_source]
     device = batch.values.device
-    return tuple(x[table.index_on(s, device)] for x, s in zip(per_row, sources, strict=True))
+    return (
+        sums[table.index_on(fused.sum_source, device)],
+        maxes[table.index_on(fused.max_source, device)],
+    )
 
 
 def _joined(arrays: list[Array], batch: Batch) -> Array:

@@ -94,36 +94,20 @@ class Fused(NamedTuple):
     @staticmethod
     def make(groups: list[Group], table: Table) -> Fused:
         num_rows = sum(len(group.members) for group in groups)
-        sources: dict[str, list[np.ndarray]] = {"sum": [], "max": []}
-        positions: dict[str, list[np.ndarray]] = {"sum": [], "max": []}
-        columns: dict[str, dict[str, int]] = {"sum": {}, "max": {}}
-        first = 0
-        for group in groups:
-            _, sum_positions, max_positions = group.positions(table)
-            rows = np.arange(first, first + len(group.members))
-            first += len(group.members)
-            kind = group.kind
-            for slots, names, at in (
-                ("sum", kind.sum_columns, sum_positions),
-                ("max", kind.max_columns, max_positions),
-            ):
-                for j, name in enumerate(names):
-                    column = columns[slots].setdefault(name, len(columns[slots]))
-                    sources[slots].append(column * num_rows + rows)
-                    positions[slots].append(at[:, j])
-        return Fused(
-            num_rows,
-            list(columns["sum"]),
-            _joined(sources["sum"]),
-            _joined(positions["sum"]),
-            list(columns["max"]),
-            _joined(sources["max"]),
-            _joined(positions["max"]),
-        )
-
-
-def _joined(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        made: list[Any] = []
+        for slots in (1, 2):  # the SUM, then the MAX slots (``Group.positions``' order)
+            columns: dict[str, int] = {}
+            sources, positions = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+            first = 0
+            for group in groups:
+                kind, at = group.kind, group.positions(table)[slots]
+                rows = np.arange(first, first + len(group.members))
+                first += len(group.members)
+                for j, name in enumerate(kind.sum_columns if slots == 1 else kind.max_columns):
+                    sources.append(columns.setdefault(name, len(columns)) * num_rows + rows)
+                    positions.append(at[:, j])
+            made += [list(columns), np.concatenate(sources), np.concatenate(positions)]
+        return Fused(num_rows, *made)
 
 
 class Plan:
