@@ -19,7 +19,6 @@ from rlmetrics import (
     unregister_kind,
 )
 from rlmetrics.fold import ModifiedInputError
-from rlmetrics.kinds import Batch
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
 
 from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
@@ -684,15 +683,8 @@ class Range(Kind):
     """max - min of the selected elements (the example of docs/concepts.md)."""
 
     name = "test_range"
-    num_sums = 1  # number of elements selected
-    num_maxes = 2  # (max x, max -x)
-
-    def reduce(self, batch: Batch) -> tuple:
-        """A weight selects (> 0); empty metrics get -inf, which max merges away."""
-        selected, values = batch.selected(), batch.values
-        high = batch.max_by(batch.where(selected, values, -math.inf))
-        neg_low = batch.max_by(batch.where(selected, -values, -math.inf))
-        return batch.columns(batch.count()), batch.columns(high, neg_low)
+    sum_columns = ("selected",)  # the number of elements selected
+    max_columns = ("value", "negated_value")  # (max x, max -x); -inf where none
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         if state.sums[0] == 0:
