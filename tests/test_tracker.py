@@ -827,11 +827,17 @@ def test_results_follow_ieee_arithmetic_on_edge_values() -> None:
         t.max("max/empty", [1.0], mask=[False])
         t.min("min/-inf", [-math.inf, 3.0])
         t.last("last", 0.1)
+        t.last("last/-0", 2.0)
+        t.last("last/-0", -0.0)
+        t.last("last/-0 tensor", torch.tensor(-0.0, dtype=torch.float64))
+        t.last("last/nan", math.nan)
         got = t.compute()
         assert got["mean"] == (0.25 + 6.0) / 3.25 and got["sum/inf"] == math.inf
         assert math.isnan(got["mean/nan"]) and got["min/-inf"] == -math.inf
         assert got["max/-0"] == 0.0 and math.copysign(1, got["max/-0"]) == -1
-        assert got["last"] == 0.1
+        assert got["last"] == 0.1 and math.isnan(got["last/nan"])
+        for name in ("last/-0", "last/-0 tensor"):
+            assert got[name] == 0.0 and math.copysign(1, got[name]) == -1, name
         for name in ("mean/zero_weight", "max/empty"):
             assert (name in got) == (empty == "nan") and (empty == "omit" or math.isnan(got[name]))
 

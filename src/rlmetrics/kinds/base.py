@@ -100,11 +100,12 @@ class Kind:
     merge follows from the declaration: sums add, maxes take the max. A kind whose new
     value replaces the rank's state (``last``) sets ``replaces``.
 
-    A kind whose every slot is a sum or a max of a per-element column (``Batch.COLUMNS``:
-    mean's Σ value·weight and Σ weight) declares them instead (``sum_columns``,
-    ``max_columns``; the slot counts follow) and needs no ``reduce``: the fold then
-    reduces all such kinds together, one sum per column and one max per column,
-    however many kinds and metrics logged.
+    A kind whose every slot is a sum or a max of a per-element column (``COLUMNS`` in
+    ``rlmetrics.kinds.batch``: mean's Σ value·weight and Σ weight) declares them
+    instead (``sum_columns``, ``max_columns``; the slot counts follow) and needs no
+    ``reduce``: the fold then reduces all such kinds together, one sum per column and
+    one max per column, however many kinds and metrics logged. A replacing kind's
+    declared slots are its columns at each metric's last selected element (``last``).
 
     Extension: a kind with a payload that is neither additive nor a max (std's moments,
     dist's values) sets ``has_extra = True`` and implements ``reduce_extra`` and the
@@ -155,7 +156,10 @@ class Kind:
         batch's backend, with a fixed number of operations (no host sync on a device).
 
         An element with weight 0 must not contribute (its value is 0 by then). The
-        default reduces the declared ``sum_columns`` and ``max_columns``."""
+        default reduces the declared ``sum_columns`` and ``max_columns`` (for a kind
+        that ``replaces``: takes them at each row's last selected element)."""
+        if self.replaces:
+            batch = batch.last_elements()
         return (
             batch.columns(*map(batch.column_sum, self.sum_columns)),
             batch.columns(*map(batch.column_max, self.max_columns)),
