@@ -3,6 +3,7 @@ one merge result through the container, the Ray-style driver merge and a gloo gr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 from typing import Any
@@ -384,4 +385,107 @@ def test_a_result_stated_either_way_reports_the_same() -> None:
         assert list(got) == sorted(got)
     finally:
         for kind in kinds:
+            unregister_kind(kind.name)
+
+
+class Spread(Kind):
+    """A custom kind stated by its columns alone: (n, Σ weight), (max, -min)."""
+
+    name = "test_spread"
+    sum_columns = ("selected", "weight")
+    max_columns = ("value", "negated_value")
+
+    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: Any) -> tuple:
+        return {"n": sums[:, 0], "range": maxes[:, 0] + maxes[:, 1]}, sums[:, 0] != 0
+
+
+def test_a_kind_stated_by_its_columns_matches_numpy() -> None:
+    """A kind that declares its slots as columns needs no reduce: the fold reduces it
+    with the built-in columnar kinds; its results are numpy's on the selected elements."""
+    kind = register_kind(Spread())
+    try:
+        assert (kind.num_sums, kind.num_maxes) == (2, 2) and kind.columnar
+        rng = np.random.default_rng(3)
+        t = Tracker()
+        data: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for call in range(40):
+            name = f"s{call % 5}"
+            x, w = rng.normal(size=7), rng.choice([0.0, 0.5, 2.0], size=7)
+            t.log(name, torch.from_numpy(x) if call % 2 else x, weight=w, kind=kind.name)
+            t.mean(f"m{call % 3}", float(x[0]))  # a built-in columnar kind beside it
+            data.setdefault(name, []).append((x, w))
+        got = t.compute()
+        for name, calls in data.items():
+            x = np.concatenate([c[0] for c in calls])
+            w = np.concatenate([c[1] for c in calls])
+            chosen = x[w > 0]
+            assert got[f"{name}/n"] == len(chosen)
+            assert got[f"{name}/range"] == chosen.max() - chosen.min()
+    finally:
+        unregister_kind(kind.name)
+
+
+def test_a_kind_declaring_an_unknown_column_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_columns names unknown columns \['median'\]"):
+        register_kind(make(Spread, name="test_bad_columns", max_columns=("value", "median")))
+    assert get_kind("mean").name == "mean"
+
+
+def _reduced_alone(kind: Kind) -> Kind:
+    """``kind`` under another name, reducing its columns apart from the other kinds
+    (its own ``reduce``, so the fold does not fuse it)."""
+    cls = type(kind)
+    return type(f"Alone{cls.__name__}", (cls,), {
+        "name": f"alone_{kind.name}", "reduce": lambda self, batch: Kind.reduce(self, batch),
+    })()  # fmt: skip
+
+
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip", "error"])
+def test_columnar_kinds_reduced_together_equal_each_reduced_alone(nonfinite: str) -> None:
+    """The fold reduces every columnar kind in one pass (each column once over all their
+    elements, then each slot read from its column): bit for bit what each kind's own
+    reduce gives, with numbers, masked arrays, tensors on both paths, NaN and inf, empty
+    metrics, a replacing and an extra kind interleaved, and a mid-step fold (dist,
+    with an extra besides its columns, is not fused; its mean sums its values in the
+    order they are kept, which need not be the twin's)."""
+    builtin = [get_kind(name) for name in ("mean", "sum", "max", "min")]
+    alone = [register_kind(_reduced_alone(kind)) for kind in builtin]
+    try:
+        assert all(k.columnar for k in builtin) and not any(k.columnar for k in alone)
+        rng = np.random.default_rng(11)
+        t = Tracker(nonfinite=nonfinite)
+        for step in range(3):
+            for call in range(60):
+                i = rng.integers(len(builtin))
+                name = f"{builtin[i].name}{rng.integers(4)}"
+                x = rng.normal(size=rng.integers(1, 5)) * 10.0 ** rng.integers(-3, 4)
+                w = rng.choice([0.0, 1.0, 3.0], size=len(x)) if rng.random() < 0.5 else None
+                number = w is None and rng.random() < 0.3
+                # under "error" a non-finite array is rejected at compute(), which then
+                # raises for the step: only numbers (refused in the call) get one there
+                if rng.random() < 0.15 and (number or nonfinite != "error"):
+                    x[0] = rng.choice([math.nan, math.inf, -math.inf])
+                value: Any = float(x[0]) if number else x
+                if not number and rng.random() < 0.5:
+                    t.host_arrays = bool(rng.random() < 0.5)
+                    value = torch.from_numpy(x)
+                for kind in (builtin[i], alone[i]):
+                    with contextlib.suppress(ValueError):  # "error" refuses a number at once
+                        t.log(f"{kind.name}/{name}", value, weight=w, kind=kind.name)
+                if call % 7 == 0:
+                    t.last("lr", float(call))
+                    t.std("std", rng.normal(size=3))
+                if call == 30:
+                    t._fold()  # mid-step, between two pairs of calls
+            got = t.compute()
+            pairs = [
+                (key, value, got.get(f"alone_{key}"))
+                for key, value in got.items()
+                if key.split("/")[0] in ("mean", "sum", "max", "min")
+            ]
+            assert pairs, step
+            for key, value, twin in pairs:
+                assert np.array_equal(value, twin, equal_nan=True), (key, value, twin)
+    finally:
+        for kind in alone:
             unregister_kind(kind.name)

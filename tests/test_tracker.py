@@ -19,7 +19,6 @@ from rlmetrics import (
     unregister_kind,
 )
 from rlmetrics.fold import ModifiedInputError
-from rlmetrics.kinds import Batch
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
 
 from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
@@ -684,15 +683,8 @@ class Range(Kind):
     """max - min of the selected elements (the example of docs/concepts.md)."""
 
     name = "test_range"
-    num_sums = 1  # number of elements selected
-    num_maxes = 2  # (max x, max -x)
-
-    def reduce(self, batch: Batch) -> tuple:
-        """A weight selects (> 0); empty metrics get -inf, which max merges away."""
-        selected, values = batch.selected(), batch.values
-        high = batch.max_by(batch.where(selected, values, -math.inf))
-        neg_low = batch.max_by(batch.where(selected, -values, -math.inf))
-        return batch.columns(batch.count()), batch.columns(high, neg_low)
+    sum_columns = ("selected",)  # the number of elements selected
+    max_columns = ("value", "negated_value")  # (max x, max -x); -inf where none
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         if state.sums[0] == 0:
@@ -835,11 +827,17 @@ def test_results_follow_ieee_arithmetic_on_edge_values() -> None:
         t.max("max/empty", [1.0], mask=[False])
         t.min("min/-inf", [-math.inf, 3.0])
         t.last("last", 0.1)
+        t.last("last/-0", 2.0)
+        t.last("last/-0", -0.0)
+        t.last("last/-0 tensor", torch.tensor(-0.0, dtype=torch.float64))
+        t.last("last/nan", math.nan)
         got = t.compute()
         assert got["mean"] == (0.25 + 6.0) / 3.25 and got["sum/inf"] == math.inf
         assert math.isnan(got["mean/nan"]) and got["min/-inf"] == -math.inf
         assert got["max/-0"] == 0.0 and math.copysign(1, got["max/-0"]) == -1
-        assert got["last"] == 0.1
+        assert got["last"] == 0.1 and math.isnan(got["last/nan"])
+        for name in ("last/-0", "last/-0 tensor"):
+            assert got[name] == 0.0 and math.copysign(1, got[name]) == -1, name
         for name in ("mean/zero_weight", "max/empty"):
             assert (name in got) == (empty == "nan") and (empty == "omit" or math.isnan(got[name]))
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.assemble import Parts, assemble, joined, joined_host, on_backend
-from rlmetrics.fold_plan import Layout, Plan, plan_for
+from rlmetrics.fold_plan import FUSED, Fused, Layout, Plan, plan_for
 from rlmetrics.kinds.base import Accumulator, Kind
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
 from rlmetrics.record import NumberRecords
@@ -114,53 +114,81 @@ def _fold_records(
     nonfinite: str,
 ) -> None:
     """Fold one backend's records (the host's: ``numbers`` and the host records of
-    ``accs``; a device's: the records of ``accs``): one batch for all, each kind
-    reducing its own rows into ``table``."""
+    ``accs``; a device's: the records of ``accs``): one batch for all; the columnar
+    kinds reduce together, every other kind its own rows; all that adds lands in
+    ``table`` with one indexed add and one indexed max."""
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
         batch, layout, flags = _batch(plan, numbers, accs, device, nonfinite)
         element_at, call_at = layout.element_at, layout.call_at
-        added: list[tuple[int, np.ndarray, np.ndarray]] = []  # host rows that add
-        for i, group in enumerate(plan.groups):
+        added: list[tuple[int, Array, Array]] = []  # (group or FUSED, flat sums, flat maxes)
+        first = plan.num_columnar  # the groups of columnar kinds reduce together
+        if first and element_at[plan.bounds[first]]:  # else none of them was logged
+            added.append((FUSED, *_reduce_fused(table, batch, layout, plan.fused(table))))
+        for i in range(first, len(plan.groups)):
             start, stop = plan.bounds[i], plan.bounds[i + 1]
             elements = slice(element_at[start], element_at[stop])
             if elements.start == elements.stop:
                 continue  # nothing of this kind was logged since the last fold
-            kind = group.kind
+            kind = plan.groups[i].kind
             part = batch.part(slice(start, stop), elements, slice(call_at[start], call_at[stop]))
             sums, maxes = kind.reduce(part)
-            positions = group.positions(table)
+            positions = plan.groups[i].positions(table)
             if kind.replaces:  # a row with no selected value keeps the old one
                 present = part.count() > 0
                 if batch.on_host:
                     table.replace(positions, sums, maxes, present)
                 else:
                     table.replace_device(positions, sums, maxes, present)
-            elif batch.on_host:
-                added.append((i, sums, maxes))
             else:
-                table.add_device(positions, sums, maxes)
+                added.append((i, sums.reshape(-1), maxes.reshape(-1)))
             if kind.has_extra:
-                _fold_extras(table, kind, positions[0], kind.reduce_extra(part), batch.on_host)
+                _fold_extras(table, kind, positions[0], kind.reduce_extra(part), part)
         if added:
             sum_positions, max_positions = plan.positions([i for i, _, _ in added], table)
-            table.add(
-                sum_positions,
-                np.concatenate([sums.reshape(-1) for _, sums, _ in added]),
-                max_positions,
-                np.concatenate([maxes.reshape(-1) for _, _, maxes in added]),
-            )
+            sums, maxes = (_joined([a[j] for a in added], batch) for j in (1, 2))
+            if batch.on_host:
+                table.add(sum_positions, sums, max_positions, maxes)
+            else:
+                table.add_device(sum_positions, sums, max_positions, maxes)
         if flags is not None:
             table.add_counts(plan.rows, flags)
 
 
+def _reduce_fused(table: Table, batch: Batch, layout: Layout, fused: Fused) -> tuple[Array, Array]:
+    """The slots of the columnar kinds' rows (the first ``fused.num_rows``), flat in
+    ``fused``'s order: each column reduced once over all their elements."""
+    rows = fused.num_rows
+    if rows != batch.num_rows:
+        elements, calls = layout.element_at[rows], layout.call_at[rows]
+        batch = batch.part(slice(0, rows), slice(0, elements), slice(0, calls))
+    sums = _joined(list(map(batch.column_sum, fused.sum_columns)), batch)
+    maxes = _joined(list(map(batch.column_max, fused.max_columns)), batch)
+    if batch.on_host:
+        return sums[fused.sum_source], maxes[fused.max_source]
+    device = batch.values.device
+    return (
+        sums[table.index_on(fused.sum_source, device)],
+        maxes[table.index_on(fused.max_source, device)],
+    )
+
+
+def _joined(arrays: list[Array], batch: Batch) -> Array:
+    """1-D arrays (or tensors) end to end."""
+    if len(arrays) == 1:
+        return arrays[0]
+    if not arrays:
+        return batch.columns().reshape(-1)
+    return batch.xp.concatenate(arrays)
+
+
 def _fold_extras(
-    table: Table, kind: Kind, rows: np.ndarray, extras: list[Any], on_host: bool
+    table: Table, kind: Kind, rows: np.ndarray, extras: list[Any], batch: Batch
 ) -> None:
-    if on_host:
+    if batch.on_host:
         for row, extra in zip(rows.tolist(), extras, strict=True):
             table.extras[row] = kind.merge_extra(table.extras[row], extra)
         return
-    dev_extras = table.device_part.extras
+    dev_extras = table.device_for(batch.values.device).extras
     for row, extra in zip(rows.tolist(), extras, strict=True):
         dev_extras[row] = kind.merge_dev_extra(dev_extras.get(row), extra)
 

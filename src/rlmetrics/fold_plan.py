@@ -1,11 +1,12 @@
 """Which metrics a fold reduces, grouped by kind, and where their elements go.
 
 A ``Plan`` orders the metrics of one fold (the host's or one device's) kind by kind;
-each kind's metrics reduce as one slice of the batch. A ``Layout`` puts the records'
-elements and calls into that order (a stable sort by metric) and says where each
-metric's begin. Both are kept across steps while the same metrics come back
-(``plan_for``; a plan keeps the layout of its flat numbers while their row list is the
-same).
+each kind's metrics reduce as one slice of the batch, except the columnar kinds
+(``Kind.columnar``), which come first and reduce together (``Fused``). A ``Layout``
+puts the records' elements and calls into that order (a stable sort by metric) and
+says where each metric's begin. Both are kept across steps while the same metrics come
+back (``plan_for``; a plan keeps the layout of its flat numbers while their row list is
+the same).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from rlmetrics.record import NumberRecords
 from rlmetrics.table import Table
 
 _get_row = attrgetter("row")
+
+FUSED = -1
+"""``Plan.positions``'s key for the columnar groups reduced together."""
 
 
 class Layout(NamedTuple):
@@ -73,15 +77,52 @@ class Group:
         return self._positions
 
 
+class Fused(NamedTuple):
+    """How the leading columnar groups of a plan reduce together: each column once over
+    all their elements (one value per plan row), then each slot of each row read from its
+    column's row (``*_source``, into the columns' per-row values laid end to end) into
+    its table position (``*_positions``)."""
+
+    num_rows: int  # the plan rows of the columnar groups: 0 .. num_rows - 1
+    sum_columns: list[str]
+    sum_source: np.ndarray
+    sum_positions: np.ndarray
+    max_columns: list[str]
+    max_source: np.ndarray
+    max_positions: np.ndarray
+
+    @staticmethod
+    def make(groups: list[Group], table: Table) -> Fused:
+        num_rows = sum(len(group.members) for group in groups)
+        made: list[Any] = []
+        for slots in (1, 2):  # the SUM, then the MAX slots (``Group.positions``' order)
+            columns: dict[str, int] = {}
+            sources, positions = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+            first = 0
+            for group in groups:
+                kind, at = group.kind, group.positions(table)[slots]
+                rows = np.arange(first, first + len(group.members))
+                first += len(group.members)
+                for j, name in enumerate(kind.sum_columns if slots == 1 else kind.max_columns):
+                    sources.append(columns.setdefault(name, len(columns)) * num_rows + rows)
+                    positions.append(at[:, j])
+            made += [list(columns), np.concatenate(sources), np.concatenate(positions)]
+        return Fused(num_rows, *made)
+
+
 class Plan:
-    """The metrics of one fold grouped by kind (``members`` in that order), and where
-    each table row's metric is in that order (``index``: -1 for a row not in it)."""
+    """The metrics of one fold grouped by kind (``members`` in that order, the columnar
+    kinds first), and where each table row's metric is in that order (``index``: -1 for
+    a row not in it)."""
 
     def __init__(self, accs: list[Accumulator], table: Table) -> None:
         by_kind: dict[int, list[Accumulator]] = {}
         for acc in accs:
             by_kind.setdefault(id(acc.kind), []).append(acc)
         self.groups = [Group(members) for members in by_kind.values()]
+        self.groups.sort(key=lambda group: not group.kind.columnar)  # stable
+        self.num_columnar = sum(group.kind.columnar for group in self.groups)
+        self._fused: Fused | None = None
         self.members = [acc for group in self.groups for acc in group.members]
         self.bounds = list(accumulate((len(group.members) for group in self.groups), initial=0))
         self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
@@ -90,17 +131,30 @@ class Plan:
         self._numbers: tuple[list[int], Layout] | None = None
         self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
+    def fused(self, table: Table) -> Fused:
+        """How the columnar groups (the first ``num_columnar``) reduce together."""
+        if self._fused is None:
+            self._fused = Fused.make(self.groups[: self.num_columnar], table)
+        return self._fused
+
     def positions(self, groups: list[int], table: Table) -> tuple[np.ndarray, np.ndarray]:
         """The SUM and MAX positions of the rows of ``groups`` (indices into
-        ``self.groups``), flat, in order; kept per set of groups."""
+        ``self.groups``; ``FUSED`` for the columnar groups as ``Fused`` orders their
+        slots), flat, in order; kept per set of groups."""
         key = tuple(groups)
         cached = self._positions.get(key)
         if cached is None:
-            positions = [self.groups[i].positions(table) for i in groups]
-            cached = self._positions[key] = (
-                np.concatenate([sums.reshape(-1) for _, sums, _ in positions]),
-                np.concatenate([maxes.reshape(-1) for _, _, maxes in positions]),
-            )
+            sums, maxes = [], []
+            for i in groups:
+                if i == FUSED:
+                    fused = self.fused(table)
+                    sums.append(fused.sum_positions)
+                    maxes.append(fused.max_positions)
+                else:
+                    _, sum_positions, max_positions = self.groups[i].positions(table)
+                    sums.append(sum_positions.reshape(-1))
+                    maxes.append(max_positions.reshape(-1))
+            cached = self._positions[key] = (np.concatenate(sums), np.concatenate(maxes))
         return cached
 
     def numbers_layout(self, numbers: NumberRecords) -> Layout:

@@ -176,14 +176,15 @@ class Table:
             part.sums[self.index_on(sum_pos, part.device)] = 0.0
             part.maxes[self.index_on(max_pos, part.device)] = -math.inf
 
-    def add_device(self, positions: Positions, sums: Tensor, maxes: Tensor) -> None:
-        """Fold device rows in (no host sync): sums add, maxes take the max."""
+    def add_device(
+        self, sum_positions: np.ndarray, sums: Tensor, max_positions: np.ndarray, maxes: Tensor
+    ) -> None:
+        """Fold device rows in as ``add`` does, without a host sync (positions kept
+        across steps: their device copies are cached)."""
         part = self.device_for(sums.device)
         sums, maxes = sums.to(part.device), maxes.to(part.device)
-        _, sum_pos, max_pos = positions
-        sum_index = self.index_on(sum_pos, part.device)
-        max_index = self.index_on(max_pos, part.device)
-        part.sums.index_add_(0, sum_index.reshape(-1), sums.reshape(-1))
+        max_index = self.index_on(max_positions, part.device)
+        part.sums.index_add_(0, self.index_on(sum_positions, part.device), sums)
         part.maxes[max_index] = torch.maximum(part.maxes[max_index], maxes)
 
     def replace_device(

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.kinds.base import Accumulator, Kind, MetricState
-from rlmetrics.kinds.batch import Batch, DeviceBatch
+from rlmetrics.kinds.batch import COLUMNS, Batch, DeviceBatch
 from rlmetrics.kinds.dist import Dist
 from rlmetrics.kinds.extrema import Max, Min
 from rlmetrics.kinds.last import Last
@@ -81,7 +81,16 @@ def check_kind(kind: Kind) -> None:
     for attr in ("has_extra", "replaces"):
         if not isinstance(getattr(kind, attr), bool):
             raise ValueError(f"{label}: {attr} must be a bool, got {getattr(kind, attr)!r}")
-    required = ["reduce"]
+    for attr in ("sum_columns", "max_columns"):
+        unknown = [c for c in getattr(kind, attr) if c not in COLUMNS]
+        if unknown:
+            raise ValueError(
+                f"{label}: {attr} names unknown columns {unknown}; columns: {', '.join(COLUMNS)}"
+            )
+    # the default reduce fills declared columns; a kind with no slot must have an extra
+    declared = (len(kind.sum_columns), len(kind.max_columns))
+    by_columns = (kind.num_sums, kind.num_maxes) == declared and (any(declared) or kind.has_extra)
+    required = [] if by_columns else ["reduce"]
     if not (_overrides(kind, "result") or _overrides(kind, "result_rows")):
         required.append("result")  # or result_rows
     if kind.has_extra:

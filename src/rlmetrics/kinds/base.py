@@ -100,6 +100,13 @@ class Kind:
     merge follows from the declaration: sums add, maxes take the max. A kind whose new
     value replaces the rank's state (``last``) sets ``replaces``.
 
+    A kind whose every slot is a sum or a max of a per-element column (``COLUMNS`` in
+    ``rlmetrics.kinds.batch``: mean's Σ value·weight and Σ weight) declares them
+    instead (``sum_columns``, ``max_columns``; the slot counts follow) and needs no
+    ``reduce``: the fold then reduces all such kinds together, one sum per column and
+    one max per column, however many kinds and metrics logged. A replacing kind's
+    declared slots are its columns at each metric's last selected element (``last``).
+
     Extension: a kind with a payload that is neither additive nor a max (std's moments,
     dist's values) sets ``has_extra = True`` and implements ``reduce_extra`` and the
     ``*_extra`` methods; its payload is gathered at sync.
@@ -112,9 +119,30 @@ class Kind:
     replaces: bool = False
     """True for kinds whose new value replaces the rank's state (``last``); a call then
     takes one element."""
+    sum_columns: tuple[str, ...] = ()
+    """Per SUM slot, the column (``Batch.COLUMNS``) whose sum over a metric's elements it
+    holds; declared with ``max_columns`` instead of writing ``reduce``."""
+    max_columns: tuple[str, ...] = ()
+    """Per MAX slot, the column whose max over a metric's elements it holds."""
     parts: int = 1
     """Into how many equal parts each call's elements split (``Batch.chunk_index``); a
     call must hold a multiple of it (checked in the log call)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "sum_columns" in cls.__dict__ or "max_columns" in cls.__dict__:
+            cls.num_sums, cls.num_maxes = len(cls.sum_columns), len(cls.max_columns)
+
+    @property
+    def columnar(self) -> bool:
+        """Whether the fold may reduce this kind together with the other columnar kinds:
+        its slots are its declared columns, nothing else (no own ``reduce``, no extra,
+        not replacing)."""
+        return (
+            type(self).reduce is Kind.reduce
+            and not (self.has_extra or self.replaces)
+            and (self.num_sums, self.num_maxes) == (len(self.sum_columns), len(self.max_columns))
+        )
 
     def fingerprint(self) -> str:
         """What must match across processes for two states of this kind to merge: the
@@ -127,8 +155,15 @@ class Kind:
         (batch.num_rows, num_sums) and (batch.num_rows, num_maxes), float64, on the
         batch's backend, with a fixed number of operations (no host sync on a device).
 
-        An element with weight 0 must not contribute (its value is 0 by then)."""
-        raise NotImplementedError
+        An element with weight 0 must not contribute (its value is 0 by then). The
+        default reduces the declared ``sum_columns`` and ``max_columns`` (for a kind
+        that ``replaces``: takes them at each row's last selected element)."""
+        if self.replaces:
+            batch = batch.last_elements()
+        return (
+            batch.columns(*map(batch.column_sum, self.sum_columns)),
+            batch.columns(*map(batch.column_max, self.max_columns)),
+        )
 
     # -- extra payload (only when has_extra) ----------------------------------------
     def reduce_extra(self, batch: Batch) -> list[Any]:

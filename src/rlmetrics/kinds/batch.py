@@ -24,6 +24,13 @@ from torch import Tensor
 
 Array = Any  # np.ndarray on the host, torch.Tensor on a device
 
+COLUMNS = ("value", "negated_value", "weight", "weighted_value", "selected")
+"""The per-element columns a kind can declare its slots with (``Batch.column``): the
+value, its negation, the weight, value × weight, and 1 where selected (weight > 0). A
+SUM slot sums its column over a metric's elements (one that is not selected has value
+and weight 0 by then: it adds nothing); a MAX slot takes its column's max over the
+selected elements (-inf when there is none)."""
+
 
 class Batch:
     """One backend's records of one kind (see the module docstring).
@@ -41,6 +48,7 @@ class Batch:
     on_host: bool = True
     xp: Any = np  # the array namespace: numpy here, torch on a device
     all_selected: bool = False  # every weight is > 0 (the fold's batches of python numbers)
+    one_per_row: bool = False  # one element per row (``last_elements``)
 
     def __init__(
         self,
@@ -86,6 +94,33 @@ class Batch:
             return self.lengths.astype(np.float64)
         return self.sum_by(self.selected())
 
+    def column(self, name: str) -> Array:
+        """A per-element column by its name in ``COLUMNS`` (what a kind's declared
+        slots are made of: see ``Kind.sum_columns``)."""
+        if name == "value":
+            return self.values
+        if name == "negated_value":
+            return -self.values
+        if name == "weight":
+            return self.weights
+        if name == "weighted_value":
+            return self.values * self.weights
+        if name == "selected":
+            return self.where(self.selected(), 1.0, 0.0)
+        raise ValueError(f"unknown column {name!r}; columns: {', '.join(COLUMNS)}")
+
+    def column_sum(self, name: str) -> Array:
+        """Per row, the sum of the column ``name`` over the row's elements."""
+        if self.one_per_row:
+            return self.column(name)  # as it is: a sum would turn -0.0 into 0.0
+        return self.count() if name == "selected" else self.sum_by(self.column(name))
+
+    def column_max(self, name: str) -> Array:
+        """Per row, the max of the column ``name`` over the row's selected elements
+        (-inf for none; NaN wins)."""
+        column = self.select(self.column(name), -math.inf)
+        return column if self.one_per_row else self.max_by(column)
+
     def select(self, x: Array, fill: float) -> Array:
         """``x`` where an element is selected, ``fill`` elsewhere."""
         return x if self.all_selected else self.where(self.selected(), x, fill)
@@ -109,14 +144,22 @@ class Batch:
             out[nonempty] = np.maximum.reduceat(x, starts[nonempty])
         return out
 
-    def last_by(self, x: Array) -> tuple[Array, Array]:
-        """Per row, the last selected element of ``x`` and whether there is one (0/1)."""
-        if self.all_selected:
-            last, present = np.cumsum(self.lengths) - 1, self.lengths > 0
+    def last_elements(self) -> Batch:
+        """A batch of each row's last selected element (one element per row; an
+        unselected zero for a row without one): what a replacing kind reduces."""
+        if self.all_selected and self.lengths.all():  # every row's last element
+            index = np.cumsum(self.lengths) - 1
+            values, weights = self.values[index], self.weights[index]
         else:
             last = self.max_by(self.select(self.positions(), -1.0))
             present = last >= 0
-        return self.where(present, self.take(x, last), 0.0), self.where(present, 1.0, 0.0)
+            values = self.where(present, self.take(self.values, last), 0.0)
+            weights = self.where(present, self.take(self.weights, last), 0.0)
+        rows = np.ones(self.num_rows, dtype=np.int64)
+        out = type(self)(values, weights, self.constant(np.arange(self.num_rows)), rows, rows)
+        out.all_selected = self.all_selected and bool(self.lengths.all())
+        out.one_per_row = True
+        return out
 
     def chunk_index(self, parts: int) -> Array:
         """Per element, which of ``parts`` equal chunks of its call it falls in (calls

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.kinds.base import Kind, MetricState
-from rlmetrics.kinds.batch import Array, Batch
+from rlmetrics.kinds.batch import Batch
 
 DEFAULT_QUANTILES = (0.5, 0.9, 0.99)
 
@@ -54,14 +54,11 @@ class Dist(Kind):
     """
 
     name = "dist"
-    num_sums = 1  # elements kept
+    sum_columns = ("selected",)  # elements kept
     has_extra = True
 
     def __init__(self, quantiles: Sequence[float] = DEFAULT_QUANTILES) -> None:
         self.quantiles = check_quantiles(quantiles, "dist")
-
-    def reduce(self, batch: Batch) -> tuple[Array, Array]:
-        return batch.columns(batch.count()), batch.columns()
 
     def reduce_extra(self, batch: Batch) -> list[Any]:
         """Per metric, its selected values on the host; on a device, its (values,

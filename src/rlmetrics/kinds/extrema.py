@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from rlmetrics.kinds.base import Kind, Rows
-from rlmetrics.kinds.batch import Array, Batch
 
 
 class Max(Kind):
@@ -22,14 +19,9 @@ class Max(Kind):
     """
 
     name = "max"
-    num_sums = 1
-    num_maxes = 1
+    sum_columns = ("selected",)  # the number of elements
+    max_columns = ("value",)  # NaN wins, as in the merge and all_reduce(MAX)
     sign = 1.0
-
-    def reduce(self, batch: Batch) -> tuple[Array, Array]:
-        # max propagates NaN, like the merge and all_reduce(MAX)
-        extreme = batch.max_by(batch.select(self.sign * batch.values, -math.inf))
-        return batch.columns(batch.count()), batch.columns(extreme)
 
     def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
         return {"": self.sign * maxes[:, 0]}, sums[:, 0] != 0  # state: [count], [max]
@@ -40,4 +32,5 @@ class Min(Max):
     negated values so that it merges, packs and syncs as ``Max`` does."""
 
     name = "min"
+    max_columns = ("negated_value",)
     sign = -1.0

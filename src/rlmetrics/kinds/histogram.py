@@ -79,10 +79,8 @@ class Histogram(Kind):
         values, bins = batch.values, self.num_sums
         keys = batch.segments * bins + batch.searchsorted(self.edges, values, right=True)
         counts = batch.sum_by(batch.weights, keys, batch.num_rows * bins)
-        selected = batch.selected()
-        high = batch.max_by(batch.where(selected, values, -math.inf))
-        neg_low = batch.max_by(batch.where(selected, -values, -math.inf))
-        return counts.reshape(batch.num_rows, bins), batch.columns(high, neg_low)
+        extremes = batch.columns(batch.column_max("value"), batch.column_max("negated_value"))
+        return counts.reshape(batch.num_rows, bins), extremes
 
     # -- result -------------------------------------------------------------------------
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:

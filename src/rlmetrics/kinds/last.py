@@ -7,14 +7,12 @@ gather.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
 from rlmetrics.kinds.base import Kind, Rows
-from rlmetrics.kinds.batch import Array, Batch
 
 _warned: set[str] = set()
 
@@ -31,16 +29,9 @@ class Last(Kind):
     """
 
     name = "last"
-    num_sums = 2
-    num_maxes = 2
-    # state: [Σ v, sources], [v, -v]
-    replaces = True
-
-    def reduce(self, batch: Batch) -> tuple[Array, Array]:
-        value, present = batch.last_by(batch.values)
-        high = batch.where(present > 0, value, -math.inf)
-        neg_low = batch.where(present > 0, -value, -math.inf)
-        return batch.columns(value, present), batch.columns(high, neg_low)
+    replaces = True  # the columns are taken at a rank's latest value
+    sum_columns = ("value", "selected")  # merged: Σ v, sources
+    max_columns = ("value", "negated_value")  # merged: max, -min
 
     def result_rows(
         self, sums: np.ndarray, maxes: np.ndarray, extras: object, names: Sequence[str]

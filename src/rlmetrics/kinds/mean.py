@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from rlmetrics.kinds.base import Kind, Rows
-from rlmetrics.kinds.batch import Array, Batch
 
 
 class Mean(Kind):
@@ -22,12 +21,7 @@ class Mean(Kind):
     """
 
     name = "mean"
-    num_sums = 2
-
-    def reduce(self, batch: Batch) -> tuple[Array, Array]:
-        weights = batch.weights
-        total = batch.sum_by(batch.values * weights)
-        return batch.columns(total, batch.sum_by(weights)), batch.columns()
+    sum_columns = ("weighted_value", "weight")
 
     def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
         total, weight = sums[:, 0], sums[:, 1]

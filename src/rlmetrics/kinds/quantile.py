@@ -220,10 +220,8 @@ class QuantileSketch(Kind):
         keys = batch.segments * width + bucket_slots(values, bounds)
         counts = batch.sum_by(selected * 1.0, keys, batch.num_rows * width)
         moments = batch.columns(batch.count(), batch.sum_by(values), batch.sum_by(values * values))
-        high = batch.max_by(batch.where(selected, values, -math.inf))
-        neg_low = batch.max_by(batch.where(selected, -values, -math.inf))
         sums = batch.concat(moments, counts.reshape(batch.num_rows, width))
-        return sums, batch.columns(high, neg_low)
+        return sums, batch.columns(batch.column_max("value"), batch.column_max("negated_value"))
 
     # -- result -------------------------------------------------------------------------
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:

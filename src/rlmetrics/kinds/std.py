@@ -51,9 +51,6 @@ class MomentTriples(Kind):
     def parts(self) -> int:  # type: ignore[override]
         return self.num_triples
 
-    def reduce(self, batch: Batch) -> tuple[Array, Array]:
-        return batch.columns(), batch.columns()
-
     def reduce_extra(self, batch: Batch) -> list[Any]:
         parts = self.num_triples
         keys = batch.segments

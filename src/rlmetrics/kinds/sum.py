@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from rlmetrics.kinds.base import Kind, Rows
-from rlmetrics.kinds.batch import Array, Batch
 
 
 class Sum(Kind):
@@ -21,11 +20,7 @@ class Sum(Kind):
     """
 
     name = "sum"
-    num_sums = 2
-
-    def reduce(self, batch: Batch) -> tuple[Array, Array]:
-        total = batch.sum_by(batch.values * batch.weights)
-        return batch.columns(total, batch.count()), batch.columns()
+    sum_columns = ("weighted_value", "selected")
 
     def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
         return {"": sums[:, 0]}, sums[:, 1] != 0
