@@ -208,7 +208,10 @@ def _batch(
         value, weight = numbers.arrays()
         if layout.order is not None:
             value, weight = value[layout.order], weight[layout.order]
-        batch = Batch(value, weight, layout.segments, layout.lengths, layout.call_lengths)
+        batch = Batch(
+            value, weight, layout.segments, layout.lengths, layout.call_lengths,
+            starts=layout.starts, full=layout.full,
+        )  # fmt: skip
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
     # per source (the flat numbers first, then each metric's own records): values,
@@ -242,7 +245,10 @@ def _batch(
         value, weight = value[order], weight[order]
     call_row, call_length = layout.call_rows, layout.call_lengths
     make = Batch if device is None else DeviceBatch
-    batch = make(value, weight, on_backend(layout.segments, device), layout.lengths, call_length)
+    batch = make(
+        value, weight, on_backend(layout.segments, device), layout.lengths, call_length,
+        starts=layout.starts, full=layout.full,
+    )  # fmt: skip
     flags = None
     zero = 0.0
     if nonfinite != "propagate" or any(map(_get_num_checked, accs)):

@@ -36,6 +36,8 @@ class Layout(NamedTuple):
     order: np.ndarray | None  # elements into plan order (None: they are in it)
     segments: np.ndarray  # per element (in plan order), its plan row
     lengths: np.ndarray  # per plan row, its elements
+    starts: np.ndarray  # per plan row, where its elements start
+    full: bool  # every plan row has an element
     element_at: list[int]  # per plan row, where its elements start (and the end)
     call_at: list[int]  # per plan row, where its calls start (and the end)
     call_rows: np.ndarray  # per call (in plan order), its plan row
@@ -56,9 +58,13 @@ class Layout(NamedTuple):
             call_rows, call_lengths = call_rows[call_order], call_lengths[call_order]
         lengths = np.bincount(rows, minlength=num_rows)
         row_calls = np.bincount(call_rows, minlength=num_rows)
-        element_at = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        ends = np.cumsum(lengths)
+        element_at = [0, *ends.tolist()]
         call_at = np.concatenate(([0], np.cumsum(row_calls))).tolist()
-        return Layout(order, rows, lengths, element_at, call_at, call_rows, call_lengths)
+        starts, full = ends - lengths, bool(lengths.all())
+        return Layout(
+            order, rows, lengths, starts, full, element_at, call_at, call_rows, call_lengths
+        )
 
 
 class Group:

@@ -57,7 +57,12 @@ class Batch:
         segments: Array,
         lengths: Sequence[int] | np.ndarray,
         call_lengths: Sequence[int] | np.ndarray,
+        *,
+        starts: np.ndarray | None = None,
+        full: bool | None = None,
     ) -> None:
+        """``starts`` (where each row's elements start) and ``full`` (every row has an
+        element) follow from ``lengths``; a caller that knows them passes them."""
         self.values = values
         self.weights = weights
         self.segments = segments
@@ -65,6 +70,8 @@ class Batch:
         self.call_lengths = np.asarray(call_lengths, dtype=np.int64)
         self.num_rows = len(self.lengths)
         self._selected: Array | None = None
+        self._starts = starts
+        self._full = full
 
     def part(self, rows: slice, elements: slice, calls: slice) -> Batch:
         """The batch of ``rows`` (whose elements and calls are ``elements`` and
@@ -79,7 +86,24 @@ class Batch:
         part.num_rows = rows.stop - rows.start
         part.all_selected = self.all_selected
         part._selected = None if self.all_selected else self.selected()[elements]
+        starts = self._starts
+        if starts is not None:
+            starts = starts[rows] - elements.start if elements.start else starts[rows]
+        part._starts = starts
+        part._full = True if self._full else None  # a part of a full batch is full
         return part
+
+    def row_starts(self) -> np.ndarray:
+        """Per row, the position of its first element (host array)."""
+        if self._starts is None:
+            self._starts = np.cumsum(self.lengths) - self.lengths
+        return self._starts
+
+    def rows_full(self) -> bool:
+        """Whether every row has an element."""
+        if self._full is None:
+            self._full = bool(self.lengths.all())
+        return self._full
 
     # -- operations a kind's reduce uses ---------------------------------------------
     def selected(self) -> Array:
@@ -134,12 +158,11 @@ class Batch:
 
     def max_by(self, x: Array) -> Array:
         """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
-        lengths = self.lengths
-        starts = np.cumsum(lengths) - lengths
-        if lengths.all():
+        starts = self.row_starts()
+        if self.rows_full():
             return np.maximum.reduceat(x, starts)
         out = np.full(self.num_rows, -math.inf)
-        nonempty = lengths > 0
+        nonempty = self.lengths > 0
         if nonempty.any():
             out[nonempty] = np.maximum.reduceat(x, starts[nonempty])
         return out
@@ -147,17 +170,18 @@ class Batch:
     def last_elements(self) -> Batch:
         """A batch of each row's last selected element (one element per row; an
         unselected zero for a row without one): what a replacing kind reduces."""
-        if self.all_selected and self.lengths.all():  # every row's last element
-            index = np.cumsum(self.lengths) - 1
+        full = self.all_selected and self.rows_full()
+        if full:  # every row's last element
+            index = self.row_starts() + (self.lengths - 1)
             values, weights = self.values[index], self.weights[index]
         else:
             last = self.max_by(self.select(self.positions(), -1.0))
             present = last >= 0
             values = self.where(present, self.take(self.values, last), 0.0)
             weights = self.where(present, self.take(self.weights, last), 0.0)
-        rows = np.ones(self.num_rows, dtype=np.int64)
-        out = type(self)(values, weights, self.constant(np.arange(self.num_rows)), rows, rows)
-        out.all_selected = self.all_selected and bool(self.lengths.all())
+        ones, rows = np.ones(self.num_rows, dtype=np.int64), np.arange(self.num_rows)
+        out = type(self)(values, weights, self.constant(rows), ones, ones, starts=rows, full=True)
+        out.all_selected = full
         out.one_per_row = True
         return out
 
