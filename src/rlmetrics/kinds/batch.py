@@ -135,9 +135,11 @@ class Batch:
 
     def column_sum(self, name: str) -> Array:
         """Per row, the sum of the column ``name`` over the row's elements."""
+        if name == "selected":
+            return self.count()
         if self.one_per_row:
             return self.column(name)  # as it is: a sum would turn -0.0 into 0.0
-        return self.count() if name == "selected" else self.sum_by(self.column(name))
+        return self.sum_by(self.column(name))
 
     def column_max(self, name: str) -> Array:
         """Per row, the max of the column ``name`` over the row's selected elements
