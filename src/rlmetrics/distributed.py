@@ -248,8 +248,7 @@ def _reduce(
             wait_for(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
         else:
             gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
-        num_sums = plan.num_sums
-        return _add_rows(gathered[:, :num_sums]), _max_rows(gathered[:, num_sums:])
+        return _merge_rows(gathered, plan.num_sums)
     packed = plan.pack_pair(table, sync.device)
     split = sizes.sums
     all_reduce(packed[:split], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
@@ -262,17 +261,17 @@ def _reduce(
     return sums[: layout.num_sums], restore_nans(sums, host[split:], layout)
 
 
-def _add_rows(rows: np.ndarray) -> np.ndarray:
-    """The rows added in rank order, so every rank gets the same bits."""
-    total = rows[0].copy()
-    for row in rows[1:]:
+def _merge_rows(gathered: np.ndarray, num_sums: int) -> tuple[np.ndarray, np.ndarray]:
+    """The gathered rows' SUM parts added in rank order (every rank gets the same bits)
+    and their MAX parts' elementwise max (NaN wins, as in a single process). With one
+    rank, views of ``gathered``."""
+    sums, maxes = gathered[:, :num_sums], gathered[:, num_sums:]
+    if len(gathered) == 1:
+        return sums[0], maxes[0]
+    total = sums[0] + sums[1]
+    for row in sums[2:]:
         total += row
-    return total
-
-
-def _max_rows(rows: np.ndarray) -> np.ndarray:
-    """The rows' elementwise max (NaN wins, as in a single process)."""
-    return np.maximum(rows[0], rows[1]) if len(rows) == 2 else rows.max(axis=0)
+    return total, maxes.max(axis=0) if len(gathered) > 2 else np.maximum(maxes[0], maxes[1])
 
 
 def _finish(
