@@ -1,10 +1,6 @@
-"""Packing many metrics' states into a few flat buffers, and back.
-
-Packing copies a tracker's table into the buffer with one indexed assignment per array
-(host half) and one indexed add per array (device half): the host never waits on the
-device here. Unpacking checks the rejected-call counts, merges the gathered extras in
-rank order and returns a ``Reduced`` step.
-"""
+"""Packing many metrics' states into a few flat buffers (the host never waits on the
+device here), and back: unpacking checks the rejected-call counts, merges the gathered
+extras in rank order and returns a ``Reduced`` step."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """A merged step in packed form (``Reduced``), and its reported values.
 
-Sync and the local path both end in a ``Reduced``: the reduced SUM and MAX parts, read
-through the layout. Each kind states its result once (``Kind.result_rows``, over all
-its metrics' rows, or ``Kind.result`` per metric); ``Reduced.results`` hands each kind
-its block of the buffers and lays the values out as ``compute()`` reports them: sorted
-by metric name, a metric's suffixed keys (``name/p50``) after it, empty metrics left
-out (or NaN), a non-finite count where elements were skipped. ``TrackerState.compute``
-builds a ``Reduced`` from states, so both paths report the same bits.
+Sync, the local path and ``TrackerState.compute`` all end in a ``Reduced``, so they
+report the same bits. Each kind states its result once (``Kind.result_rows`` over its
+block of the buffers); the values are reported sorted by metric name, a metric's
+suffixed keys (``name/p50``) after it, empty metrics left out (or NaN), a non-finite
+count where elements were skipped.
 """
 
 from __future__ import annotations
@@ -25,10 +23,8 @@ Suffixed = dict[int, tuple[Kind, dict[str, float]]]  # name position -> (kind, v
 
 @dataclass(frozen=True, slots=True)
 class Reduced:
-    """One merged step in packed form; states and results are read from it lazily.
-
-    Built and read within one call: ``sums`` and ``maxes`` may be views of buffers the
-    next step reuses.
+    """One merged step in packed form, read within the call that built it (``sums`` and
+    ``maxes`` may be views of buffers the next step reuses).
 
     Attributes:
         layout: where each metric's slots are.
