@@ -96,21 +96,12 @@ class GroupLayouts:
         return next((layout for layout in self.layouts if layout.fits(accumulators)), None)
 
 
-def logged_flags(accumulators: Mapping[str, Any], layout: Layout, fits: bool) -> list[float]:
-    """Per layout slot, 1.0 when this process logged the name this step, else 0.0."""
-    if not fits:
-        return [0.0] * len(layout.slots)
-    if len(accumulators) == len(layout.slots):
-        return [1.0] * len(layout.slots)
-    return [1.0 if name in accumulators else 0.0 for name in layout.names]
-
-
 @dataclass(eq=False)
 class Plan:
     """How this rank packs a step: its layout (None: it has none the group may share)
     and accumulators in layout order (None where it logged nothing), the group's padded
     sizes, the logged flags and header that end the MAX part, and (made on first use)
-    the ``Packing`` of each buffer shape."""
+    the ``Packing`` of the buffer it packs (the gather's, or with ``pair`` the pair's)."""
 
     layout: Layout | None
     accs: list[Any]
@@ -119,12 +110,8 @@ class Plan:
     header: list[float]
     logged_all: bool  # this rank logged every name of the layout
     version: int = -1  # the tracker table's row version the plan was made for
-    gather: Packing | None = None
-    pair: Packing | None = None
-
-    @property
-    def num_sums(self) -> int:
-        return 0 if self.layout is None else self.layout.num_sums
+    packing: Packing | None = None
+    pair: bool = False
 
     def tail(self, max_part: int) -> np.ndarray:
         """The MAX part's tail that pads it to ``max_part`` floats, header last."""
@@ -134,25 +121,23 @@ class Plan:
         tail[-HEADER:] = self.header
         return tail
 
-    def pack_gather(self, table: Table, device: torch.device) -> Tensor:
-        """[SUM | MAX | logged | pad | header], ``sizes.gather`` floats."""
-        layout, length = self.layout, self.sizes.gather
-        if layout is None:
-            return torch.from_numpy(self.tail(length)).to(device)
-        if self.gather is None:
-            tail = self.tail(length - layout.num_sums)
-            self.gather = Packing.make(layout, self.accs, table, tail)
-        return self.gather.pack(table, device)
-
-    def pack_pair(self, table: Table, device: torch.device) -> Tensor:
-        """[SUM | NaN counts | pad | MAX | logged | pad | header]: the all_reduce(SUM)
-        part is ``sizes.sums`` floats, the all_reduce(MAX) part ``sizes.maxes``."""
+    def pack(self, table: Table, device: torch.device, pair: bool) -> Tensor:
+        """The gather's buffer [SUM | MAX | logged | pad | header], ``sizes.gather``
+        floats; or the pair's [SUM | NaN counts | pad | MAX | logged | pad | header], the
+        all_reduce(SUM) part ``sizes.sums`` floats, the all_reduce(MAX) part
+        ``sizes.maxes``."""
         layout, sizes = self.layout, self.sizes
         if layout is None:
-            return torch.from_numpy(self.tail(sizes.sums + sizes.maxes)).to(device)
-        if self.pair is None:
-            self.pair = Packing.make(layout, self.accs, table, self.tail(sizes.maxes))
-        packed = with_nan_counts(self.pair.pack(table, device), layout)
+            tail = self.tail(sizes.sums + sizes.maxes if pair else sizes.gather)
+            return torch.from_numpy(tail).to(device)
+        max_part = sizes.maxes if pair else sizes.gather - layout.num_sums
+        if self.packing is None or self.pair != pair:
+            self.packing = Packing.make(layout, self.accs, table, self.tail(max_part))
+            self.pair = pair
+        packed = self.packing.pack(table, device)
+        if not pair:
+            return packed
+        packed = with_nan_counts(packed, layout)
         additive = layout.num_sums + layout.num_maxes  # and the NaN counts
         if additive == sizes.sums:
             return packed

@@ -30,15 +30,13 @@ class SyncTimeoutError(RuntimeError):
 
 def should_sync(group: Any) -> bool:
     """Whether ``compute()`` merges over a process group."""
-    if group is not None:
-        return True
-    return dist.is_available() and dist.is_initialized()
+    return group is not None or is_initialized()
 
 
 def resolve_group(group: Any) -> Any:
     """A ProcessGroup from None (the default group), a group, or (DeviceMesh, dim)."""
     if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_initialized():
             raise RuntimeError("compute(group=None) needs torch.distributed to be initialised")
         return dist.group.WORLD
     if isinstance(group, tuple):
@@ -94,9 +92,7 @@ def all_reduce_max(tensor: Tensor, group: Any, timeout: float | timedelta | None
 def world_size(group: Any = None) -> int:
     """The size of ``group`` (default: the world); 1 when torch.distributed is not
     initialised, so single-process code takes the same path."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(resolve_group(group))
+    return dist.get_world_size(resolve_group(group)) if is_initialized() else 1
 
 
 def all_reduce_sum(

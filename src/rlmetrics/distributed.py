@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics.agreed import HEADER, GroupLayouts, Plan, logged_flags
+from rlmetrics.agreed import HEADER, GroupLayouts, Plan
 from rlmetrics.collectives import (  # re-exported: rlmetrics.distributed is the public home
     MAX_TIMEOUT_S,
     SyncTimeoutError,
@@ -148,10 +148,11 @@ class _GroupSync:
         header = [0.0 if fits else 1.0, layout.digest, -layout.digest]
         accs = in_order(accumulators if fits else {}, layout)
         logged_all = fits and len(accumulators) == len(layout.slots)
-        plan = Plan(
-            layout, accs, sizes, logged_flags(accumulators, layout, fits), header, logged_all,
-            version,
-        )  # fmt: skip
+        if logged_all or not fits:  # per layout slot, whether this rank logged the name
+            logged = [1.0 if fits else 0.0] * len(layout.slots)
+        else:
+            logged = [1.0 if name in accumulators else 0.0 for name in layout.names]
+        plan = Plan(layout, accs, sizes, logged, header, logged_all, version)
         if fits:
             self.seen, self.plan = current, plan
         return plan
@@ -239,40 +240,38 @@ def _reduce(
     ``group``, on the host (one device-to-host copy): one gather up to ``GATHER_LIMIT``
     gathered floats, else two all_reduces. Every rank's buffers have the group's padded
     sizes, whatever layout (or none) it packed."""
-    world, sizes = sync.world, plan.sizes
+    world, sizes, layout = sync.world, plan.sizes, plan.layout
     if world * sizes.gather <= GATHER_LIMIT:
-        packed = plan.pack_gather(table, sync.device)
+        packed = plan.pack(table, sync.device, pair=False)
         what = "all_gather of metric states"
         if packed.device.type == "cpu":  # straight into a reused host buffer
             gathered, rows = sync.gather_rows(world, packed.numel())
             wait_for(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
         else:
             gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
-        num_sums = plan.num_sums
-        return _add_rows(gathered[:, :num_sums]), _max_rows(gathered[:, num_sums:])
-    packed = plan.pack_pair(table, sync.device)
+        return _merge_rows(gathered, 0 if layout is None else layout.num_sums)
+    packed = plan.pack(table, sync.device, pair=True)
     split = sizes.sums
     all_reduce(packed[:split], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
     all_reduce(packed[split:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states")
     host = packed.cpu().numpy()
-    layout = plan.layout
     if layout is None:  # only the header matters
         return host[:0], host[split:]
     sums = host[: layout.num_sums + layout.num_maxes]  # and the NaN counts
     return sums[: layout.num_sums], restore_nans(sums, host[split:], layout)
 
 
-def _add_rows(rows: np.ndarray) -> np.ndarray:
-    """The rows added in rank order, so every rank gets the same bits."""
-    total = rows[0].copy()
-    for row in rows[1:]:
+def _merge_rows(gathered: np.ndarray, num_sums: int) -> tuple[np.ndarray, np.ndarray]:
+    """The gathered rows' SUM parts added in rank order (every rank gets the same bits)
+    and their MAX parts' elementwise max (NaN wins, as in a single process). With one
+    rank, views of ``gathered``."""
+    sums, maxes = gathered[:, :num_sums], gathered[:, num_sums:]
+    if len(gathered) == 1:
+        return sums[0], maxes[0]
+    total = sums[0] + sums[1]
+    for row in sums[2:]:
         total += row
-    return total
-
-
-def _max_rows(rows: np.ndarray) -> np.ndarray:
-    """The rows' elementwise max (NaN wins, as in a single process)."""
-    return np.maximum(rows[0], rows[1]) if len(rows) == 2 else rows.max(axis=0)
+    return total, maxes.max(axis=0) if len(gathered) > 2 else np.maximum(maxes[0], maxes[1])
 
 
 def _finish(
@@ -293,8 +292,7 @@ def _finish(
     objects: list[Mapping[str, object]] = []
     if layout.extra_slots:
         device = sync.device
-        packing = plan.gather or plan.pair
-        vector, local_objects = pack_extras(packing, table, sizes, device)
+        vector, local_objects = pack_extras(plan.packing, table, sizes, device)
         if vector.numel():
             rows = all_gather(vector, group, wait, "extras gather")
             extras = list(torch.stack(rows).cpu().numpy())  # one device-to-host copy

@@ -28,21 +28,21 @@ class Slot:
     kind: Kind
     sum_offset: int  # the kind's sums
     flag_offset: int  # the framework counts: [num_nonfinite, num_rejected]
-    max_offset: int
-    num_maxes: int  # the kind's maxes plus one extra-size slot for kinds with an extra
+    max_offset: int  # the kind's maxes, then (kinds with an extra) the extra's size
 
 
 @dataclass(frozen=True, slots=True)
 class KindGroup:
     """The metrics of one kind object, side by side in both buffers: their states are
-    a (len(names), num_sums) block of the SUM part and a (len(names), ``width``) block
-    of the MAX part, read as views."""
+    a ``sum_shape`` block of the SUM part and a ``max_shape`` block of the MAX part (per
+    metric the kind's max slots, and an extra kind's extra size), read as views."""
 
     kind: Kind
     names: list[str]
     sums: slice
     maxes: slice
-    width: int  # MAX slots per metric: the kind's, and an extra kind's extra size
+    sum_shape: tuple[int, int]
+    max_shape: tuple[int, int]
 
 
 class Layout:
@@ -78,10 +78,12 @@ class Layout:
             width = kind.num_maxes + (1 if kind.has_extra else 0)
             sums = slice(sum_offset, sum_offset + len(rows) * kind.num_sums)
             maxes = slice(max_offset, max_offset + len(rows) * width)
-            self.groups.append(KindGroup(kind, [self.names[i] for i in rows], sums, maxes, width))
+            names = [self.names[i] for i in rows]
+            shapes = (len(rows), kind.num_sums), (len(rows), width)
+            self.groups.append(KindGroup(kind, names, sums, maxes, *shapes))
             for i in rows:
                 flags = self.num_kind_sums + i * NUM_FLAGS
-                slots[i] = Slot(self.names[i], kind, sum_offset, flags, max_offset, width)
+                slots[i] = Slot(self.names[i], kind, sum_offset, flags, max_offset)
                 sum_offset += kind.num_sums
                 max_offset += width
         self.slots: list[Slot] = slots  # type: ignore[assignment]

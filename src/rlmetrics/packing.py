@@ -1,10 +1,6 @@
-"""Packing many metrics' states into a few flat buffers, and back.
-
-Packing copies a tracker's table into the buffer with one indexed assignment per array
-(host half) and one indexed add per array (device half): the host never waits on the
-device here. Unpacking checks the rejected-call counts, merges the gathered extras in
-rank order and returns a ``Reduced`` step.
-"""
+"""Packing many metrics' states into a few flat buffers (the host never waits on the
+device here), and back: unpacking checks the rejected-call counts, merges the gathered
+extras in rank order and returns a ``Reduced`` step."""
 
 from __future__ import annotations
 
@@ -39,7 +35,9 @@ class Packing:
     Built once per set of metrics (the sync code caches it with its plan): packing a
     step is then a copy of ``template`` and one indexed assignment per array, plus one
     indexed add per array for a device half. Slots of rows outside ``accs`` (names not
-    logged this step, always empty) go to a scratch slot past the end.
+    logged this step, always empty) go to a scratch slot past the end. The host buffer
+    (``host``, and ``tensor`` over it) is reused: each step packs into it, and what is
+    read from it is read before the next step packs.
     """
 
     layout: Layout
@@ -50,6 +48,10 @@ class Packing:
     extra_rows: list[tuple[int, Accumulator | None]]  # (size slot, accumulator)
     version: int  # the table's row version the maps were built for
     device_maps: dict[Any, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.host = self.template.copy()
+        self.tensor = torch.from_numpy(self.host[:-1])  # without the scratch slot
 
     @classmethod
     def make(
@@ -87,8 +89,7 @@ class Packing:
         host = self.pack_host(table)
         part = table.device_part
         if part is None:
-            buffer = torch.from_numpy(host[:-1])
-            return buffer if device.type == "cpu" else buffer.to(device)
+            return self.tensor if device.type == "cpu" else self.tensor.to(device)
         buffer = to_device(host, part.device)
         sums, counts, maxes = self._device_maps(part.device)
         buffer.index_add_(0, sums, part.sums[: len(sums)])
@@ -97,8 +98,9 @@ class Packing:
         return buffer[:-1].to(device)
 
     def pack_host(self, table: Table) -> np.ndarray:
-        """The host half's buffer, with the scratch slot at the end."""
-        host = self.template.copy()
+        """The host half's buffer (``host``), with the scratch slot at the end."""
+        host = self.host
+        host[:] = self.template
         host[self.sum_map] = table.sums[: len(self.sum_map)]
         rows = len(self.count_map) // NUM_FLAGS  # rows added since are not logged here
         host[self.count_map] = table.counts[:rows].reshape(-1)
@@ -209,14 +211,15 @@ def unpack(
         RejectedInputError: a metric received rejected input (negative weights, or
             non-finite values under ``nonfinite="error"``) in a tensor log call.
     """
-    counts = sums[layout.num_kind_sums :]
+    counts, nonfinite = sums[layout.num_kind_sums :], None
     if np.count_nonzero(counts):
         rejected = counts[1::NUM_FLAGS]
         if rejected.any():
             _raise_rejected(layout, rejected)
+        nonfinite = counts[::NUM_FLAGS]
     extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_slots else {}
     keep = None if logged is None or logged.all() else logged > 0
-    return Reduced(layout, sums, maxes[: layout.num_maxes], extra_values, keep)
+    return Reduced(layout, sums, maxes[: layout.num_maxes], extra_values, keep, nonfinite)
 
 
 def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
@@ -256,12 +259,13 @@ def _split_extras(
     return merged
 
 
-def local_reduce(packing: Packing, table: Table, device: torch.device) -> Reduced:
+def local_reduce(packing: Packing, table: Table) -> Reduced:
     """This process's step, with one device-to-host transfer per buffer."""
-    layout = packing.layout
-    if table.device_part is None:
-        host = packing.pack_host(table)[:-1]
+    layout, part = packing.layout, table.device_part
+    if part is None:
+        host, device = packing.pack_host(table)[:-1], torch.device("cpu")
     else:
+        device = part.device
         host = packing.pack(table, device).cpu().numpy()
     sums, maxes = host[: layout.num_sums], host[layout.num_sums :]
     if not layout.extra_slots:

@@ -1,12 +1,10 @@
 """A merged step in packed form (``Reduced``), and its reported values.
 
-Sync and the local path both end in a ``Reduced``: the reduced SUM and MAX parts, read
-through the layout. Each kind states its result once (``Kind.result_rows``, over all
-its metrics' rows, or ``Kind.result`` per metric); ``Reduced.results`` hands each kind
-its block of the buffers and lays the values out as ``compute()`` reports them: sorted
-by metric name, a metric's suffixed keys (``name/p50``) after it, empty metrics left
-out (or NaN), a non-finite count where elements were skipped. ``TrackerState.compute``
-builds a ``Reduced`` from states, so both paths report the same bits.
+Sync, the local path and ``TrackerState.compute`` all end in a ``Reduced``, so they
+report the same bits. Each kind states its result once (``Kind.result_rows`` over its
+block of the buffers); the values are reported sorted by metric name, a metric's
+suffixed keys (``name/p50``) after it, empty metrics left out (or NaN), a non-finite
+count where elements were skipped.
 """
 
 from __future__ import annotations
@@ -18,14 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlmetrics.kinds.base import NUM_FLAGS, Kind, MetricState
-from rlmetrics.layout import KindGroup, Layout
+from rlmetrics.layout import Layout
 
 Suffixed = dict[int, tuple[Kind, dict[str, float]]]  # name position -> (kind, values)
 
 
 @dataclass(frozen=True, slots=True)
 class Reduced:
-    """One merged step in packed form; states and results are read from it lazily.
+    """One merged step in packed form, read within the call that built it (``sums`` and
+    ``maxes`` may be views of buffers the next step reuses).
 
     Attributes:
         layout: where each metric's slots are.
@@ -33,6 +32,7 @@ class Reduced:
         maxes: the MAX part (the kinds' max slots and the extra-size slots).
         extras: each extra kind's merged extra, by name.
         keep: per slot, whether any rank logged the name this step (None: every one).
+        nonfinite: per slot, the non-finite elements skipped (None: none anywhere).
     """
 
     layout: Layout
@@ -40,6 +40,7 @@ class Reduced:
     maxes: np.ndarray
     extras: Mapping[str, object]
     keep: np.ndarray | None
+    nonfinite: np.ndarray | None
 
     @classmethod
     def from_states(
@@ -58,7 +59,7 @@ class Reduced:
             maxes[slot.max_offset : slot.max_offset + kind.num_maxes] = metric.maxes
             sums[slot.flag_offset] = metric.num_nonfinite
         extras = {slot.name: states[slot.name].extra for slot in layout.extra_slots}
-        return cls(layout, sums, maxes, extras, None)
+        return cls(layout, sums, maxes, extras, None, nonfinite_counts(layout, sums))
 
     def states(self) -> dict[str, MetricState]:
         """Per metric, its merged state, by name (names no rank logged are left out)."""
@@ -86,47 +87,46 @@ class Reduced:
         Raises:
             ValueError: two metrics report the same key (``x`` as dist reports ``x/mean``).
         """
-        layout = self.layout
+        layout, sums, maxes = self.layout, self.sums, self.maxes
+        if not layout.groups:
+            return {}
         values: list[np.ndarray] = []
         shown: list[np.ndarray] = []
         suffixed: Suffixed = {}
-        for group in layout.groups:
-            out, present = self._group_results(group)
+        for group in layout.groups:  # each kind's block of the buffers, as views
+            kind, names = group.kind, group.names
+            block = maxes[group.maxes].reshape(group.max_shape)
+            extras = None
+            if kind.has_extra:
+                block = block[:, : kind.num_maxes]  # without the extra size
+                extras = [self.extras[name] for name in names]
+            out, present = kind.result_rows(
+                sums[group.sums].reshape(group.sum_shape), block, extras, names
+            )
             shown.append(present)
-            if len(out) == 1 and "" in out:
-                values.append(out[""])
+            column = out.get("") if len(out) == 1 else None
+            if column is not None:
+                values.append(column)
                 continue
-            values.append(np.zeros(len(group.names)))  # reported from ``suffixed``
+            values.append(np.zeros(len(names)))  # reported from ``suffixed``
             columns = {suffix: column.tolist() for suffix, column in out.items()}
-            for i, name in enumerate(group.names):
-                suffixed[layout.index[name]] = (group.kind, {s: c[i] for s, c in columns.items()})
-        value, present = _by_name(values, layout), _by_name(shown, layout)
-        nonfinite = self.sums[layout.num_kind_sums :: NUM_FLAGS]
-        counted = np.count_nonzero(nonfinite) > 0
-        common = not (suffixed or counted) and self.keep is None
-        if common and np.count_nonzero(present) == len(present):
+            for i, name in enumerate(names):
+                suffixed[layout.index[name]] = (kind, {s: c[i] for s, c in columns.items()})
+        if len(values) == 1:  # one group holds every name, in order
+            value, present = values[0], shown[0]
+        else:
+            value = np.concatenate(values)[layout.by_name]
+            present = np.concatenate(shown)[layout.by_name]
+        plain = not suffixed and self.nonfinite is None and self.keep is None
+        if plain and np.count_nonzero(present) == len(present):
             return dict(zip(layout.names, value.tolist(), strict=True))
-        return _laid_out(
-            layout.names, value, present, suffixed, nonfinite if counted else None, self.keep, empty
-        )
-
-    def _group_results(self, group: KindGroup) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """One kind's ``result_rows`` over its block of the buffers (views)."""
-        kind, names = group.kind, group.names
-        sums = self.sums[group.sums].reshape(len(names), kind.num_sums)
-        maxes = self.maxes[group.maxes].reshape(len(names), group.width)
-        extras = None
-        if kind.has_extra:
-            maxes = maxes[:, : kind.num_maxes]  # without the extra size
-            extras = [self.extras[name] for name in names]
-        return kind.result_rows(sums, maxes, extras, names)
+        return _laid_out(layout.names, value, present, suffixed, self.nonfinite, self.keep, empty)
 
 
-def _by_name(parts: list[np.ndarray], layout: Layout) -> np.ndarray:
-    """Per-group arrays (in the groups' order) as one array in name order."""
-    if len(parts) == 1:  # one group holds every name, in order
-        return parts[0]
-    return np.concatenate(parts)[layout.by_name] if parts else np.zeros(0)
+def nonfinite_counts(layout: Layout, sums: np.ndarray) -> np.ndarray | None:
+    """Per slot, the non-finite elements skipped, read from a SUM part; None when none."""
+    counts = sums[layout.num_kind_sums :: NUM_FLAGS]
+    return counts if np.count_nonzero(counts) else None
 
 
 def _laid_out(

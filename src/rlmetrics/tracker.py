@@ -6,6 +6,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import numpy as np
@@ -40,6 +41,7 @@ _NO_TAIL = np.zeros(0)
 NONFINITE_POLICIES = ("propagate", "skip", "error")
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_get_values = attrgetter("values")
 
 
 def _locked(method: _Method) -> _Method:
@@ -309,7 +311,7 @@ class Tracker(LogMethods):
             packing = Packing.make(layout, in_order(self._accumulators, layout), table, _NO_TAIL)
             local = self._local = (accs, packing)
         try:
-            return local_reduce(local[1], table, self.device())
+            return local_reduce(local[1], table)
         except RejectedInputError:
             self._forget_rejected()
             raise
@@ -404,8 +406,8 @@ class Tracker(LogMethods):
         self._groups.clear()
         self._numbers.clear()
         self._recorded = 0
-        for acc in self._accumulators.values():
-            if acc.values:
+        if any(map(_get_values, self._accumulators.values())):  # none after a fold
+            for acc in self._accumulators.values():
                 acc.clear()  # drops the records (the tensors they keep alive) now
         if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
             self._pool = dict(self._accumulators)
