@@ -134,11 +134,11 @@ def _fold_records(
             sums, maxes = kind.reduce(part)
             positions = plan.groups[i].positions(table)
             if kind.replaces:  # a row with no selected value keeps the old one
-                present = part.count() > 0
                 if batch.on_host:
-                    table.replace(positions, sums, maxes, present)
+                    every = part.all_selected and part.rows_full()
+                    table.replace(positions, sums, maxes, None if every else part.count() > 0)
                 else:
-                    table.replace_device(positions, sums, maxes, present)
+                    table.replace_device(positions, sums, maxes, part.count() > 0)
             else:
                 added.append((i, sums.reshape(-1), maxes.reshape(-1)))
             if kind.has_extra:

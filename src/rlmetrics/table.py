@@ -165,12 +165,13 @@ class Table:
         self, positions: Positions, sums: np.ndarray, maxes: np.ndarray, present: Any
     ) -> None:
         """Fold host rows of a replacing kind in (``positions`` as ``positions`` gives
-        them): the rows ``present`` (with a new value) replace their old value, on both
-        halves."""
+        them): the rows ``present`` (with a new value; None: all) replace their old
+        value, on both halves."""
         _, sum_pos, max_pos = positions
-        sum_pos, max_pos = sum_pos[present], max_pos[present]
-        self.sums[sum_pos] = sums[present]
-        self.maxes[max_pos] = maxes[present]
+        if present is not None:
+            sum_pos, max_pos, sums, maxes = (a[present] for a in (sum_pos, max_pos, sums, maxes))
+        self.sums[sum_pos] = sums
+        self.maxes[max_pos] = maxes
         part = self.device_part
         if part is not None and sum_pos.size:
             part.sums[self.index_on(sum_pos, part.device)] = 0.0
