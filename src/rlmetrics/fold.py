@@ -214,8 +214,20 @@ def _batch(
         )  # fmt: skip
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
-    # per source (the flat numbers first, then each metric's own records): values,
-    # weights, each element's and each call's plan row, call sizes
+    batch, layout = _joined_batch(plan, numbers, accs, device)
+    flags = None
+    if nonfinite != "propagate" or any(map(_get_num_checked, accs)):
+        flags = _screen(batch, layout, device, nonfinite)
+    batch.values = batch.where(batch.selected(), batch.values, 0.0)  # NaN * 0 is NaN
+    return batch, layout, flags
+
+
+def _joined_batch(
+    plan: Plan, numbers: NumberRecords | None, accs: list[Accumulator], device: torch.device | None
+) -> tuple[Batch, Layout]:
+    """Every record of the fold (the flat numbers first, then each metric's own) as one
+    batch in ``plan``'s order, unscreened, and its layout."""
+    # per source: values, weights, each element's and each call's plan row, call sizes
     values, weights, element_rows, call_rows, call_lengths = [], [], [], [], []
     if numbers is not None and numbers.values:
         number_values, number_weights = numbers.arrays()
@@ -236,36 +248,36 @@ def _batch(
     call_rows.append(np.repeat(acc_rows, [len(acc.values) for acc in accs]))
     call_lengths.append(np.asarray(parts.call_lengths, dtype=np.int64))
     value, weight = joined(values, device), joined(weights, device)
-    num_rows = len(plan.rows)
     layout = Layout.make(
-        joined_host(element_rows), joined_host(call_rows), joined_host(call_lengths), num_rows
+        joined_host(element_rows), joined_host(call_rows), joined_host(call_lengths), len(plan.rows)
     )
     if layout.order is not None:
         order = on_backend(layout.order, device)
         value, weight = value[order], weight[order]
-    call_row, call_length = layout.call_rows, layout.call_lengths
     make = Batch if device is None else DeviceBatch
     batch = make(
-        value, weight, on_backend(layout.segments, device), layout.lengths, call_length,
+        value, weight, on_backend(layout.segments, device), layout.lengths, layout.call_lengths,
         starts=layout.starts, full=layout.full,
     )  # fmt: skip
-    flags = None
-    zero = 0.0
-    if nonfinite != "propagate" or any(map(_get_num_checked, accs)):
-        calls = on_backend(np.repeat(np.arange(len(call_length)), call_length), device)
-        bad = ~((weight >= 0) & (weight < math.inf))  # NaN fails both
-        if nonfinite == "error":
-            bad = bad | ((weight > 0) & ~batch.isfinite(value))
-        call_bad = batch.sum_by(bad * 1.0, calls, len(call_length)) > 0
-        rejected = batch.sum_by(call_bad * 1.0, on_backend(call_row, device), num_rows)
-        weight = batch.where(call_bad[calls], zero, weight)
-        skipped = rejected * 0.0
-        if nonfinite == "skip":
-            finite = batch.isfinite(value)
-            skipped = batch.sum_by(((weight > 0) & ~finite) * 1.0)
-            weight = batch.where(finite, weight, zero)
-        flags = batch.columns(skipped, rejected)
-    selected = weight > 0
-    batch.weights, batch.values = weight, batch.where(selected, value, zero)
-    batch._selected = selected
-    return batch, layout, flags
+    return batch, layout
+
+
+def _screen(batch: Batch, layout: Layout, device: torch.device | None, nonfinite: str) -> Array:
+    """Apply the rules that need the data to ``batch``'s weights (a rejected call's and,
+    under "skip", a non-finite element's become 0); per metric, [skipped, rejected]."""
+    call_length = layout.call_lengths
+    value, weight = batch.values, batch.weights
+    calls = on_backend(np.repeat(np.arange(len(call_length)), call_length), device)
+    bad = ~((weight >= 0) & (weight < math.inf))  # NaN fails both
+    if nonfinite == "error":
+        bad = bad | ((weight > 0) & ~batch.isfinite(value))
+    call_bad = batch.sum_by(bad * 1.0, calls, len(call_length)) > 0
+    rejected = batch.sum_by(call_bad * 1.0, on_backend(layout.call_rows, device), batch.num_rows)
+    weight = batch.where(call_bad[calls], 0.0, weight)
+    skipped = rejected * 0.0
+    if nonfinite == "skip":
+        finite = batch.isfinite(value)
+        skipped = batch.sum_by(((weight > 0) & ~finite) * 1.0)
+        weight = batch.where(finite, weight, 0.0)
+    batch.weights = weight
+    return batch.columns(skipped, rejected)
