@@ -60,13 +60,13 @@ class Buffers:
     @property
     def gather(self) -> int:
         """Floats per rank of the one-gather path: [SUM | MAX | logged | tail]."""
-        return self.sums + self.maxes + self.placements + TAIL
+        return self.sums + self.maxes + self.slots + TAIL
 
     @property
     def pair(self) -> tuple[int, int]:
         """Floats of the pair's all_reduce(SUM) (with a NaN count per max slot) and
         all_reduce(MAX) ([MAX | logged | tail])."""
-        return self.sums + self.maxes, self.maxes + self.placements + TAIL
+        return self.sums + self.maxes, self.maxes + self.slots + TAIL
 
 
 def buffers(kinds: Iterable[str], bucket_sums: Sequence[int] = ()) -> Buffers:
