@@ -24,8 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 FLOAT = 8  # bytes: rlmetrics packs float64
-HEADER = 3  # MAX part's tail: [schema changed, layout hash, -layout hash]
-NUM_FLAGS = 2  # framework counts per metric in the SUM part
+TAIL = 3  # MAX part's tail: [schema changed, layout hash, -layout hash]
+NUM_COUNTS = 2  # framework counts per metric in the SUM part
 GLOO_MESSAGE_OVERHEAD = 144  # bytes gloo's TCP transport writes per message besides payload
 
 # (kind sums, kind maxes) of the built-in scalar kinds, and the extra kinds' own
@@ -59,14 +59,14 @@ class Buffers:
 
     @property
     def gather(self) -> int:
-        """Floats per rank of the one-gather path: [SUM | MAX | logged | header]."""
-        return self.sums + self.maxes + self.slots + HEADER
+        """Floats per rank of the one-gather path: [SUM | MAX | logged | tail]."""
+        return self.sums + self.maxes + self.slots + TAIL
 
     @property
     def pair(self) -> tuple[int, int]:
         """Floats of the pair's all_reduce(SUM) (with a NaN count per max slot) and
-        all_reduce(MAX) ([MAX | logged | header])."""
-        return self.sums + self.maxes, self.maxes + self.slots + HEADER
+        all_reduce(MAX) ([MAX | logged | tail])."""
+        return self.sums + self.maxes, self.maxes + self.slots + TAIL
 
 
 def buffers(kinds: Iterable[str], bucket_sums: Sequence[int] = ()) -> Buffers:
@@ -76,11 +76,11 @@ def buffers(kinds: Iterable[str], bucket_sums: Sequence[int] = ()) -> Buffers:
     sums = maxes = slots = 0
     for kind in kinds:
         kind_sums, kind_maxes = KIND_SLOTS[kind]
-        sums += kind_sums + NUM_FLAGS
+        sums += kind_sums + NUM_COUNTS
         maxes += kind_maxes + (1 if kind in EXTRA_KINDS else 0)
         slots += 1
     for bucket in bucket_sums:
-        sums += bucket + NUM_FLAGS
+        sums += bucket + NUM_COUNTS
         maxes += 2
         slots += 1
     return Buffers(sums, maxes, slots)

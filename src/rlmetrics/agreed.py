@@ -9,11 +9,11 @@ only has none, and one rank's tracker may cache another layout than its peers'.
 ``GroupLayouts`` holds, per process group and process (not per tracker), the layouts
 agreed over the group most recently. Every rank changes it at the same points of the
 same collective sequence (an agreement, whose union every rank computes alike, and a
-step whose reduced header every rank reads alike), so it is the same on every rank of
+step whose reduced tail every rank reads alike), so it is the same on every rank of
 the group whatever their trackers cache. A step's buffers are padded to the largest
 of these layouts, and the layout each rank packed travels in the buffer's last
-``HEADER`` floats: a rank without a usable layout packs none and marks its buffer, so
-every rank sees the mismatch in the reduced header and agrees again, together.
+``TAIL`` floats: a rank without a usable layout packs none and marks its buffer, so
+every rank sees the mismatch in the reduced tail and agrees again, together.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from rlmetrics.layout import Layout
 from rlmetrics.packing import Packing, with_nan_counts
 from rlmetrics.table import Table
 
-HEADER = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
+TAIL = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
 RECENT = 8  # layouts kept per group: trackers that share a group keep their own
 
 
@@ -40,20 +40,20 @@ class Sizes:
     """A group's padded buffer sizes (the largest of its recent layouts').
 
     Attributes:
-        gather: the length of the one-gather buffer, [SUM | MAX | logged | pad | header].
+        gather: the length of the one-gather buffer, [SUM | MAX | logged | pad | tail].
         sums: the length of the pair's all_reduce(SUM) part, [SUM | NaN counts | pad].
-        maxes: the length of the pair's all_reduce(MAX) part, [MAX | logged | pad | header].
+        maxes: the length of the pair's all_reduce(MAX) part, [MAX | logged | pad | tail].
     """
 
-    gather: int = HEADER
+    gather: int = TAIL
     sums: int = 0
-    maxes: int = HEADER
+    maxes: int = TAIL
 
 
 def layout_sizes(layout: Layout) -> Sizes:
     """The unpadded sizes of ``layout``'s buffers."""
-    sums, maxes, slots = layout.num_sums, layout.num_maxes, len(layout.slots)
-    return Sizes(sums + maxes + slots + HEADER, sums + maxes, maxes + slots + HEADER)
+    sums, maxes, slots = layout.num_sums, layout.num_maxes, len(layout.placements)
+    return Sizes(sums + maxes + slots + TAIL, sums + maxes, maxes + slots + TAIL)
 
 
 class GroupLayouts:
@@ -100,39 +100,40 @@ class GroupLayouts:
 class Plan:
     """How this rank packs a step: its layout (None: it has none the group may share)
     and accumulators in layout order (None where it logged nothing), the group's padded
-    sizes, the logged flags and header that end the MAX part, and (made on first use)
+    sizes, the logged marks and the tail that end the MAX part, and (made on first use)
     the ``Packing`` of the buffer it packs (the gather's, or with ``pair`` the pair's)."""
 
     layout: Layout | None
     accs: list[Any]
     sizes: Sizes
     logged: list[float]
-    header: list[float]
+    tail: list[float]  # [schema changed, layout hash, -layout hash]
     logged_all: bool  # this rank logged every name of the layout
     version: int = -1  # the tracker table's row version the plan was made for
     packing: Packing | None = None
     pair: bool = False
 
-    def tail(self, max_part: int) -> np.ndarray:
-        """The MAX part's tail that pads it to ``max_part`` floats, header last."""
+    def max_end(self, max_part: int) -> np.ndarray:
+        """What follows the MAX slots up to ``max_part`` floats: the logged marks, the
+        padding, the tail."""
         num_maxes = 0 if self.layout is None else self.layout.num_maxes
-        tail = np.zeros(max_part - num_maxes)
-        tail[: len(self.logged)] = self.logged
-        tail[-HEADER:] = self.header
-        return tail
+        end = np.zeros(max_part - num_maxes)
+        end[: len(self.logged)] = self.logged
+        end[-TAIL:] = self.tail
+        return end
 
     def pack(self, table: Table, device: torch.device, pair: bool) -> Tensor:
-        """The gather's buffer [SUM | MAX | logged | pad | header], ``sizes.gather``
-        floats; or the pair's [SUM | NaN counts | pad | MAX | logged | pad | header], the
+        """The gather's buffer [SUM | MAX | logged | pad | tail], ``sizes.gather``
+        floats; or the pair's [SUM | NaN counts | pad | MAX | logged | pad | tail], the
         all_reduce(SUM) part ``sizes.sums`` floats, the all_reduce(MAX) part
         ``sizes.maxes``."""
         layout, sizes = self.layout, self.sizes
         if layout is None:
-            tail = self.tail(sizes.sums + sizes.maxes if pair else sizes.gather)
-            return torch.from_numpy(tail).to(device)
+            end = self.max_end(sizes.sums + sizes.maxes if pair else sizes.gather)
+            return torch.from_numpy(end).to(device)
         max_part = sizes.maxes if pair else sizes.gather - layout.num_sums
         if self.packing is None or self.pair != pair:
-            self.packing = Packing.make(layout, self.accs, table, self.tail(max_part))
+            self.packing = Packing.make(layout, self.accs, table, self.max_end(max_part))
             self.pair = pair
         packed = self.packing.pack(table, device)
         if not pair:

@@ -3,7 +3,7 @@
 A steady-state step reduces every scalar metric with one collective: an ``all_gather``
 of the packed SUM and MAX buffers, reduced on the host (rows added in rank order, so
 every rank gets the same bits; max over rows), or ``all_reduce(SUM)`` and
-``all_reduce(MAX)`` above ``GATHER_LIMIT``. The MAX buffer ends with a header (see
+``all_reduce(MAX)`` above ``GATHER_LIMIT``. The MAX buffer ends with a tail (see
 ``rlmetrics.agreed``) that tells every rank, without another collective, when some rank
 logged a name its layout lacks or packed another layout; only then do ranks agree on
 the schema again (a JSON gather) and repeat the reduce. Kinds with an extra payload
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics.agreed import HEADER, GroupLayouts, Plan
+from rlmetrics.agreed import TAIL, GroupLayouts, Plan
 from rlmetrics.collectives import (  # re-exported: rlmetrics.distributed is the public home
     MAX_TIMEOUT_S,
     SyncTimeoutError,
@@ -145,14 +145,14 @@ class _GroupSync:
         if layout is None:
             return Plan(None, [], sizes, [], [1.0, 0.0, 0.0], False)
         fits = layout.fits(accumulators)
-        header = [0.0 if fits else 1.0, layout.digest, -layout.digest]
+        tail = [0.0 if fits else 1.0, layout.digest, -layout.digest]
         accs = in_order(accumulators if fits else {}, layout)
-        logged_all = fits and len(accumulators) == len(layout.slots)
-        if logged_all or not fits:  # per layout slot, whether this rank logged the name
-            logged = [1.0 if fits else 0.0] * len(layout.slots)
+        logged_all = fits and len(accumulators) == len(layout.placements)
+        if logged_all or not fits:  # per placement, whether this rank logged the name
+            logged = [1.0 if fits else 0.0] * len(layout.placements)
         else:
             logged = [1.0 if name in accumulators else 0.0 for name in layout.names]
-        plan = Plan(layout, accs, sizes, logged, header, logged_all, version)
+        plan = Plan(layout, accs, sizes, logged, tail, logged_all, version)
         if fits:
             self.seen, self.plan = current, plan
         return plan
@@ -221,12 +221,12 @@ def sync_reduce(
         plan = sync.packing_plan(accumulators, table.version)
         sums, maxes = _reduce(plan, table, sync, pg, wait)
         layout = plan.layout
-        changed, high, neg_low = maxes[-HEADER:].tolist()
+        changed, high, neg_low = maxes[-TAIL:].tolist()
         if layout is not None and changed == 0 and high == -neg_low:
             sync.agreed.use(layout)  # every rank packed this layout
             size = layout.num_maxes
             # when this rank logged every name, so did the group
-            logged = None if plan.logged_all else maxes[size : size + len(layout.slots)]
+            logged = None if plan.logged_all else maxes[size : size + len(layout.placements)]
             return _finish(plan, table, sums, maxes[:size], logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
         sync.agreed.use(sync.layout)
@@ -236,7 +236,7 @@ def sync_reduce(
 def _reduce(
     plan: Plan, table: Table, sync: _GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The packed SUM part and MAX part (padding and header included) reduced over
+    """The packed SUM part and MAX part (padding and tail included) reduced over
     ``group``, on the host (one device-to-host copy): one gather up to ``GATHER_LIMIT``
     gathered floats, else two all_reduces. Every rank's buffers have the group's padded
     sizes, whatever layout (or none) it packed."""
@@ -255,7 +255,7 @@ def _reduce(
     all_reduce(packed[:split], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
     all_reduce(packed[split:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states")
     host = packed.cpu().numpy()
-    if layout is None:  # only the header matters
+    if layout is None:  # only the tail matters
         return host[:0], host[split:]
     sums = host[: layout.num_sums + layout.num_maxes]  # and the NaN counts
     return sums[: layout.num_sums], restore_nans(sums, host[split:], layout)
@@ -290,7 +290,7 @@ def _finish(
     sizes = extra_sizes(layout, maxes)
     extras: list[np.ndarray] = []
     objects: list[Mapping[str, object]] = []
-    if layout.extra_slots:
+    if layout.extra_placements:
         device = sync.device
         vector, local_objects = pack_extras(plan.packing, table, sizes, device)
         if vector.numel():

@@ -118,7 +118,7 @@ def _fold_records(
     kinds reduce together, every other kind its own rows; all that adds lands in
     ``table`` with one indexed add and one indexed max."""
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-        batch, layout, flags = _batch(plan, numbers, accs, device, nonfinite)
+        batch, layout, counts = _batch(plan, numbers, accs, device, nonfinite)
         element_at, call_at = layout.element_at, layout.call_at
         added: list[tuple[int, Array, Array]] = []  # (group or FUSED, flat sums, flat maxes)
         first = plan.num_columnar  # the groups of columnar kinds reduce together
@@ -150,8 +150,8 @@ def _fold_records(
                 table.add(sum_positions, sums, max_positions, maxes)
             else:
                 table.add_device(sum_positions, sums, max_positions, maxes)
-        if flags is not None:
-            table.add_counts(plan.rows, flags)
+        if counts is not None:
+            table.add_counts(plan.rows, counts)
 
 
 def _reduce_fused(table: Table, batch: Batch, layout: Layout, fused: Fused) -> tuple[Array, Array]:
@@ -215,11 +215,11 @@ def _batch(
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
     batch, layout = _joined_batch(plan, numbers, accs, device)
-    flags = None
+    counts = None
     if nonfinite != "propagate" or any(map(_get_num_checked, accs)):
-        flags = _screen(batch, layout, device, nonfinite)
+        counts = _screen(batch, layout, device, nonfinite)
     batch.values = batch.where(batch.selected(), batch.values, 0.0)  # NaN * 0 is NaN
-    return batch, layout, flags
+    return batch, layout, counts
 
 
 def _joined_batch(

@@ -15,19 +15,19 @@ from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 
-from rlmetrics.kinds.base import NUM_FLAGS, Accumulator, Kind
+from rlmetrics.kinds.base import NUM_COUNTS, Accumulator, Kind
 
 _get_kind = attrgetter("kind")
 
 
 @dataclass(frozen=True, slots=True)
-class Slot:
+class Placement:
     """Where one metric lives in the packed buffers."""
 
     name: str
     kind: Kind
     sum_offset: int  # the kind's sums
-    flag_offset: int  # the framework counts: [num_nonfinite, num_rejected]
+    count_offset: int  # the framework counts: [num_nonfinite, num_rejected]
     max_offset: int  # the kind's maxes, then (kinds with an extra) the extra's size
 
 
@@ -68,7 +68,7 @@ class Layout:
         for i, kind in enumerate(self.kinds):
             members.setdefault(id(kind), []).append(i)
         self.num_kind_sums = sum(kind.num_sums for kind in self.kinds)
-        slots: list[Slot | None] = [None] * len(ordered)
+        placements: list[Placement | None] = [None] * len(ordered)
         self.groups: list[KindGroup] = []
         sum_offset = max_offset = 0
         order: list[int] = []  # the metrics in the groups' order
@@ -82,18 +82,18 @@ class Layout:
             shapes = (len(rows), kind.num_sums), (len(rows), width)
             self.groups.append(KindGroup(kind, names, sums, maxes, *shapes))
             for i in rows:
-                flags = self.num_kind_sums + i * NUM_FLAGS
-                slots[i] = Slot(self.names[i], kind, sum_offset, flags, max_offset)
+                counts = self.num_kind_sums + i * NUM_COUNTS
+                placements[i] = Placement(self.names[i], kind, sum_offset, counts, max_offset)
                 sum_offset += kind.num_sums
                 max_offset += width
-        self.slots: list[Slot] = slots  # type: ignore[assignment]
+        self.placements: list[Placement] = placements  # type: ignore[assignment]
         # per name, its position in the groups' order (to report values by name)
         self.by_name = np.argsort(np.array(order, dtype=np.int64))
-        self.num_sums = self.num_kind_sums + NUM_FLAGS * len(ordered)
+        self.num_sums = self.num_kind_sums + NUM_COUNTS * len(ordered)
         self.num_maxes = max_offset
-        self.extra_slots = [slot for slot in self.slots if slot.kind.has_extra]
+        self.extra_placements = [place for place in self.placements if place.kind.has_extra]
         self.signature = tuple(
-            (slot.name, slot.kind.name, slot.kind.fingerprint()) for slot in self.slots
+            (place.name, place.kind.name, place.kind.fingerprint()) for place in self.placements
         )
 
     def fits(self, accumulators: Mapping[str, Accumulator]) -> bool:

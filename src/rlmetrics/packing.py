@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import NUM_FLAGS, Accumulator
+from rlmetrics.kinds.base import NUM_COUNTS, Accumulator
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.layout import Layout
 from rlmetrics.results import Reduced
@@ -28,9 +28,9 @@ class RejectedInputError(ValueError):
 
 @dataclass(eq=False)
 class Packing:
-    """Where a table's slots go in one layout's buffer ``[SUM | MAX | tail]``, for the
-    metrics logged in a step (``make``'s ``accs``: per layout slot, its accumulator or
-    None).
+    """Where a table's slots go in one layout's buffer ``[SUM | MAX | end]`` (the end:
+    ``agreed.Plan.max_end``), for the metrics logged in a step (``make``'s ``accs``: per
+    placement, its accumulator or None).
 
     Built once per set of metrics (the sync code caches it with its plan): packing a
     step is then a copy of ``template`` and one indexed assignment per array, plus one
@@ -41,9 +41,9 @@ class Packing:
     """
 
     layout: Layout
-    template: np.ndarray  # empty SUM and MAX parts, the tail, one scratch slot
+    template: np.ndarray  # empty SUM and MAX parts, the end, one scratch slot
     sum_map: np.ndarray  # per table SUM slot, its position
-    count_map: np.ndarray  # per table count (rows x NUM_FLAGS, row-major)
+    count_map: np.ndarray  # per table count (rows x NUM_COUNTS, row-major)
     max_map: np.ndarray  # per table MAX slot
     extra_rows: list[tuple[int, Accumulator | None]]  # (size slot, accumulator)
     version: int  # the table's row version the maps were built for
@@ -55,36 +55,36 @@ class Packing:
 
     @classmethod
     def make(
-        cls, layout: Layout, accs: list[Accumulator | None], table: Table, tail: np.ndarray
+        cls, layout: Layout, accs: list[Accumulator | None], table: Table, end: np.ndarray
     ) -> Packing:
-        length = layout.num_sums + layout.num_maxes + len(tail)
+        length = layout.num_sums + layout.num_maxes + len(end)
         template = np.zeros(length + 1)
         template[layout.num_sums : layout.num_sums + layout.num_maxes] = -math.inf
-        template[length - len(tail) : length] = tail
+        template[length - len(end) : length] = end
         sum_map = np.full(table.num_sums, length, dtype=np.int64)
         max_map = np.full(table.num_maxes, length, dtype=np.int64)
-        count_map = np.full(table.num_rows * NUM_FLAGS, length, dtype=np.int64)
+        count_map = np.full(table.num_rows * NUM_COUNTS, length, dtype=np.int64)
         extra_rows = []
-        for slot, acc in zip(layout.slots, accs, strict=True):
-            num_maxes = slot.kind.num_maxes
-            if slot.kind.has_extra:
-                extra_rows.append((layout.num_sums + slot.max_offset + num_maxes, acc))
+        for place, acc in zip(layout.placements, accs, strict=True):
+            num_maxes = place.kind.num_maxes
+            if place.kind.has_extra:
+                extra_rows.append((layout.num_sums + place.max_offset + num_maxes, acc))
             if acc is None:
                 continue
             row = acc.row
-            start, num_sums = table.sum_at[row], slot.kind.num_sums
-            sum_map[start : start + num_sums] = np.arange(num_sums) + slot.sum_offset
+            start, num_sums = table.sum_at[row], place.kind.num_sums
+            sum_map[start : start + num_sums] = np.arange(num_sums) + place.sum_offset
             start = table.max_at[row]
             max_map[start : start + num_maxes] = (
-                np.arange(num_maxes) + layout.num_sums + slot.max_offset
+                np.arange(num_maxes) + layout.num_sums + place.max_offset
             )
-            count_map[row * NUM_FLAGS : (row + 1) * NUM_FLAGS] = np.arange(
-                slot.flag_offset, slot.flag_offset + NUM_FLAGS
+            count_map[row * NUM_COUNTS : (row + 1) * NUM_COUNTS] = np.arange(
+                place.count_offset, place.count_offset + NUM_COUNTS
             )
         return cls(layout, template, sum_map, count_map, max_map, extra_rows, table.version)
 
     def pack(self, table: Table, device: torch.device) -> Tensor:
-        """This process's ``[SUM | MAX | tail]`` buffer on ``device``: host half copied,
+        """This process's ``[SUM | MAX | end]`` buffer on ``device``: host half copied,
         device half added there (no host sync)."""
         host = self.pack_host(table)
         part = table.device_part
@@ -93,7 +93,7 @@ class Packing:
         buffer = to_device(host, part.device)
         sums, counts, maxes = self._device_maps(part.device)
         buffer.index_add_(0, sums, part.sums[: len(sums)])
-        buffer.index_add_(0, counts, part.counts[: len(counts) // NUM_FLAGS].reshape(-1))
+        buffer.index_add_(0, counts, part.counts[: len(counts) // NUM_COUNTS].reshape(-1))
         buffer[maxes] = torch.maximum(buffer[maxes], part.maxes[: len(maxes)])
         return buffer[:-1].to(device)
 
@@ -102,7 +102,7 @@ class Packing:
         host = self.host
         host[:] = self.template
         host[self.sum_map] = table.sums[: len(self.sum_map)]
-        rows = len(self.count_map) // NUM_FLAGS  # rows added since are not logged here
+        rows = len(self.count_map) // NUM_COUNTS  # rows added since are not logged here
         host[self.count_map] = table.counts[:rows].reshape(-1)
         host[self.max_map] = table.maxes[: len(self.max_map)]
         for position, acc in self.extra_rows:
@@ -122,7 +122,7 @@ class Packing:
 
 
 def with_nan_counts(packed: Tensor, layout: Layout) -> Tensor:
-    """A ``[SUM | MAX | tail]`` buffer as ``[SUM | NaN counts | MAX | tail]`` for
+    """A ``[SUM | MAX | end]`` buffer as ``[SUM | NaN counts | MAX | end]`` for
     ``all_reduce(MAX)``, which need not propagate NaN (gloo does not): each NaN max slot
     is carried as +inf and counted in the additive part (see ``restore_nans``)."""
     num_sums, num_maxes = layout.num_sums, layout.num_maxes
@@ -147,7 +147,7 @@ def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Ac
 
 
 def restore_nans(sums: np.ndarray, maxes: np.ndarray, layout: Layout) -> np.ndarray:
-    """The MAX part (tail included) of an all-reduced buffer packed by
+    """The MAX part (its end included) of an all-reduced buffer packed by
     ``with_nan_counts``, with NaN back where any rank had one; ``sums`` is the whole
     additive part."""
     counts = sums[layout.num_sums :]
@@ -159,8 +159,8 @@ def restore_nans(sums: np.ndarray, maxes: np.ndarray, layout: Layout) -> np.ndar
 
 
 def extra_sizes(layout: Layout, maxes: np.ndarray) -> list[int]:
-    """The padded extra size of each extra slot, read from a (reduced) MAX buffer."""
-    sizes = [maxes[slot.max_offset + slot.kind.num_maxes] for slot in layout.extra_slots]
+    """The padded extra size of each extra placement, read from a (reduced) MAX buffer."""
+    sizes = [maxes[place.max_offset + place.kind.num_maxes] for place in layout.extra_placements]
     return [int(size) if size > 0 else 0 for size in sizes]  # -inf: no rank logged it
 
 
@@ -174,15 +174,15 @@ def pack_extras(
     part = table.device_part
     layout = packing.layout
     extra_accs = [acc for (_, acc) in packing.extra_rows]
-    for slot, acc, size in zip(layout.extra_slots, extra_accs, sizes, strict=True):
-        kind = slot.kind
+    for place, acc, size in zip(layout.extra_placements, extra_accs, sizes, strict=True):
+        kind = place.kind
         extra, dev_extra = kind.empty_extra(), None
         if acc is not None:
             extra = table.extras[acc.row]
             dev_extra = None if part is None else part.extras.get(acc.row)
         vector = kind.extra_vector(extra, dev_extra, device, size)
         if vector is None:
-            objects[slot.name] = (
+            objects[place.name] = (
                 kind.empty_extra() if acc is None else table.whole_extra(acc.row, kind)
             )
         else:
@@ -213,19 +213,19 @@ def unpack(
     """
     counts, nonfinite = sums[layout.num_kind_sums :], None
     if np.count_nonzero(counts):
-        rejected = counts[1::NUM_FLAGS]
+        rejected = counts[1::NUM_COUNTS]
         if rejected.any():
             _raise_rejected(layout, rejected)
-        nonfinite = counts[::NUM_FLAGS]
-    extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_slots else {}
+        nonfinite = counts[::NUM_COUNTS]
+    extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_placements else {}
     keep = None if logged is None or logged.all() else logged > 0
     return Reduced(layout, sums, maxes[: layout.num_maxes], extra_values, keep, nonfinite)
 
 
 def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
     rejected = [
-        f"{slot.name!r} ({slot.kind.name}): {int(n)}"
-        for slot, n in zip(layout.slots, counts, strict=True)
+        f"{place.name!r} ({place.kind.name}): {int(n)}"
+        for place, n in zip(layout.placements, counts, strict=True)
         if n > 0
     ]
     raise RejectedInputError(
@@ -241,21 +241,21 @@ def _split_extras(
     objects: Sequence[Mapping[str, object]],
     sizes: Sequence[int],
 ) -> dict[str, object]:
-    """Each extra slot's extras merged in rank order. A piece read from a gather buffer
+    """Each extra placement's extras merged in rank order. A piece read from a gather buffer
     is a new object, so the first rank's starts the merge; object extras (which may be
     a rank's own) merge into an empty extra."""
     merged: dict[str, object] = {}
     offset = 0  # every rank's buffer has the same layout (the group's padded sizes)
-    for slot, size in zip(layout.extra_slots, sizes, strict=True):
-        kind = slot.kind
-        if slot.name in (objects[0] if objects else {}):
-            pieces = [rank_objects[slot.name] for rank_objects in objects]
-            merged[slot.name] = reduce(kind.merge_extra, pieces, kind.empty_extra())
+    for place, size in zip(layout.extra_placements, sizes, strict=True):
+        kind = place.kind
+        if place.name in (objects[0] if objects else {}):
+            pieces = [rank_objects[place.name] for rank_objects in objects]
+            merged[place.name] = reduce(kind.merge_extra, pieces, kind.empty_extra())
             continue
         length = kind.vector_length(size)
         pieces = [kind.extra_from_vector(buffer[offset : offset + length]) for buffer in extras]
         offset += length
-        merged[slot.name] = reduce(kind.merge_extra, pieces) if pieces else kind.empty_extra()
+        merged[place.name] = reduce(kind.merge_extra, pieces) if pieces else kind.empty_extra()
     return merged
 
 
@@ -268,7 +268,7 @@ def local_reduce(packing: Packing, table: Table) -> Reduced:
         device = part.device
         host = packing.pack(table, device).cpu().numpy()
     sums, maxes = host[: layout.num_sums], host[layout.num_sums :]
-    if not layout.extra_slots:
+    if not layout.extra_placements:
         return unpack(layout, sums, maxes, [], [], [])
     sizes = extra_sizes(layout, maxes)
     extras, objects = pack_extras(packing, table, sizes, device)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlmetrics.kinds.base import NUM_FLAGS, Kind, MetricState
+from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState
 from rlmetrics.layout import Layout
 
 Suffixed = dict[int, tuple[Kind, dict[str, float]]]  # name position -> (kind, values)
@@ -31,8 +31,8 @@ class Reduced:
         sums: the SUM part (the kinds' sums, then two framework counts per metric).
         maxes: the MAX part (the kinds' max slots and the extra-size slots).
         extras: each extra kind's merged extra, by name.
-        keep: per slot, whether any rank logged the name this step (None: every one).
-        nonfinite: per slot, the non-finite elements skipped (None: none anywhere).
+        keep: per placement, whether any rank logged the name this step (None: every one).
+        nonfinite: per placement, the non-finite elements skipped (None: none anywhere).
     """
 
     layout: Layout
@@ -53,12 +53,12 @@ class Reduced:
         """
         layout = Layout([(name, kind_of(metric.kind)) for name, metric in states.items()])
         sums, maxes = np.zeros(layout.num_sums), np.full(layout.num_maxes, -math.inf)
-        for slot in layout.slots:
-            metric, kind = states[slot.name], slot.kind
-            sums[slot.sum_offset : slot.sum_offset + kind.num_sums] = metric.sums
-            maxes[slot.max_offset : slot.max_offset + kind.num_maxes] = metric.maxes
-            sums[slot.flag_offset] = metric.num_nonfinite
-        extras = {slot.name: states[slot.name].extra for slot in layout.extra_slots}
+        for place in layout.placements:
+            metric, kind = states[place.name], place.kind
+            sums[place.sum_offset : place.sum_offset + kind.num_sums] = metric.sums
+            maxes[place.max_offset : place.max_offset + kind.num_maxes] = metric.maxes
+            sums[place.count_offset] = metric.num_nonfinite
+        extras = {place.name: states[place.name].extra for place in layout.extra_placements}
         return cls(layout, sums, maxes, extras, None, nonfinite_counts(layout, sums))
 
     def states(self) -> dict[str, MetricState]:
@@ -67,16 +67,16 @@ class Reduced:
         sums, maxes = self.sums.tolist(), self.maxes.tolist()
         prints = {id(kind): kind.fingerprint() for kind in layout.kinds}
         states = {}
-        for i, slot in enumerate(layout.slots):
+        for i, place in enumerate(layout.placements):
             if keep is not None and not keep[i]:
                 continue
-            kind = slot.kind
-            states[slot.name] = MetricState(
+            kind = place.kind
+            states[place.name] = MetricState(
                 kind.name,
-                tuple(sums[slot.sum_offset : slot.sum_offset + kind.num_sums]),
-                tuple(maxes[slot.max_offset : slot.max_offset + kind.num_maxes]),
-                self.extras.get(slot.name),
-                float(sums[slot.flag_offset]),
+                tuple(sums[place.sum_offset : place.sum_offset + kind.num_sums]),
+                tuple(maxes[place.max_offset : place.max_offset + kind.num_maxes]),
+                self.extras.get(place.name),
+                float(sums[place.count_offset]),
                 prints[id(kind)],
             )
         return states
@@ -124,8 +124,8 @@ class Reduced:
 
 
 def nonfinite_counts(layout: Layout, sums: np.ndarray) -> np.ndarray | None:
-    """Per slot, the non-finite elements skipped, read from a SUM part; None when none."""
-    counts = sums[layout.num_kind_sums :: NUM_FLAGS]
+    """Per placement, the non-finite elements skipped, read from a SUM part; None when none."""
+    counts = sums[layout.num_kind_sums :: NUM_COUNTS]
     return counts if np.count_nonzero(counts) else None
 
 

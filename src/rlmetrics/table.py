@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import NUM_FLAGS, Kind, MetricState
+from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState
 from rlmetrics.kinds.batch import to_device
 
 Positions = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, SUM and MAX positions
@@ -33,7 +33,7 @@ class DevicePart:
 
     sums: Tensor
     maxes: Tensor
-    counts: Tensor  # (rows, NUM_FLAGS)
+    counts: Tensor  # (rows, NUM_COUNTS)
     extras: dict[int, Any] = field(default_factory=dict)
 
     @property
@@ -57,7 +57,7 @@ class Table:
         self.num_sums = self.num_maxes = 0
         self.sums = np.zeros(16)
         self.maxes = np.full(16, -math.inf)
-        self.counts = np.zeros((16, NUM_FLAGS))
+        self.counts = np.zeros((16, NUM_COUNTS))
         self.extras: dict[int, Any] = {}  # row -> host extra (extra kinds only)
         self.extra_kinds: dict[int, Kind] = {}
         self.device_part: DevicePart | None = None

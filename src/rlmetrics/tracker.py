@@ -18,7 +18,7 @@ from rlmetrics.fold import fold
 from rlmetrics.groups import Groups
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
-from rlmetrics.kinds.base import NUM_FLAGS
+from rlmetrics.kinds.base import NUM_COUNTS
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
 from rlmetrics.log_methods import LogMethods, PrefixedTracker
@@ -476,4 +476,4 @@ class Tracker(LogMethods):
         self._merge_checked(state, kinds)
 
 
-__all__ = ["NUM_FLAGS", "LogMethods", "PrefixedTracker", "Tracker"]
+__all__ = ["NUM_COUNTS", "LogMethods", "PrefixedTracker", "Tracker"]

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from rlmetrics.kinds.batch import Array, Batch
 
-NUM_FLAGS = 2
+NUM_COUNTS = 2
 """Framework counts every metric carries besides its kind's slots: [num_nonfinite,
 num_rejected] (additive; on the host kept apart, appended to ``dev_sums`` on a device)."""
 NONFINITE_SLOT = -2
@@ -40,7 +40,7 @@ class MetricState:
 
     Attributes:
         kind: the registered name of the metric's kind.
-        sums: additive slots (the kind's own, without the framework flags).
+        sums: additive slots (the kind's own, without the framework counts).
         maxes: max-merged slots.
         extra: the kind's extra payload (host objects), or None.
         num_nonfinite: non-finite elements dropped under ``nonfinite="skip"``.
