@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics import (
+    ExtraKind,
     Kind,
     MetricState,
     Tracker,
@@ -31,12 +32,11 @@ EDGES = (0.0, 0.5, 1.0, 2.0, 4.0)
 HIST = Histogram(name="test_hist", edges=EDGES, quantiles=(0.0, 0.1, 0.5, 0.9, 1.0))
 
 
-class Distinct(Kind):
+class Distinct(ExtraKind):
     """A kind that cannot be packed: the set of distinct values, synced by object gather."""
 
     name = "test_distinct"
     num_sums = 1
-    has_extra = True
 
     def reduce(self, batch: Batch) -> tuple[Any, Any]:
         return batch.columns(batch.count()), batch.columns()
@@ -210,6 +210,13 @@ def make(base: type[Kind], **attrs: Any) -> Kind:
         (make(Kind, name="test_empty"), ValueError, r"must implement reduce\(\), result\(\)"),
         (
             make(Malformed, has_extra=True),
+            ValueError,
+            r"has_extra=True takes the extra methods of rlmetrics.kinds.ExtraKind",
+        ),
+        (
+            make(
+                ExtraKind, name="test_malformed", reduce=Malformed.reduce, result=Malformed.result
+            ),
             ValueError,
             r"must implement reduce_extra\(\), merge_extra\(\) \(has_extra",
         ),

@@ -5,6 +5,7 @@ mini-batches and micro-batches, at the cost of one small collective per step.
 """
 
 from rlmetrics.kinds import (
+    ExtraKind,
     Kind,
     MetricState,
     get_kind,
@@ -18,6 +19,7 @@ from rlmetrics.window import Window
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExtraKind",
     "Kind",
     "MetricState",
     "PrefixedTracker",

@@ -211,7 +211,7 @@ class Metric:
         state = tracker.state().metrics.get("m")
         if state is None:  # nothing logged: the kind's empty state
             state = MetricState(
-                kind.name, (0.0,) * kind.num_sums, (-math.inf,) * kind.num_maxes, kind.empty_extra()
+                kind.name, (0.0,) * kind.num_sums, (-math.inf,) * kind.num_maxes, None
             )
         return state
 

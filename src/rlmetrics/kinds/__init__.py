@@ -9,6 +9,7 @@ from torch import Tensor
 from rlmetrics.kinds.base import Accumulator, Kind, MetricState
 from rlmetrics.kinds.batch import COLUMNS, Batch, DeviceBatch
 from rlmetrics.kinds.dist import Dist
+from rlmetrics.kinds.extra import ExtraKind
 from rlmetrics.kinds.extrema import Max, Min
 from rlmetrics.kinds.last import Last
 from rlmetrics.kinds.mean import Mean
@@ -94,6 +95,11 @@ def check_kind(kind: Kind) -> None:
     if not (_overrides(kind, "result") or _overrides(kind, "result_rows")):
         required.append("result")  # or result_rows
     if kind.has_extra:
+        if not isinstance(kind, ExtraKind):
+            raise ValueError(
+                f"{label}: has_extra=True takes the extra methods of "
+                "rlmetrics.kinds.ExtraKind: subclass it instead of Kind"
+            )
         required += ["reduce_extra", "merge_extra"]
         if _overrides(kind, "extra_vector"):
             required += ["vector_length", "extra_from_vector"]
@@ -111,7 +117,7 @@ def check_kind(kind: Kind) -> None:
 
 
 def _overrides(kind: Kind, method: str) -> bool:
-    return getattr(type(kind), method) is not getattr(Kind, method)
+    return getattr(type(kind), method) is not getattr(ExtraKind, method)
 
 
 def _probe_reduce(kind: Kind, label: str, batch: Batch) -> None:
@@ -162,6 +168,7 @@ __all__ = [
     "Batch",
     "DeviceBatch",
     "Dist",
+    "ExtraKind",
     "Kind",
     "Last",
     "Max",

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from rlmetrics.kinds.batch import Array, Batch
 
@@ -73,7 +72,7 @@ class MetricState:
             self.kind,
             tuple(a + b for a, b in zip(self.sums, other.sums, strict=True)),
             tuple(nan_max(a, b) for a, b in zip(self.maxes, other.maxes, strict=True)),
-            kind.merge_extra(self.extra, other.extra),
+            kind.merge_extra(self.extra, other.extra) if kind.has_extra else None,
             self.num_nonfinite + other.num_nonfinite,
             self.fingerprint or other.fingerprint,
         )
@@ -108,14 +107,14 @@ class Kind:
     declared slots are its columns at each metric's last selected element (``last``).
 
     Extension: a kind with a payload that is neither additive nor a max (std's moments,
-    dist's values) sets ``has_extra = True`` and implements ``reduce_extra`` and the
-    ``*_extra`` methods; its payload is gathered at sync.
+    dist's values) subclasses ``rlmetrics.kinds.extra.ExtraKind`` instead; its payload
+    is gathered at sync.
     """
 
     name: str = ""
     num_sums: int = 0
     num_maxes: int = 0
-    has_extra: bool = False
+    has_extra: bool = False  # True for an ``ExtraKind``
     replaces: bool = False
     """True for kinds whose new value replaces the rank's state (``last``); a call then
     takes one element."""
@@ -164,51 +163,6 @@ class Kind:
             batch.columns(*map(batch.column_sum, self.sum_columns)),
             batch.columns(*map(batch.column_max, self.max_columns)),
         )
-
-    # -- extra payload (only when has_extra) ----------------------------------------
-    def reduce_extra(self, batch: Batch) -> list[Any]:
-        """One batch extra per metric of ``batch``, in ``merge_dev_extra``'s format."""
-        raise NotImplementedError
-
-    def empty_extra(self) -> Any:
-        """The host extra of an empty state."""
-        return None
-
-    def merge_dev_extra(self, acc_extra: Any, batch: Any) -> Any:
-        """Fold a batch extra into an accumulator's batch extras (None when empty); the
-        default keeps them in a list."""
-        return [*(acc_extra or []), batch]
-
-    def merge_extra(self, a: Any, b: Any) -> Any:
-        """Merge two host extras (associative, commutative; inputs unchanged)."""
-        return None
-
-    def host_extra(self, dev_extra: Any) -> Any:
-        """Turn batch extras (host arrays or device tensors) into a host extra (may sync;
-        called at step end only)."""
-        return dev_extra
-
-    def extra_size(self, extra: Any, dev_extra: Any) -> int:
-        """The size of a metric's extra (host half, device half or None), known without
-        a host sync; the largest across ranks sets the padded ``size`` passed to
-        ``extra_vector``."""
-        return 0
-
-    def extra_vector(
-        self, extra: Any, dev_extra: Any, device: torch.device, size: int
-    ) -> Tensor | None:
-        """A metric's whole extra (host half, device half or None) as a 1-D float64
-        tensor whose length depends on ``size`` only, so ranks can all_gather it; or
-        None when the extra cannot be packed (then it travels by object gather)."""
-        return None
-
-    def vector_length(self, size: int) -> int:
-        """The length of ``extra_vector``'s result for a padded ``size``."""
-        return 0
-
-    def extra_from_vector(self, vector: np.ndarray) -> Any:
-        """Inverse of ``extra_vector`` on the host."""
-        raise NotImplementedError
 
     # -- result: implement one of the two -----------------------------------------
     def result_rows(

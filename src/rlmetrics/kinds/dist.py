@@ -10,8 +10,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Kind, MetricState
+from rlmetrics.kinds.base import MetricState
 from rlmetrics.kinds.batch import Batch
+from rlmetrics.kinds.extra import ExtraKind
 
 DEFAULT_QUANTILES = (0.5, 0.9, 0.99)
 
@@ -38,7 +39,7 @@ def check_quantiles(quantiles: Sequence[float], owner: str) -> tuple[float, ...]
     return checked
 
 
-class Dist(Kind):
+class Dist(ExtraKind):
     """Every element logged, concatenated on merge (O(n) memory, by design).
 
     Results: ``name/mean``, ``name/std`` (population), ``name/min``, ``name/max`` and
@@ -55,7 +56,6 @@ class Dist(Kind):
 
     name = "dist"
     sum_columns = ("selected",)  # elements kept
-    has_extra = True
 
     def __init__(self, quantiles: Sequence[float] = DEFAULT_QUANTILES) -> None:
         self.quantiles = check_quantiles(quantiles, "dist")

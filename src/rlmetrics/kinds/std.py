@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Kind, Rows
+from rlmetrics.kinds.base import Rows
 from rlmetrics.kinds.batch import Array, Batch
+from rlmetrics.kinds.extra import ExtraKind
 
 
 def chan_merge(a: Array, b: Array) -> Array:
@@ -37,14 +38,13 @@ def chan_merge(a: Array, b: Array) -> Array:
     return torch.stack(parts, -1) if isinstance(a, Tensor) else np.stack(parts, -1)
 
 
-class MomentTriples(Kind):
+class MomentTriples(ExtraKind):
     """Base of kinds whose state is ``num_triples`` (W, mean, M2) triples, Chan-merged.
 
     Each logged call is split into ``num_triples`` equal parts, one per triple; the
     states travel as float64 vectors of 3 * ``num_triples`` (one gather at sync).
     """
 
-    has_extra = True
     num_triples = 1
 
     @property
