@@ -465,3 +465,31 @@ def test_record_tensor_records_what_prepare_and_record_prepared_record(
 
     fast = _outcome(lambda acc: record_tensor(acc, "m", x, w, nonfinite, host), kind)
     assert fast == _outcome(general, kind)
+
+
+def test_python_numbers_with_and_without_weights_fold_each_weight_in_place() -> None:
+    """A python-number call records its weight only when it is not 1; interleaved
+    weighted and plain calls of many metrics, in changing orders and with a mid-step
+    fold, report numpy's weighted means and sums on each step's data."""
+    rng = random.Random(5)
+    t = Tracker()
+    for step in range(6):
+        data: dict[str, list[tuple[float, float]]] = {}
+        calls = [(f"m{i % 7}", rng.uniform(-2, 2), rng.choice([1.0, 1.0, 0.5, 3.0, 1e-3]))
+                 for i in range(60)]  # fmt: skip
+        if step % 2:
+            rng.shuffle(calls)
+        for i, (name, x, w) in enumerate(calls):
+            if w == 1.0 and rng.random() < 0.5:
+                t.mean(name, x)  # no weight given
+            else:
+                t.mean(name, x, weight=w)
+            t.sum(f"s/{name}", x, weight=w)
+            data.setdefault(name, []).append((x, w))
+            if step == 3 and i == 30:
+                t._fold()
+        got = t.compute()
+        for name, pairs in data.items():
+            x, w = np.array(pairs).T
+            assert got[name] == pytest.approx((x * w).sum() / w.sum(), rel=1e-12), (step, name)
+            assert got[f"s/{name}"] == pytest.approx((x * w).sum(), rel=1e-12, abs=1e-12)

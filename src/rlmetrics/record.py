@@ -43,34 +43,38 @@ CPU = torch.device("cpu")
 
 
 class NumberRecords:
-    """A tracker's python-number log calls, flat and in call order: the value, weight
-    and metric row of each, in three lists, so that a log call appends three numbers
-    and the fold turns each list into one array, however many metrics there were.
+    """A tracker's python-number log calls, flat and in call order: the value and
+    metric row of each, and the weight of each whose weight is not 1 (its position and
+    weight), in lists, so that a plain log call appends two numbers and the fold turns
+    each list into one array, however many metrics there were.
 
     A metric's numbers go here until its first array or tensor record of the step
     (``Accumulator.flat``); later ones go to its own records, after that one, so each
     metric's calls keep their order.
     """
 
-    __slots__ = ("rows", "values", "weights")
+    __slots__ = ("rows", "values", "weight_at", "weights")
 
     def __init__(self) -> None:
         self.values: list[float] = []
-        self.weights: list[float] = []
         self.rows: list[int] = []
+        self.weight_at: list[int] = []  # the calls whose weight is not 1
+        self.weights: list[float] = []  # and their weights
 
     def clear(self) -> None:
         self.values.clear()
-        self.weights.clear()
         self.rows.clear()
+        self.weight_at.clear()
+        self.weights.clear()
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Values and weights, float64 arrays (the rows stay a list: the fold compares
         them with the last step's)."""
         size = len(self.values)
-        return np.fromiter(self.values, np.float64, size), np.fromiter(
-            self.weights, np.float64, size
-        )
+        weights = np.ones(size)
+        if self.weight_at:
+            weights[np.fromiter(self.weight_at, np.int64, len(self.weight_at))] = self.weights
+        return np.fromiter(self.values, np.float64, size), weights
 
 
 def record_number(
@@ -97,8 +101,10 @@ def record_number(
         return
     acc.kept_call = True
     if acc.flat:
+        if weight != 1.0:
+            numbers.weight_at.append(len(numbers.values))
+            numbers.weights.append(weight)
         numbers.values.append(value)
-        numbers.weights.append(weight)
         numbers.rows.append(acc.row)
     else:
         acc.values.append(value)

@@ -169,7 +169,6 @@ class Tracker(LogMethods):
             ):  # the most common call, record_number's work written out
                 numbers = self._numbers
                 numbers.values.append(value)
-                numbers.weights.append(1.0)
                 numbers.rows.append(acc.row)
                 self._recorded += 1
                 if self._recorded > self.record_limit:
