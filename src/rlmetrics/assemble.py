@@ -21,7 +21,10 @@ from rlmetrics.kinds.batch import Array, to_device
 
 
 def joined(arrays: list[Array], device: torch.device | None) -> Array:
-    """Host arrays and (on a device) tensors as one 1-D array on the fold's backend."""
+    """Host arrays and (on a device) tensors as one 1-D array on the fold's backend
+    (an empty float64 one for none)."""
+    if not arrays:
+        return on_backend(np.zeros(0), device)
     if device is not None:
         arrays = [a if isinstance(a, Tensor) else to_device(a, device) for a in arrays]
         return torch.cat(arrays) if len(arrays) > 1 else arrays[0]

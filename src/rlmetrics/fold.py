@@ -145,7 +145,7 @@ def _fold_records(
                 _fold_extras(table, kind, positions[0], kind.reduce_extra(part), part)
         if added:
             sum_positions, max_positions = plan.positions([i for i, _, _ in added], table)
-            sums, maxes = (_joined([a[j] for a in added], batch) for j in (1, 2))
+            sums, maxes = (joined([a[j] for a in added], device) for j in (1, 2))
             if batch.on_host:
                 table.add(sum_positions, sums, max_positions, maxes)
             else:
@@ -161,24 +161,15 @@ def _reduce_fused(table: Table, batch: Batch, layout: Layout, fused: Fused) -> t
     if rows != batch.num_rows:
         elements, calls = layout.element_at[rows], layout.call_at[rows]
         batch = batch.part(slice(0, rows), slice(0, elements), slice(0, calls))
-    sums = _joined(list(map(batch.column_sum, fused.sum_columns)), batch)
-    maxes = _joined(list(map(batch.column_max, fused.max_columns)), batch)
-    if batch.on_host:
+    device = None if batch.on_host else batch.values.device
+    sums = joined(list(map(batch.column_sum, fused.sum_columns)), device)
+    maxes = joined(list(map(batch.column_max, fused.max_columns)), device)
+    if device is None:
         return sums[fused.sum_source], maxes[fused.max_source]
-    device = batch.values.device
     return (
         sums[table.index_on(fused.sum_source, device)],
         maxes[table.index_on(fused.max_source, device)],
     )
-
-
-def _joined(arrays: list[Array], batch: Batch) -> Array:
-    """1-D arrays (or tensors) end to end."""
-    if len(arrays) == 1:
-        return arrays[0]
-    if not arrays:
-        return batch.columns().reshape(-1)
-    return batch.xp.concatenate(arrays)
 
 
 def _fold_extras(

@@ -17,7 +17,7 @@ from torch import Tensor
 from rlmetrics.kinds.base import NUM_COUNTS, Accumulator
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.layout import Layout
-from rlmetrics.results import Reduced
+from rlmetrics.results import Reduced, nonfinite_counts
 from rlmetrics.table import Table
 
 
@@ -216,7 +216,7 @@ def unpack(
         rejected = counts[1::NUM_COUNTS]
         if rejected.any():
             _raise_rejected(layout, rejected)
-        nonfinite = counts[::NUM_COUNTS]
+        nonfinite = nonfinite_counts(layout, sums)
     extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_placements else {}
     keep = None if logged is None or logged.all() else logged > 0
     return Reduced(layout, sums, maxes[: layout.num_maxes], extra_values, keep, nonfinite)

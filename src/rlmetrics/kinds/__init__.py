@@ -89,9 +89,8 @@ def check_kind(kind: Kind) -> None:
                 f"{label}: {attr} names unknown columns {unknown}; columns: {', '.join(COLUMNS)}"
             )
     # the default reduce fills declared columns; a kind with no slot must have an extra
-    declared = (len(kind.sum_columns), len(kind.max_columns))
-    by_columns = (kind.num_sums, kind.num_maxes) == declared and (any(declared) or kind.has_extra)
-    required = [] if by_columns else ["reduce"]
+    declared = kind.sum_columns or kind.max_columns or kind.has_extra
+    required = [] if kind.slots_declared and declared else ["reduce"]
     if not (_overrides(kind, "result") or _overrides(kind, "result_rows")):
         required.append("result")  # or result_rows
     if kind.has_extra:

@@ -133,6 +133,11 @@ class Kind:
             cls.num_sums, cls.num_maxes = len(cls.sum_columns), len(cls.max_columns)
 
     @property
+    def slots_declared(self) -> bool:
+        """Whether the declared columns are exactly the slots (none declared: no slots)."""
+        return (self.num_sums, self.num_maxes) == (len(self.sum_columns), len(self.max_columns))
+
+    @property
     def columnar(self) -> bool:
         """Whether the fold may reduce this kind together with the other columnar kinds:
         its slots are its declared columns, nothing else (no own ``reduce``, no extra,
@@ -140,7 +145,7 @@ class Kind:
         return (
             type(self).reduce is Kind.reduce
             and not (self.has_extra or self.replaces)
-            and (self.num_sums, self.num_maxes) == (len(self.sum_columns), len(self.max_columns))
+            and self.slots_declared
         )
 
     def fingerprint(self) -> str:
