@@ -64,9 +64,9 @@ class Buffers:
 
     @property
     def pair(self) -> tuple[int, int]:
-        """Floats of the pair's all_reduce(SUM) (with a NaN count per max slot) and
-        all_reduce(MAX) ([MAX | logged | tail])."""
-        return self.sums + self.maxes, self.maxes + self.slots + TAIL
+        """Floats of the pair's all_reduce(SUM) (with a NaN count per float of the MAX
+        part) and all_reduce(MAX) ([MAX | logged | tail])."""
+        return self.gather, self.maxes + self.slots + TAIL
 
 
 def buffers(kinds: Iterable[str], bucket_sums: Sequence[int] = ()) -> Buffers:

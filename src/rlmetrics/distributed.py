@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics.agreed import TAIL, GroupLayouts, Plan
+from rlmetrics.agreed import TAIL, GroupLayouts
 from rlmetrics.collectives import (  # re-exported: rlmetrics.distributed is the public home
     MAX_TIMEOUT_S,
     SyncTimeoutError,
@@ -54,7 +54,15 @@ from rlmetrics.collectives import (  # re-exported: rlmetrics.distributed is the
     world_size,
 )
 from rlmetrics.layout import Layout
-from rlmetrics.packing import extra_sizes, in_order, pack_extras, restore_nans, unpack
+from rlmetrics.packing import (
+    Packing,
+    extra_sizes,
+    in_order,
+    pack_extras,
+    restore_nans,
+    unpack,
+    with_nan_counts,
+)
 from rlmetrics.results import Reduced
 from rlmetrics.table import Table
 
@@ -105,9 +113,9 @@ class _GroupSync:
     """What a tracker keeps per process group between steps: its agreed layout (None
     until it has one), the group's ``GroupLayouts`` (the same on every rank), the device
     collectives run on, the host buffer a CPU gather writes into, and the last step's
-    packing plan.
+    packing.
 
-    The plan is reused when a step's accumulators are the same objects, in the same
+    The packing is reused when a step's accumulators are the same objects, in the same
     order, as the last one's and the group's padded sizes are the same object: a Tracker
     keeps each name's accumulator across steps (while its kind stays) and never files
     one object under two names, so the same objects mean the same names and kinds, and
@@ -120,42 +128,40 @@ class _GroupSync:
     world: int
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
-    seen: list[Any] = field(default_factory=list)  # the last plan's accumulators, dict order
-    plan: Plan | None = None
+    seen: list[Any] = field(default_factory=list)  # the last packing's accumulators
+    packing: Packing | None = None
 
-    def packing_plan(self, accumulators: Mapping[str, Any], version: int) -> Plan:
-        """This step's accumulators in layout order, and what the MAX tail carries. A
-        step that logged a name the layout lacks packs as empty with "changed" set, and
-        a tracker with no layout the group holds packs nothing with "changed" set, so
-        every rank agrees again. ``version`` is the tracker table's row version (rows
-        renumbered: the plan's maps are stale)."""
+    def packing_for(self, accumulators: Mapping[str, Any], table: Table) -> Packing:
+        """How this rank packs this step: its accumulators in layout order, the group's
+        padded sizes, and at the MAX part's end per placement whether this rank logged
+        it and the tail. A step that logged a name the layout lacks packs as empty with
+        "changed" set, and a tracker with no layout the group holds packs an empty one
+        with "changed" set, so every rank agrees again."""
         current = list(accumulators.values())
-        plan, sizes = self.plan, self.agreed.sizes
+        packing, sizes = self.packing, self.agreed.sizes
         if (
-            plan is not None
-            and plan.layout is self.layout
-            and plan.sizes is sizes
-            and plan.version == version
+            packing is not None
+            and packing.layout is self.layout
+            and packing.sizes is sizes
+            and packing.version == table.version  # else rows were renumbered
             and current == self.seen  # identity
         ):
-            return plan
+            return packing
         layout = self.layout
         if layout is None or not self.agreed.holds(layout):
             layout = self.layout = self.agreed.guess(accumulators)
-        if layout is None:
-            return Plan(None, [], sizes, [], [1.0, 0.0, 0.0], False)
-        fits = layout.fits(accumulators)
-        tail = [0.0 if fits else 1.0, layout.digest, -layout.digest]
+        fits = layout is not None and layout.fits(accumulators)
+        tail = [0.0, layout.digest, -layout.digest] if fits else [1.0, 0.0, 0.0]
+        layout = layout or _NO_LAYOUT
         accs = in_order(accumulators if fits else {}, layout)
-        logged_all = fits and len(accumulators) == len(layout.placements)
-        if logged_all or not fits:  # per placement, whether this rank logged the name
-            logged = [1.0 if fits else 0.0] * len(layout.placements)
-        else:
-            logged = [1.0 if name in accumulators else 0.0 for name in layout.names]
-        plan = Plan(layout, accs, sizes, logged, tail, logged_all, version)
+        end = np.zeros(sizes.maxes - layout.num_maxes)
+        end[: len(accs)] = [acc is not None for acc in accs]  # this rank logged the name
+        end[-TAIL:] = tail
+        packing = Packing.make(layout, accs, table, sizes.sums, end)
+        packing.sizes, packing.logged_all = sizes, fits and None not in accs
         if fits:
-            self.seen, self.plan = current, plan
-        return plan
+            self.seen, self.packing = current, packing
+        return packing
 
     def gather_rows(self, world: int, length: int) -> tuple[np.ndarray, list[Tensor]]:
         """The reusable (world, length) host buffer and its rows as CPU tensors."""
@@ -164,6 +170,8 @@ class _GroupSync:
             self.rows = [torch.from_numpy(row) for row in self.gathered]
         return self.gathered, self.rows
 
+
+_NO_LAYOUT = Layout([])  # what a rank without a layout the group holds packs
 
 # Per process group, the layouts agreed over it (keyed by the group object, weakly):
 # the same on every rank of the group, unlike each tracker's own cache.
@@ -218,47 +226,45 @@ def sync_reduce(
     sync = _group_sync(tracker, pg, wait)
     accumulators, table = tracker.accumulators, tracker.table
     for _ in range(2):
-        plan = sync.packing_plan(accumulators, table.version)
-        sums, maxes = _reduce(plan, table, sync, pg, wait)
-        layout = plan.layout
+        packing = sync.packing_for(accumulators, table)
+        sums, maxes = _reduce(packing, table, sync, pg, wait)
         changed, high, neg_low = maxes[-TAIL:].tolist()
-        if layout is not None and changed == 0 and high == -neg_low:
+        if changed == 0 and high == -neg_low:
+            layout = packing.layout
             sync.agreed.use(layout)  # every rank packed this layout
             size = layout.num_maxes
             # when this rank logged every name, so did the group
-            logged = None if plan.logged_all else maxes[size : size + len(layout.placements)]
-            return _finish(plan, table, sums, maxes[:size], logged, pg, sync, wait)
+            logged = None if packing.logged_all else maxes[size : size + len(layout.placements)]
+            sums, maxes = sums[: layout.num_sums], maxes[:size]
+            return _finish(packing, table, sums, maxes, logged, pg, sync, wait)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
         sync.agreed.use(sync.layout)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
 def _reduce(
-    plan: Plan, table: Table, sync: _GroupSync, group: Any, wait: timedelta | None
+    packing: Packing, table: Table, sync: _GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The packed SUM part and MAX part (padding and tail included) reduced over
-    ``group``, on the host (one device-to-host copy): one gather up to ``GATHER_LIMIT``
-    gathered floats, else two all_reduces. Every rank's buffers have the group's padded
-    sizes, whatever layout (or none) it packed."""
-    world, sizes, layout = sync.world, plan.sizes, plan.layout
-    if world * sizes.gather <= GATHER_LIMIT:
-        packed = plan.pack(table, sync.device, pair=False)
+    """The packed SUM part and MAX part (its end included) reduced over ``group``, on
+    the host (one device-to-host copy): one gather up to ``GATHER_LIMIT`` gathered
+    floats, else two all_reduces. Every rank's buffer has the group's padded sizes,
+    whatever layout it packed."""
+    world, split = sync.world, packing.sum_part
+    packed = packing.pack(table, sync.device)
+    if world * packed.numel() <= GATHER_LIMIT:
         what = "all_gather of metric states"
         if packed.device.type == "cpu":  # straight into a reused host buffer
             gathered, rows = sync.gather_rows(world, packed.numel())
             wait_for(dist.all_gather(rows, packed, group=group, async_op=True), wait, what)
         else:
             gathered = torch.stack(all_gather(packed, group, wait, what)).cpu().numpy()
-        return _merge_rows(gathered, 0 if layout is None else layout.num_sums)
-    packed = plan.pack(table, sync.device, pair=True)
-    split = sizes.sums
-    all_reduce(packed[:split], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
-    all_reduce(packed[split:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states")
+        return _merge_rows(gathered, split)
+    packed = with_nan_counts(packed, split)
+    middle = (packed.numel() + split) // 2  # [SUM part | NaN counts | MAX part]
+    all_reduce(packed[:middle], dist.ReduceOp.SUM, group, wait, "all_reduce(SUM) of metric states")
+    all_reduce(packed[middle:], dist.ReduceOp.MAX, group, wait, "all_reduce(MAX) of metric states")
     host = packed.cpu().numpy()
-    if layout is None:  # only the tail matters
-        return host[:0], host[split:]
-    sums = host[: layout.num_sums + layout.num_maxes]  # and the NaN counts
-    return sums[: layout.num_sums], restore_nans(sums, host[split:], layout)
+    return host[:split], restore_nans(host[split:middle], host[middle:])
 
 
 def _merge_rows(gathered: np.ndarray, num_sums: int) -> tuple[np.ndarray, np.ndarray]:
@@ -275,24 +281,23 @@ def _merge_rows(gathered: np.ndarray, num_sums: int) -> tuple[np.ndarray, np.nda
 
 
 def _finish(
-    plan: Plan,
+    packing: Packing,
     table: Table,
     sums: np.ndarray,
     maxes: np.ndarray,
-    logged: np.ndarray,
+    logged: np.ndarray | None,
     group: Any,
     sync: _GroupSync,
     wait: timedelta | None,
 ) -> Reduced:
-    """Gather the extras (when any) and unpack the reduced buffers (``maxes`` without
-    the tail)."""
-    layout = plan.layout
+    """Gather the extras (when any) and unpack the layout's reduced SUM and MAX slots."""
+    layout = packing.layout
     sizes = extra_sizes(layout, maxes)
     extras: list[np.ndarray] = []
     objects: list[Mapping[str, object]] = []
     if layout.extra_placements:
         device = sync.device
-        vector, local_objects = pack_extras(plan.packing, table, sizes, device)
+        vector, local_objects = pack_extras(packing, table, sizes, device)
         if vector.numel():
             rows = all_gather(vector, group, wait, "extras gather")
             extras = list(torch.stack(rows).cpu().numpy())  # one device-to-host copy

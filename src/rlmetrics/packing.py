@@ -28,60 +28,70 @@ class RejectedInputError(ValueError):
 
 @dataclass(eq=False)
 class Packing:
-    """Where a table's slots go in one layout's buffer ``[SUM | MAX | end]`` (the end:
-    ``agreed.Plan.max_end``), for the metrics logged in a step (``make``'s ``accs``: per
-    placement, its accumulator or None).
+    """Where a table's slots go in one layout's buffer ``[SUM | pad | MAX | end]``, for
+    the metrics logged in a step (``make``'s ``accs``: per placement, its accumulator or
+    None). The SUM part is ``sum_part`` floats (padded to a group's size at sync); the
+    end (the logged marks, padding and tail at sync, see ``rlmetrics.agreed``) follows
+    the MAX slots.
 
-    Built once per set of metrics (the sync code caches it with its plan): packing a
-    step is then a copy of ``template`` and one indexed assignment per array, plus one
-    indexed add per array for a device half. Slots of rows outside ``accs`` (names not
-    logged this step, always empty) go to a scratch slot past the end. The host buffer
-    (``host``, and ``tensor`` over it) is reused: each step packs into it, and what is
-    read from it is read before the next step packs.
+    Built once per set of metrics (the sync and the local path cache it): packing a
+    step is then one indexed assignment per array into ``host`` (made empty, with
+    its end), plus one indexed add per array for a device half. Slots of rows outside
+    ``accs`` (names not logged this step, always empty) go to a scratch slot past the
+    end. The host buffer (and ``tensor`` over it) is reused: each step packs into it,
+    and what is read from it is read before the next step packs.
     """
 
     layout: Layout
-    template: np.ndarray  # empty SUM and MAX parts, the end, one scratch slot
+    sum_part: int  # the SUM part's length: the MAX part starts there
+    host: np.ndarray  # the buffer: SUM part, MAX part, the end, one scratch slot
     sum_map: np.ndarray  # per table SUM slot, its position
     count_map: np.ndarray  # per table count (rows x NUM_COUNTS, row-major)
     max_map: np.ndarray  # per table MAX slot
     extra_rows: list[tuple[int, Accumulator | None]]  # (size slot, accumulator)
     version: int  # the table's row version the maps were built for
     device_maps: dict[Any, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+    sizes: Any = None  # the group's padded sizes it was made for (sync only)
+    logged_all: bool = True  # this rank logged every name of the layout
 
     def __post_init__(self) -> None:
-        self.host = self.template.copy()
         self.tensor = torch.from_numpy(self.host[:-1])  # without the scratch slot
 
     @classmethod
     def make(
-        cls, layout: Layout, accs: list[Accumulator | None], table: Table, end: np.ndarray
+        cls,
+        layout: Layout,
+        accs: list[Accumulator | None],
+        table: Table,
+        sum_part: int | None = None,
+        end: Sequence[float] = (),
     ) -> Packing:
-        length = layout.num_sums + layout.num_maxes + len(end)
-        template = np.zeros(length + 1)
-        template[layout.num_sums : layout.num_sums + layout.num_maxes] = -math.inf
-        template[length - len(end) : length] = end
+        """The packing of ``layout`` (``sum_part``: default, the layout's SUM slots)."""
+        sum_part = layout.num_sums if sum_part is None else sum_part
+        length = sum_part + layout.num_maxes + len(end)
+        host = np.zeros(length + 1)
+        host[sum_part : sum_part + layout.num_maxes] = -math.inf
+        host[length - len(end) : length] = end
         sum_map = np.full(table.num_sums, length, dtype=np.int64)
         max_map = np.full(table.num_maxes, length, dtype=np.int64)
         count_map = np.full(table.num_rows * NUM_COUNTS, length, dtype=np.int64)
         extra_rows = []
         for place, acc in zip(layout.placements, accs, strict=True):
-            num_maxes = place.kind.num_maxes
+            num_maxes, max_at = place.kind.num_maxes, sum_part + place.max_offset
             if place.kind.has_extra:
-                extra_rows.append((layout.num_sums + place.max_offset + num_maxes, acc))
+                extra_rows.append((max_at + num_maxes, acc))
             if acc is None:
                 continue
             row = acc.row
             start, num_sums = table.sum_at[row], place.kind.num_sums
             sum_map[start : start + num_sums] = np.arange(num_sums) + place.sum_offset
             start = table.max_at[row]
-            max_map[start : start + num_maxes] = (
-                np.arange(num_maxes) + layout.num_sums + place.max_offset
-            )
+            max_map[start : start + num_maxes] = np.arange(num_maxes) + max_at
             count_map[row * NUM_COUNTS : (row + 1) * NUM_COUNTS] = np.arange(
                 place.count_offset, place.count_offset + NUM_COUNTS
             )
-        return cls(layout, template, sum_map, count_map, max_map, extra_rows, table.version)
+        maps = host, sum_map, count_map, max_map, extra_rows, table.version
+        return cls(layout, sum_part, *maps)
 
     def pack(self, table: Table, device: torch.device) -> Tensor:
         """This process's ``[SUM | MAX | end]`` buffer on ``device``: host half copied,
@@ -98,9 +108,10 @@ class Packing:
         return buffer[:-1].to(device)
 
     def pack_host(self, table: Table) -> np.ndarray:
-        """The host half's buffer (``host``), with the scratch slot at the end."""
+        """The host half's buffer (``host``), with the scratch slot at the end. Each step
+        writes the same positions (a CPU device half adds onto them), so the rest keeps
+        the values ``make`` gave them."""
         host = self.host
-        host[:] = self.template
         host[self.sum_map] = table.sums[: len(self.sum_map)]
         rows = len(self.count_map) // NUM_COUNTS  # rows added since are not logged here
         host[self.count_map] = table.counts[:rows].reshape(-1)
@@ -121,16 +132,14 @@ class Packing:
         return maps
 
 
-def with_nan_counts(packed: Tensor, layout: Layout) -> Tensor:
-    """A ``[SUM | MAX | end]`` buffer as ``[SUM | NaN counts | MAX | end]`` for
-    ``all_reduce(MAX)``, which need not propagate NaN (gloo does not): each NaN max slot
-    is carried as +inf and counted in the additive part (see ``restore_nans``)."""
-    num_sums, num_maxes = layout.num_sums, layout.num_maxes
-    maxes = packed[num_sums : num_sums + num_maxes]
+def with_nan_counts(packed: Tensor, sum_part: int) -> Tensor:
+    """A ``[SUM part | MAX part]`` buffer as ``[SUM part | NaN counts | MAX part]`` for
+    ``all_reduce(SUM)`` of the first two and ``all_reduce(MAX)`` of the last, which
+    need not propagate NaN (gloo does not): each NaN in the MAX part is carried as +inf
+    and counted (see ``restore_nans``)."""
+    maxes = packed[sum_part:]
     is_nan = torch.isnan(maxes)
-    maxes = torch.where(is_nan, math.inf, maxes)
-    parts = (packed[:num_sums], is_nan.double(), maxes, packed[num_sums + num_maxes :])
-    return torch.cat(parts)
+    return torch.cat((packed[:sum_part], is_nan.double(), torch.where(is_nan, math.inf, maxes)))
 
 
 def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator | None]:
@@ -146,15 +155,13 @@ def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Ac
     return accs
 
 
-def restore_nans(sums: np.ndarray, maxes: np.ndarray, layout: Layout) -> np.ndarray:
-    """The MAX part (its end included) of an all-reduced buffer packed by
-    ``with_nan_counts``, with NaN back where any rank had one; ``sums`` is the whole
-    additive part."""
-    counts = sums[layout.num_sums :]
+def restore_nans(counts: np.ndarray, maxes: np.ndarray) -> np.ndarray:
+    """An all-reduced MAX part of a ``with_nan_counts`` buffer, with NaN back where any
+    rank had one (``counts``: the reduced NaN counts)."""
     if not np.count_nonzero(counts):
         return maxes
     maxes = maxes.copy()
-    maxes[: layout.num_maxes][counts > 0] = math.nan
+    maxes[counts > 0] = math.nan
     return maxes
 
 
@@ -267,7 +274,7 @@ def local_reduce(packing: Packing, table: Table) -> Reduced:
     else:
         device = part.device
         host = packing.pack(table, device).cpu().numpy()
-    sums, maxes = host[: layout.num_sums], host[layout.num_sums :]
+    sums, maxes = host[: packing.sum_part], host[packing.sum_part :]
     if not layout.extra_placements:
         return unpack(layout, sums, maxes, [], [], [])
     sizes = extra_sizes(layout, maxes)

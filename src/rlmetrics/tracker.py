@@ -9,7 +9,6 @@ from datetime import timedelta
 from operator import attrgetter
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,7 +36,6 @@ from rlmetrics.table import Table
 from rlmetrics.timing import read_device_timers
 
 EMPTY_POLICIES = ("omit", "nan")
-_NO_TAIL = np.zeros(0)
 NONFINITE_POLICIES = ("propagate", "skip", "error")
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -307,7 +305,7 @@ class Tracker(LogMethods):
         local, table = self._local, self._table
         if local is None or local[0] != accs or local[1].version != table.version:
             layout = Layout([(name, acc.kind) for name, acc in self._accumulators.items()])
-            packing = Packing.make(layout, in_order(self._accumulators, layout), table, _NO_TAIL)
+            packing = Packing.make(layout, in_order(self._accumulators, layout), table)
             local = self._local = (accs, packing)
         try:
             return local_reduce(local[1], table)
