@@ -10,7 +10,6 @@ tracker's sync on these and re-exports them.
 from __future__ import annotations
 
 import numbers
-import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -78,40 +77,6 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def rank_in(group: Any) -> int:
-    """This process's rank in ``group`` (-1 when it is not a member)."""
-    return dist.get_rank(group)
-
-
-def all_reduce_max(tensor: Tensor, group: Any, timeout: float | timedelta | None = None) -> Tensor:
-    """Max ``tensor`` in place over ``group`` (raises SyncTimeoutError rather than hang)."""
-    all_reduce(tensor, dist.ReduceOp.MAX, group, as_timeout(timeout), "all_reduce(MAX)")
-    return tensor
-
-
-def world_size(group: Any = None) -> int:
-    """The size of ``group`` (default: the world); 1 when torch.distributed is not
-    initialised, so single-process code takes the same path."""
-    return dist.get_world_size(resolve_group(group)) if is_initialized() else 1
-
-
-def all_reduce_sum(
-    tensor: Tensor, group: Any = None, timeout: float | timedelta | None = None
-) -> Tensor:
-    """Sum ``tensor`` in place over ``group`` (a no-op on one process); returns it."""
-    if world_size(group) > 1:
-        all_reduce(
-            tensor, dist.ReduceOp.SUM, resolve_group(group), as_timeout(timeout), "all_reduce(SUM)"
-        )
-    return tensor
-
-
-def is_replica_source(mesh: Any, replica_dims: tuple[str, ...]) -> bool:
-    """True on the one copy (local rank 0 in every ``replica_dims``) that should log
-    when metrics are merged over a group containing tensor/pipeline-parallel replicas."""
-    return all(mesh.get_local_rank(dim) == 0 for dim in replica_dims)
-
-
 def comm_device(group: Any) -> torch.device:
     """The device collectives of ``group`` run on: CUDA for NCCL, else the CPU."""
     backend = str(dist.get_backend(group)).lower()
@@ -150,14 +115,6 @@ def as_timeout(timeout: float | timedelta | None) -> timedelta | None:
     if seconds > MAX_TIMEOUT_S:
         return None
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for a local process group's
-    rendezvous: spawned gloo ranks in the launcher, tests and benchmarks)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(work: Any, timeout: timedelta | None, what: str) -> None:
@@ -201,3 +158,18 @@ def gather_bytes(
     buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     pieces = all_gather(buffer, group, timeout, "schema gather")
     return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(pieces, lengths, strict=True)]
+
+
+__all__ = [
+    "MAX_TIMEOUT_S",
+    "SyncTimeoutError",
+    "all_gather",
+    "all_reduce",
+    "as_timeout",
+    "comm_device",
+    "gather_bytes",
+    "is_initialized",
+    "resolve_group",
+    "should_sync",
+    "wait_for",
+]

@@ -34,25 +34,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlmetrics import collectives, dist_utils
 from rlmetrics.agreed import TAIL, GroupLayouts
-from rlmetrics.collectives import (  # re-exported: rlmetrics.distributed is the public home
-    MAX_TIMEOUT_S,
-    SyncTimeoutError,
+from rlmetrics.collectives import *  # noqa: F403 (re-exported: this is their public home)
+from rlmetrics.collectives import (
     all_gather,
     all_reduce,
-    all_reduce_max,
-    all_reduce_sum,
     as_timeout,
     comm_device,
     gather_bytes,
-    is_initialized,
-    is_replica_source,
-    rank_in,
     resolve_group,
-    should_sync,
     wait_for,
-    world_size,
 )
+from rlmetrics.dist_utils import *  # noqa: F403
 from rlmetrics.layout import Layout
 from rlmetrics.packing import (
     Packing,
@@ -307,24 +301,4 @@ def _finish(
     return unpack(layout, sums, maxes, extras, objects, sizes, logged)
 
 
-__all__ = [
-    "GATHER_LIMIT",
-    "MAX_TIMEOUT_S",
-    "SyncTimeoutError",
-    "agree_schema",
-    "all_gather",
-    "all_reduce",
-    "all_reduce_max",
-    "all_reduce_sum",
-    "as_timeout",
-    "comm_device",
-    "gather_bytes",
-    "is_initialized",
-    "is_replica_source",
-    "rank_in",
-    "resolve_group",
-    "should_sync",
-    "sync_reduce",
-    "wait_for",
-    "world_size",
-]
+__all__ = ["GATHER_LIMIT", "agree_schema", "sync_reduce", *collectives.__all__, *dist_utils.__all__]
