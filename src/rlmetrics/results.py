@@ -21,7 +21,7 @@ from rlmetrics.layout import Layout
 Suffixed = dict[int, tuple[Kind, dict[str, float]]]  # name position -> (kind, values)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)  # not frozen: a frozen __init__ sets each field the slow way
 class Reduced:
     """One merged step in packed form, read within the call that built it (``sums`` and
     ``maxes`` may be views of buffers the next step reuses).
