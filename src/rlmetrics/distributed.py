@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -48,15 +49,7 @@ from rlmetrics.collectives import (
 )
 from rlmetrics.dist_utils import *  # noqa: F403
 from rlmetrics.layout import Layout
-from rlmetrics.packing import (
-    Packing,
-    extra_sizes,
-    in_order,
-    pack_extras,
-    restore_nans,
-    unpack,
-    with_nan_counts,
-)
+from rlmetrics.packing import Packing, in_order, restore_nans, unpack, with_nan_counts
 from rlmetrics.results import Reduced
 from rlmetrics.table import Table
 
@@ -230,7 +223,8 @@ def sync_reduce(
             # when this rank logged every name, so did the group
             logged = None if packing.logged_all else maxes[size : size + len(layout.placements)]
             sums, maxes = sums[: layout.num_sums], maxes[:size]
-            return _finish(packing, table, sums, maxes, logged, pg, sync, wait)
+            gather = partial(_gather_extras, group=pg, device=sync.device, wait=wait)
+            return unpack(packing, table, sums, maxes, sync.device, logged, gather)
         sync.layout = agree_schema(tracker, pg, sync.device, wait)
         sync.agreed.use(sync.layout)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
@@ -274,31 +268,23 @@ def _merge_rows(gathered: np.ndarray, num_sums: int) -> tuple[np.ndarray, np.nda
     return total, maxes.max(axis=0) if len(gathered) > 2 else np.maximum(maxes[0], maxes[1])
 
 
-def _finish(
-    packing: Packing,
-    table: Table,
-    sums: np.ndarray,
-    maxes: np.ndarray,
-    logged: np.ndarray | None,
+def _gather_extras(
+    vector: Tensor,
+    objects: dict[str, object],
     group: Any,
-    sync: _GroupSync,
+    device: torch.device,
     wait: timedelta | None,
-) -> Reduced:
-    """Gather the extras (when any) and unpack the layout's reduced SUM and MAX slots."""
-    layout = packing.layout
-    sizes = extra_sizes(layout, maxes)
-    extras: list[np.ndarray] = []
-    objects: list[Mapping[str, object]] = []
-    if layout.extra_placements:
-        device = sync.device
-        vector, local_objects = pack_extras(packing, table, sizes, device)
-        if vector.numel():
-            rows = all_gather(vector, group, wait, "extras gather")
-            extras = list(torch.stack(rows).cpu().numpy())  # one device-to-host copy
-        if local_objects:
-            payloads = gather_bytes(pickle.dumps(local_objects), group, device, wait)
-            objects = [pickle.loads(p) for p in payloads]  # only from this group's ranks
-    return unpack(layout, sums, maxes, extras, objects, sizes, logged)
+) -> tuple[list[np.ndarray], list[dict[str, object]]]:
+    """Every rank's extras gather buffer (when any extra packs) and dict of extras that
+    do not pack (when any; by byte gather), in rank order."""
+    buffers: list[np.ndarray] = []
+    if vector.numel():
+        rows = all_gather(vector, group, wait, "extras gather")
+        buffers = list(torch.stack(rows).cpu().numpy())  # one device-to-host copy
+    if not objects:
+        return buffers, []
+    payloads = gather_bytes(pickle.dumps(objects), group, device, wait)
+    return buffers, [pickle.loads(p) for p in payloads]  # only from this group's ranks
 
 
 __all__ = ["GATHER_LIMIT", "agree_schema", "sync_reduce", *collectives.__all__, *dist_utils.__all__]

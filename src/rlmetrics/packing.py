@@ -5,7 +5,7 @@ extras in rank order and returns a ``Reduced`` step."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
@@ -192,34 +192,44 @@ def pack_extras(
     return torch.cat(vectors), objects
 
 
+GatherExtras = Callable[[Tensor, dict[str, object]], tuple[list[Any], list[Any]]]
+"""All ranks' extras, in rank order: (gather buffers, dicts of object extras)."""
+
+
 def unpack(
-    layout: Layout,
+    packing: Packing,
+    table: Table,
     sums: np.ndarray,
     maxes: np.ndarray,
-    extras: Sequence[np.ndarray],
-    objects: Sequence[Mapping[str, object]],
-    sizes: Sequence[int],
+    device: torch.device,
     logged: np.ndarray | None = None,
+    gather: GatherExtras | None = None,
 ) -> Reduced:
-    """Reduced buffers (and gathered extras) as a ``Reduced`` step.
-
-    ``sums`` is the SUM part, ``maxes`` the MAX part (NaN as merged). ``extras`` holds
-    one gather buffer per rank (rank order) and ``objects`` one dict of object extras per
-    rank; each rank's extras are merged in rank order.
+    """The reduced SUM and MAX slots of ``packing``'s layout (NaN as merged) as a
+    ``Reduced`` step, with the extras: this process's packed on ``device`` at the sizes
+    the MAX slots hold, ``gather``ed over the group (without it, this process's own) and
+    merged in rank order. ``logged``: per placement, whether any rank logged it (None:
+    every one).
 
     Raises:
         RejectedInputError: a metric received rejected input (negative weights, or
             non-finite values under ``nonfinite="error"``) in a tensor log call.
     """
+    layout = packing.layout
     counts, nonfinite = sums[layout.num_kind_sums :], None
     if np.count_nonzero(counts):
         rejected = counts[1::NUM_COUNTS]
         if rejected.any():
             _raise_rejected(layout, rejected)
         nonfinite = nonfinite_counts(layout, sums)
-    extra_values = _split_extras(layout, extras, objects, sizes) if layout.extra_placements else {}
+    extras: dict[str, object] = {}
+    if layout.extra_placements:
+        sizes = extra_sizes(layout, maxes)
+        vector, objects = pack_extras(packing, table, sizes, device)
+        pieces = gather(vector, objects) if gather else ([vector.cpu().numpy()], [objects])
+        extras = _split_extras(layout, *pieces, sizes)
     keep = None if logged is None or logged.all() else logged > 0
-    return Reduced(layout, sums, maxes[: layout.num_maxes], extra_values, keep, nonfinite)
+    return Reduced(layout, sums, maxes[: layout.num_maxes], extras, keep, nonfinite)
 
 
 def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
@@ -261,15 +271,9 @@ def _split_extras(
 
 def local_reduce(packing: Packing, table: Table) -> Reduced:
     """This process's step, with one device-to-host transfer per buffer."""
-    layout, part = packing.layout, table.device_part
+    part, split = table.device_part, packing.sum_part
     if part is None:
         host, device = packing.pack_host(table)[:-1], torch.device("cpu")
     else:
-        device = part.device
-        host = packing.pack(table, device).cpu().numpy()
-    sums, maxes = host[: packing.sum_part], host[packing.sum_part :]
-    if not layout.extra_placements:
-        return unpack(layout, sums, maxes, [], [], [])
-    sizes = extra_sizes(layout, maxes)
-    extras, objects = pack_extras(packing, table, sizes, device)
-    return unpack(layout, sums, maxes, [extras.cpu().numpy()], [objects], sizes)
+        host, device = packing.pack(table, part.device).cpu().numpy(), part.device
+    return unpack(packing, table, host[:split], host[split:], device)
