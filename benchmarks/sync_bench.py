@@ -330,7 +330,8 @@ def section(
             "and the host reduction (marked (pair) where the group is above "
             "rlmetrics.distributed.GATHER_LIMIT and rlmetrics all_reduces); bare pair: "
             "all_reduce(SUM) + all_reduce(MAX) of the buffers rlmetrics packs for them (the "
-            "SUM part longer by one NaN count per float of the MAX part), what it issues above the limit.",
+            "SUM part longer by one NaN count per float of the MAX part), what it issues "
+            "above the limit.",
             "",
             "Wall time of the sync (what the targets are about):",
             "",

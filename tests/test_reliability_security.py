@@ -89,8 +89,8 @@ def test_metric_names_cannot_write_outside_the_run_dir(sandbox: Path, backend: s
 
 
 def test_the_only_unpickling_in_the_sync_path_is_the_user_kind_object_gather() -> None:
-    """Static check of distributed.py: one pickle.loads, inside _finish, under the
-    ``if local_objects`` branch (user kinds whose extras cannot be packed)."""
+    """Static check of distributed.py: one pickle.loads, inside _gather_extras, under
+    the ``if objects`` branch (user kinds whose extras cannot be packed)."""
     tree = ast.parse(inspect.getsource(rd))
     loads = [
         node
@@ -101,13 +101,11 @@ def test_the_only_unpickling_in_the_sync_path_is_the_user_kind_object_gather() -
         and node.value.id in ("pickle", "cloudpickle")
     ]
     assert len(loads) == 1
-    finish = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_finish"
+    gather = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_gather_extras"
     )
     branch = next(
-        n
-        for n in ast.walk(finish)
-        if isinstance(n, ast.If) and ast.unparse(n.test) == "local_objects"
+        n for n in ast.walk(gather) if isinstance(n, ast.If) and ast.unparse(n.test) == "objects"
     )
     assert any(node is loads[0] for node in ast.walk(branch))
     assert "all_gather_object" not in inspect.getsource(rd)

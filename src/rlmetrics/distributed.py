@@ -281,10 +281,11 @@ def _gather_extras(
     if vector.numel():
         rows = all_gather(vector, group, wait, "extras gather")
         buffers = list(torch.stack(rows).cpu().numpy())  # one device-to-host copy
-    if not objects:
-        return buffers, []
-    payloads = gather_bytes(pickle.dumps(objects), group, device, wait)
-    return buffers, [pickle.loads(p) for p in payloads]  # only from this group's ranks
+    gathered: list[dict[str, object]] = []
+    if objects:  # user kinds whose extras cannot be packed
+        payloads = gather_bytes(pickle.dumps(objects), group, device, wait)
+        gathered = [pickle.loads(p) for p in payloads]  # only from this group's ranks
+    return buffers, gathered
 
 
 __all__ = ["GATHER_LIMIT", "agree_schema", "sync_reduce", *collectives.__all__, *dist_utils.__all__]

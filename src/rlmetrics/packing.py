@@ -94,8 +94,8 @@ class Packing:
         return cls(layout, sum_part, *maps)
 
     def pack(self, table: Table, device: torch.device) -> Tensor:
-        """This process's ``[SUM | MAX | end]`` buffer on ``device``: host half copied,
-        device half added there (no host sync)."""
+        """This process's ``[SUM part | MAX part]`` buffer on ``device``: host half
+        copied, device half added there (no host sync)."""
         host = self.pack_host(table)
         part = table.device_part
         if part is None:
