@@ -162,8 +162,7 @@ def _reduce_fused(table: Table, batch: Batch, layout: Layout, fused: Fused) -> t
         elements, calls = layout.element_at[rows], layout.call_at[rows]
         batch = batch.part(slice(0, rows), slice(0, elements), slice(0, calls))
     device = None if batch.on_host else batch.values.device
-    sums = joined(list(map(batch.column_sum, fused.sum_columns)), device)
-    maxes = joined(list(map(batch.column_max, fused.max_columns)), device)
+    sums, maxes = batch.column_sums(fused.sum_columns), batch.column_maxes(fused.max_columns)
     if device is None:
         return sums[fused.sum_source], maxes[fused.max_source]
     return (
@@ -195,14 +194,18 @@ def _batch(
     together, in call order), its layout, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
     if not accs:  # python numbers only: checked when logged, one element per call
-        layout = plan.numbers_layout(numbers)
-        value, weight = numbers.arrays()
+        cached = plan.numbers_layout(numbers)
+        layout = cached.layout
+        if numbers.weight_at:
+            value, weight = numbers.arrays()
+            if layout.order is not None:
+                weight = weight[layout.order]
+        else:  # every weight is 1
+            value, weight = np.fromiter(numbers.values, np.float64, len(numbers.values)), None
         if layout.order is not None:
-            value, weight = value[layout.order], weight[layout.order]
-        batch = Batch(
-            value, weight, layout.segments, layout.lengths, layout.call_lengths,
-            starts=layout.starts, full=layout.full,
-        )  # fmt: skip
+            value = value[layout.order]
+        weight = cached.unit_weights if weight is None else weight
+        batch = Batch.of(value, weight, cached.batch_rows)
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
     batch, layout = _joined_batch(plan, numbers, accs, device)

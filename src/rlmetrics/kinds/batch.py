@@ -32,6 +32,119 @@ and weight 0 by then: it adds nothing); a MAX slot takes its column's max over t
 selected elements (-inf when there is none)."""
 
 
+class Rows:
+    """Where a batch's elements belong: the row of each element, the elements of each
+    row and of each call, and what follows from them, each computed once. A fold keeps
+    the rows of its python numbers across steps, and the rows of its parts with them,
+    so a steady-state step derives none of this again.
+
+    Attributes:
+        segments: int64, 1-D, the row of each element, ascending (on the batch's
+            backend).
+        lengths: int64 host array, the number of elements of each row.
+        call_lengths: int64 host array, the number of elements of each log call.
+        num_rows: how many rows.
+    """
+
+    __slots__ = ("_full", "_memo", "_starts", "call_lengths", "lengths", "num_rows", "segments")
+
+    def __init__(
+        self,
+        segments: Array,
+        lengths: Sequence[int] | np.ndarray,
+        call_lengths: Sequence[int] | np.ndarray,
+        starts: np.ndarray | None = None,
+        full: bool | None = None,
+    ) -> None:
+        self.segments = segments
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.call_lengths = np.asarray(call_lengths, dtype=np.int64)
+        self.num_rows = len(self.lengths)
+        self._starts = starts
+        self._full = full
+        self._memo: dict[Any, Any] = {}  # what follows from the rows, by what it is
+
+    def starts(self) -> np.ndarray:
+        """Per row, the position of its first element (host array)."""
+        if self._starts is None:
+            self._starts = np.cumsum(self.lengths) - self.lengths
+        return self._starts
+
+    def full(self) -> bool:
+        """Whether every row has an element."""
+        if self._full is None:
+            self._full = bool(self.lengths.all())
+        return self._full
+
+    def counts(self) -> np.ndarray:
+        """Per row, its number of elements, float64 (read-only: shared by the batches
+        of these rows)."""
+        counts = self._memo.get("counts")
+        if counts is None:
+            counts = self._memo["counts"] = self.lengths.astype(np.float64)
+            counts.flags.writeable = False
+        return counts
+
+    def ones(self, xp: Any, like: Array) -> Array:
+        """A float64 1 per element, on the backend of ``like`` (namespace ``xp``)."""
+        ones = self._memo.get("ones")
+        if ones is None:
+            ones = self._memo["ones"] = xp.ones_like(like)
+        return ones
+
+    def last_index(self) -> np.ndarray:
+        """Per row (all full), the position of its last element."""
+        index = self._memo.get("last")
+        if index is None:
+            index = self._memo["last"] = self.starts() + (self.lengths - 1)
+        return index
+
+    def one_each(self, constant: Any) -> Rows:
+        """The rows of a batch of one element per row (``constant`` puts a host array
+        on the backend of these rows' segments)."""
+        rows = self._memo.get("one_each")
+        if rows is None:
+            index = np.arange(self.num_rows)
+            ones = np.ones(self.num_rows, dtype=np.int64)
+            rows = self._memo["one_each"] = Rows(constant(index), ones, ones, index, True)
+        return rows
+
+    def stacked(self, columns: int, constant: Any) -> tuple[Array, np.ndarray, Any]:
+        """For ``columns`` per-element columns laid end to end: per element its key
+        (row + column × num_rows, on the segments' backend), per key with an element
+        where its elements start (host), and which keys have one (None: all)."""
+        key = ("stacked", columns)
+        stacked = self._memo.get(key)
+        if stacked is None:
+            offsets = np.arange(columns)[:, None]
+            starts = (self.starts() + offsets * len(self.segments)).reshape(-1)
+            nonempty = None if self.full() else np.tile(self.lengths > 0, columns)
+            if nonempty is not None:
+                starts = starts[nonempty]
+            keys = (self.segments[None, :] + constant(offsets * self.num_rows)).reshape(-1)
+            stacked = self._memo[key] = (keys, starts, nonempty)
+        return stacked
+
+    def part(self, rows: slice, elements: slice, calls: slice) -> Rows:
+        """The rows ``rows`` (whose elements and calls are ``elements`` and ``calls``),
+        numbered from 0; kept per slice of rows."""
+        key = (rows.start, rows.stop)
+        part = self._memo.get(key)
+        if part is None:
+            segments = self.segments[elements]
+            starts = self._starts
+            if starts is not None:
+                starts = starts[rows] - elements.start if elements.start else starts[rows]
+            part = self._memo[key] = Rows(
+                segments - rows.start if rows.start else segments,
+                self.lengths[rows],
+                self.call_lengths[calls],
+                starts,
+                True if self._full else None,  # a part of a full batch is full
+            )
+        return part
+
+
 class Batch:
     """One backend's records of one kind (see the module docstring).
 
@@ -63,47 +176,44 @@ class Batch:
     ) -> None:
         """``starts`` (where each row's elements start) and ``full`` (every row has an
         element) follow from ``lengths``; a caller that knows them passes them."""
+        self._set(values, weights, Rows(segments, lengths, call_lengths, starts, full))
+
+    @classmethod
+    def of(cls, values: Array, weights: Array, rows: Rows) -> Batch:
+        """A batch of ``values`` and ``weights`` laid out as ``rows``."""
+        batch = object.__new__(cls)
+        batch._set(values, weights, rows)
+        return batch
+
+    def _set(self, values: Array, weights: Array, rows: Rows) -> None:
         self.values = values
         self.weights = weights
-        self.segments = segments
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.call_lengths = np.asarray(call_lengths, dtype=np.int64)
-        self.num_rows = len(self.lengths)
+        self.rows = rows
+        self.segments = rows.segments
+        self.lengths = rows.lengths
+        self.call_lengths = rows.call_lengths
+        self.num_rows = rows.num_rows
         self._selected: Array | None = None
-        self._starts = starts
-        self._full = full
 
     def part(self, rows: slice, elements: slice, calls: slice) -> Batch:
         """The batch of ``rows`` (whose elements and calls are ``elements`` and
         ``calls``), its rows numbered from 0: the metrics of one kind."""
-        part = object.__new__(type(self))
-        segments = self.segments[elements]
-        part.values = self.values[elements]
-        part.weights = self.weights[elements]
-        part.segments = segments - rows.start if rows.start else segments
-        part.lengths = self.lengths[rows]
-        part.call_lengths = self.call_lengths[calls]
-        part.num_rows = rows.stop - rows.start
-        part.all_selected = self.all_selected
-        part._selected = None if self.all_selected else self.selected()[elements]
-        starts = self._starts
-        if starts is not None:
-            starts = starts[rows] - elements.start if elements.start else starts[rows]
-        part._starts = starts
-        part._full = True if self._full else None  # a part of a full batch is full
+        part = self.of(
+            self.values[elements], self.weights[elements], self.rows.part(rows, elements, calls)
+        )
+        if self.all_selected:
+            part.all_selected = True
+        else:
+            part._selected = self.selected()[elements]
         return part
 
     def row_starts(self) -> np.ndarray:
         """Per row, the position of its first element (host array)."""
-        if self._starts is None:
-            self._starts = np.cumsum(self.lengths) - self.lengths
-        return self._starts
+        return self.rows.starts()
 
     def rows_full(self) -> bool:
         """Whether every row has an element."""
-        if self._full is None:
-            self._full = bool(self.lengths.all())
-        return self._full
+        return self.rows.full()
 
     # -- operations a kind's reduce uses ---------------------------------------------
     def selected(self) -> Array:
@@ -115,7 +225,7 @@ class Batch:
     def count(self) -> Array:
         """Per row, the number of selected elements."""
         if self.all_selected:
-            return self.lengths.astype(np.float64)
+            return self.rows.counts()
         return self.sum_by(self.selected())
 
     def column(self, name: str) -> Array:
@@ -147,6 +257,31 @@ class Batch:
         column = self.select(self.column(name), -math.inf)
         return column if self.one_per_row else self.max_by(column)
 
+    def column_sums(self, names: Sequence[str]) -> Array:
+        """``column_sum`` of each of ``names``, laid end to end (num_rows values each):
+        the columns joined and summed by (row, column) at once. Each sum adds its
+        elements in the same order as ``column_sum``'s, so the bits are the same."""
+        if len(names) < 2:
+            return self.column_sum(names[0]) if names else self.constant(np.zeros(0))
+        keys, _, _ = self.rows.stacked(len(names), self.constant)
+        joined = self.xp.concatenate([self._sum_column(name) for name in names])
+        return self.sum_by(joined, keys, len(names) * self.num_rows)
+
+    def column_maxes(self, names: Sequence[str]) -> Array:
+        """``column_max`` of each of ``names``, laid end to end: the columns joined and
+        maxed by (row, column) at once."""
+        if len(names) < 2:
+            return self.column_max(names[0]) if names else self.constant(np.zeros(0))
+        joined = self.xp.concatenate([self.select(self.column(name), -math.inf) for name in names])
+        keys, starts, nonempty = self.rows.stacked(len(names), self.constant)
+        return self._max_by_keys(joined, keys, starts, nonempty, len(names) * self.num_rows)
+
+    def _sum_column(self, name: str) -> Array:
+        """The column ``name`` as ``column_sum`` sums it (selected: 1 or 0)."""
+        if name == "selected" and self.all_selected:
+            return self.rows.ones(self.xp, self.values)
+        return self.column(name)
+
     def select(self, x: Array, fill: float) -> Array:
         """``x`` where an element is selected, ``fill`` elsewhere."""
         return x if self.all_selected else self.where(self.selected(), x, fill)
@@ -160,13 +295,23 @@ class Batch:
 
     def max_by(self, x: Array) -> Array:
         """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
-        starts = self.row_starts()
-        if self.rows_full():
+        rows = self.rows
+        full = rows.full()
+        nonempty = None if full else self.lengths > 0
+        starts = rows.starts() if full else rows.starts()[nonempty]
+        return self._max_by_keys(x, self.segments, starts, nonempty, self.num_rows)
+
+    def _max_by_keys(
+        self, x: Array, keys: Array, starts: np.ndarray, nonempty: Any, size: int
+    ) -> Array:
+        """Per key in ``range(size)``, the max of ``x`` (NaN wins; -inf for none): the
+        elements of each key lie together in ascending order of keys, the keys with an
+        element (``nonempty``; None: all) start at ``starts``."""
+        if nonempty is None:
             return np.maximum.reduceat(x, starts)
-        out = np.full(self.num_rows, -math.inf)
-        nonempty = self.lengths > 0
-        if nonempty.any():
-            out[nonempty] = np.maximum.reduceat(x, starts[nonempty])
+        out = np.full(size, -math.inf)
+        if len(starts):
+            out[nonempty] = np.maximum.reduceat(x, starts)
         return out
 
     def last_elements(self) -> Batch:
@@ -174,15 +319,14 @@ class Batch:
         unselected zero for a row without one): what a replacing kind reduces."""
         full = self.all_selected and self.rows_full()
         if full:  # every row's last element
-            index = self.row_starts() + (self.lengths - 1)
+            index = self.rows.last_index()
             values, weights = self.values[index], self.weights[index]
         else:
             last = self.max_by(self.select(self.positions(), -1.0))
             present = last >= 0
             values = self.where(present, self.take(self.values, last), 0.0)
             weights = self.where(present, self.take(self.weights, last), 0.0)
-        ones, rows = np.ones(self.num_rows, dtype=np.int64), np.arange(self.num_rows)
-        out = type(self)(values, weights, self.constant(rows), ones, ones, starts=rows, full=True)
+        out = self.of(values, weights, self.rows.one_each(self.constant))
         out.all_selected = full
         out.one_per_row = True
         return out
@@ -256,8 +400,13 @@ class DeviceBatch(Batch):
         return to_device(array, self.values.device)
 
     def max_by(self, x: Tensor) -> Tensor:
-        out = torch.full((self.num_rows,), -math.inf, dtype=torch.float64, device=x.device)
-        return out.scatter_reduce_(0, self.segments, x.to(torch.float64), "amax")
+        return self._max_by_keys(x, self.segments, None, None, self.num_rows)
+
+    def _max_by_keys(
+        self, x: Tensor, keys: Tensor, starts: np.ndarray | None, nonempty: Any, size: int
+    ) -> Tensor:
+        out = torch.full((size,), -math.inf, dtype=torch.float64, device=x.device)
+        return out.scatter_reduce_(0, keys, x.to(torch.float64), "amax")
 
     def columns(self, *columns: Tensor) -> Tensor:
         if not columns:
