@@ -31,6 +31,11 @@ SUM slot sums its column over a metric's elements (one that is not selected has 
 and weight 0 by then: it adds nothing); a MAX slot takes its column's max over the
 selected elements (-inf when there is none)."""
 
+STACK_LIMIT = 1 << 14
+"""Elements (all columns together) up to which a batch reduces several columns with
+one operation (``Batch.column_sums``): in a small batch each operation's fixed cost
+outweighs copying the columns into one array; in a large one the copy costs more."""
+
 
 class Rows:
     """Where a batch's elements belong: the row of each element, the elements of each
@@ -258,23 +263,29 @@ class Batch:
         return column if self.one_per_row else self.max_by(column)
 
     def column_sums(self, names: Sequence[str]) -> Array:
-        """``column_sum`` of each of ``names``, laid end to end (num_rows values each):
-        the columns joined and summed by (row, column) at once. Each sum adds its
-        elements in the same order as ``column_sum``'s, so the bits are the same."""
-        if len(names) < 2:
-            return self.column_sum(names[0]) if names else self.constant(np.zeros(0))
+        """``column_sum`` of each of ``names``, laid end to end (num_rows values each).
+        A small batch joins the columns and sums them by (row, column) at once (each
+        sum adds its elements in ``column_sum``'s order: the same bits)."""
+        if len(names) < 2 or len(self.values) * len(names) > STACK_LIMIT:
+            return self._joined([self.column_sum(name) for name in names])
         keys, _, _ = self.rows.stacked(len(names), self.constant)
         joined = self.xp.concatenate([self._sum_column(name) for name in names])
         return self.sum_by(joined, keys, len(names) * self.num_rows)
 
     def column_maxes(self, names: Sequence[str]) -> Array:
-        """``column_max`` of each of ``names``, laid end to end: the columns joined and
-        maxed by (row, column) at once."""
-        if len(names) < 2:
-            return self.column_max(names[0]) if names else self.constant(np.zeros(0))
+        """``column_max`` of each of ``names``, laid end to end; a small batch joins the
+        columns and maxes them by (row, column) at once."""
+        if len(names) < 2 or len(self.values) * len(names) > STACK_LIMIT:
+            return self._joined([self.column_max(name) for name in names])
         joined = self.xp.concatenate([self.select(self.column(name), -math.inf) for name in names])
         keys, starts, nonempty = self.rows.stacked(len(names), self.constant)
         return self._max_by_keys(joined, keys, starts, nonempty, len(names) * self.num_rows)
+
+    def _joined(self, per_row: list[Array]) -> Array:
+        """Per-row arrays laid end to end (an empty float64 array for none)."""
+        if len(per_row) == 1:
+            return per_row[0]
+        return self.xp.concatenate(per_row) if per_row else self.constant(np.zeros(0))
 
     def _sum_column(self, name: str) -> Array:
         """The column ``name`` as ``column_sum`` sums it (selected: 1 or 0)."""
