@@ -42,6 +42,11 @@ folds a segment of up to 4 elements in order (the later of two equal maxima wins
 which tells 0.0 from -0.0), like the elementwise maxima; above it, it takes another
 order."""
 
+MIN_KEYS_BY_COLUMN = 128
+"""The fewest keys (rows, or rows times columns) for which rows of ``Rows.width``
+take their maxima column by column: with fewer, one ``reduceat`` costs less than the
+elementwise operations."""
+
 
 class Rows:
     """Where a batch's elements belong: the row of each element, the elements of each
@@ -338,11 +343,13 @@ class Batch:
         elements of each key lie together in ascending order of keys, the keys with an
         element (``nonempty``; None: all) start at ``starts``."""
         if nonempty is None:
-            width = self.rows.width()
+            width = self.rows.width() if size >= MIN_KEYS_BY_COLUMN else 0
             if width:  # a few elements per key: their maxima column by column, in order
                 block = x.reshape(-1, width)
-                out = block[:, 0].copy()
-                for j in range(1, width):
+                if width == 1:
+                    return block[:, 0].copy()
+                out = np.maximum(block[:, 0], block[:, 1])
+                for j in range(2, width):
                     out = np.maximum(out, block[:, j])
                 return out
             return np.maximum.reduceat(x, starts)
