@@ -166,8 +166,13 @@ def _fold_records(
             if kind.has_extra:
                 _fold_extras(table, kind, positions[0], kind.reduce_extra(part), part)
         if added:
-            sum_positions, max_positions = plan.positions([i for i, _, _ in added], table)
-            sums, maxes = (joined([a[j] for a in added], device) for j in (1, 2))
+            if len(added) == 1:  # the columnar kinds', or one kind's
+                key, sums, maxes = added[0]
+                keys = (key,)
+            else:
+                keys = tuple(key for key, _, _ in added)
+                sums, maxes = (joined([a[j] for a in added], device) for j in (1, 2))
+            sum_positions, max_positions = plan.positions(keys, table)
             if batch.on_host:
                 table.add(sum_positions, sums, max_positions, maxes)
             else:

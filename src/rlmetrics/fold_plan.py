@@ -155,12 +155,11 @@ class Plan:
             self._fused = Fused.make(self.groups[: self.num_columnar], table)
         return self._fused
 
-    def positions(self, groups: list[int], table: Table) -> tuple[np.ndarray, np.ndarray]:
+    def positions(self, groups: tuple[int, ...], table: Table) -> tuple[np.ndarray, np.ndarray]:
         """The SUM and MAX positions of the rows of ``groups`` (indices into
         ``self.groups``; ``FUSED`` for the columnar groups as ``Fused`` orders their
         slots), flat, in order; kept per set of groups."""
-        key = tuple(groups)
-        cached = self._positions.get(key)
+        cached = self._positions.get(groups)
         if cached is None:
             sums, maxes = [], []
             for i in groups:
@@ -172,7 +171,7 @@ class Plan:
                     _, sum_positions, max_positions = self.groups[i].positions(table)
                     sums.append(sum_positions.reshape(-1))
                     maxes.append(max_positions.reshape(-1))
-            cached = self._positions[key] = (np.concatenate(sums), np.concatenate(maxes))
+            cached = self._positions[groups] = (np.concatenate(sums), np.concatenate(maxes))
         return cached
 
     def numbers_layout(self, numbers: NumberRecords) -> NumbersLayout:

@@ -293,15 +293,20 @@ class Batch:
         if len(names) < 2 or len(self.values) * len(names) > STACK_LIMIT:
             return self._joined([self.column_sum(name) for name in names])
         keys, _, _ = self.rows.stacked(len(names), self.constant)
-        joined = self.xp.concatenate([self._sum_column(name) for name in names])
-        return self.sum_by(joined, keys, len(names) * self.num_rows)
+        ones = self.rows.ones(self.xp, self.values) if self.all_selected else None
+        columns = [ones if ones is not None and name == "selected" else self.column(name)
+                   for name in names]  # fmt: skip
+        return self.sum_by(self.xp.concatenate(columns), keys, len(names) * self.num_rows)
 
     def column_maxes(self, names: Sequence[str]) -> Array:
         """``column_max`` of each of ``names``, laid end to end; a small batch joins the
         columns and maxes them by (row, column) at once."""
         if len(names) < 2 or len(self.values) * len(names) > STACK_LIMIT:
             return self._joined([self.column_max(name) for name in names])
-        joined = self.xp.concatenate([self.select(self.column(name), -math.inf) for name in names])
+        columns = [self.column(name) for name in names]
+        if not self.all_selected:
+            columns = [self.where(self.selected(), column, -math.inf) for column in columns]
+        joined = self.xp.concatenate(columns)
         keys, starts, nonempty = self.rows.stacked(len(names), self.constant)
         return self._max_by_keys(joined, keys, starts, nonempty, len(names) * self.num_rows)
 
@@ -310,12 +315,6 @@ class Batch:
         if len(per_row) == 1:
             return per_row[0]
         return self.xp.concatenate(per_row) if per_row else self.constant(np.zeros(0))
-
-    def _sum_column(self, name: str) -> Array:
-        """The column ``name`` as ``column_sum`` sums it (selected: 1 or 0)."""
-        if name == "selected" and self.all_selected:
-            return self.rows.ones(self.xp, self.values)
-        return self.column(name)
 
     def select(self, x: Array, fill: float) -> Array:
         """``x`` where an element is selected, ``fill`` elsewhere."""
