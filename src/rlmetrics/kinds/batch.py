@@ -32,9 +32,11 @@ and weight 0 by then: it adds nothing); a MAX slot takes its column's max over t
 selected elements (-inf when there is none)."""
 
 STACK_LIMIT = 1 << 14
-"""Elements (all columns together) up to which a batch reduces several columns with
-one operation (``Batch.column_sums``): in a small batch each operation's fixed cost
-outweighs copying the columns into one array; in a large one the copy costs more."""
+"""Elements (all columns together) up to which a host batch reduces several columns
+with one operation (``Batch.column_sums``): in a small batch each operation's fixed
+cost outweighs copying the columns into one array; in a large one the copy costs more.
+A device batch reduces column by column, so that the number of torch operations does
+not depend on how many elements were logged."""
 
 MAX_WIDTH = 4
 """The most elements per row for which ``Rows.width`` applies: numpy's ``reduceat``
@@ -290,7 +292,7 @@ class Batch:
         """``column_sum`` of each of ``names``, laid end to end (num_rows values each).
         A small batch joins the columns and sums them by (row, column) at once (each
         sum adds its elements in ``column_sum``'s order: the same bits)."""
-        if len(names) < 2 or len(self.values) * len(names) > STACK_LIMIT:
+        if not self._stacks(len(names)):
             return self._joined([self.column_sum(name) for name in names])
         keys, _, _ = self.rows.stacked(len(names), self.constant)
         ones = self.rows.ones(self.xp, self.values) if self.all_selected else None
@@ -301,7 +303,7 @@ class Batch:
     def column_maxes(self, names: Sequence[str]) -> Array:
         """``column_max`` of each of ``names``, laid end to end; a small batch joins the
         columns and maxes them by (row, column) at once."""
-        if len(names) < 2 or len(self.values) * len(names) > STACK_LIMIT:
+        if not self._stacks(len(names)):
             return self._joined([self.column_max(name) for name in names])
         columns = [self.column(name) for name in names]
         if not self.all_selected:
@@ -309,6 +311,10 @@ class Batch:
         joined = self.xp.concatenate(columns)
         keys, starts, nonempty = self.rows.stacked(len(names), self.constant)
         return self._max_by_keys(joined, keys, starts, nonempty, len(names) * self.num_rows)
+
+    def _stacks(self, columns: int) -> bool:
+        """Whether ``columns`` columns reduce with one operation (a small host batch)."""
+        return columns > 1 and len(self.values) * columns <= STACK_LIMIT
 
     def _joined(self, per_row: list[Array]) -> Array:
         """Per-row arrays laid end to end (an empty float64 array for none)."""
@@ -444,6 +450,9 @@ class DeviceBatch(Batch):
 
     def max_by(self, x: Tensor) -> Tensor:
         return self._max_by_keys(x, self.segments, None, None, self.num_rows)
+
+    def _stacks(self, columns: int) -> bool:
+        return False  # column by column: a number of operations that no size changes
 
     def _max_by_keys(
         self, x: Tensor, keys: Tensor, starts: np.ndarray | None, nonempty: Any, size: int
