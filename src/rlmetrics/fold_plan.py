@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rlmetrics.kinds.base import Accumulator
-from rlmetrics.kinds.batch import Rows
+from rlmetrics.kinds.rows import Rows
 from rlmetrics.record import NumberRecords
 from rlmetrics.table import Table
 
