@@ -3,6 +3,8 @@ at compute() that does not grow with the calls, in-place changes caught, memory 
 
 from __future__ import annotations
 
+import functools
+import math
 import pickle
 import random
 import re
@@ -493,3 +495,37 @@ def test_python_numbers_with_and_without_weights_fold_each_weight_in_place() -> 
             x, w = np.array(pairs).T
             assert got[name] == pytest.approx((x * w).sum() / w.sum(), rel=1e-12), (step, name)
             assert got[f"s/{name}"] == pytest.approx((x * w).sum(), rel=1e-12, abs=1e-12)
+
+
+def _later_max(a: float, b: float) -> float:
+    """max as a fold in call order: NaN wins, and of two equal values (0.0 and -0.0)
+    the later one."""
+    if a != a:
+        return a
+    return b if b != b or b >= a else a
+
+
+@pytest.mark.parametrize("calls", [1, 2, 3, 4])
+def test_max_and_min_of_signed_zeros_keep_the_later_of_equal_values(calls: int) -> None:
+    """Python numbers, up to 4 calls per metric, in steps where every metric has as many
+    calls and steps where one has one fewer: max and min report the fold in call order,
+    bit for bit (which of 0.0 and -0.0, which infinity)."""
+    rng = random.Random(calls)
+    t = Tracker()
+    pool = [0.0, -0.0, 1.0, -1.0, math.inf, -math.inf]
+    for step in range(8):
+        data: dict[str, list[float]] = {}
+        for call in range(calls):
+            for i in range(80):  # enough rows for the column-by-column maxima
+                if step % 2 and i == 5 and call == calls - 1 and calls > 1:
+                    continue  # one metric short: rows of unequal length
+                x = rng.choice(pool)
+                t.max(f"max/{i}", x)
+                t.min(f"min/{i}", x)
+                data.setdefault(str(i), []).append(x)
+        got = t.compute()
+        for i, values in data.items():
+            high = functools.reduce(_later_max, values)
+            low = -functools.reduce(_later_max, [-x for x in values])
+            assert got[f"max/{i}"].hex() == high.hex(), (step, values)
+            assert got[f"min/{i}"].hex() == low.hex(), (step, values)

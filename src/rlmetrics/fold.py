@@ -42,26 +42,56 @@ class ModifiedInputError(ValueError):
     """A logged tensor was changed in place before the step's end."""
 
 
-def fold(accs: list[Accumulator], numbers: NumberRecords, table: Table, nonfinite: str) -> None:
+def fold(
+    accs: list[Accumulator],
+    numbers: NumberRecords,
+    table: Table,
+    nonfinite: str,
+    *,
+    flat_only: bool = False,
+) -> None:
     """Reduce the records of ``accs`` (their own, and the tracker's flat ``numbers``)
-    into their rows of ``table``; clear the records.
+    into their rows of ``table``; clear the records, also when a reduce raises (no
+    metric of ``accs`` holds records after a fold).
 
     Host data folds first, then each device's: a metric's flat numbers were all logged
     before its first tensor record, so a kind that keeps the latest value sees them in
-    call order.
+    call order. ``flat_only``: every call since the last fold was a flat python number
+    (no metric holds records of its own), so the metrics need not be looked through.
 
     Raises:
         ModifiedInputError: a logged tensor changed in place; the records of the metrics
             named are dropped (reported once), every other metric is folded.
     """
-    with_records = list(filter(_get_values, accs))
+    with_records = [] if flat_only else list(filter(_get_values, accs))
+    try:
+        modified = _fold_all(accs, with_records, numbers, table, nonfinite)
+    finally:
+        numbers.clear()
+        for acc in with_records:  # each holds an array record (numbers alone go flat)
+            acc.clear_records()
+    if modified:
+        raise ModifiedInputError(
+            "tensors logged this step were changed in place before compute(), so the "
+            "values they had when logged are gone; log a copy (tensor.clone()) or log "
+            f"after the change. Metrics dropped from this step: {', '.join(map(repr, modified))}"
+        )
+
+
+def _fold_all(
+    accs: list[Accumulator],
+    with_records: list[Accumulator],
+    numbers: NumberRecords,
+    table: Table,
+    nonfinite: str,
+) -> list[str]:
+    """``fold``'s work, backend by backend; returns the metrics whose tensors changed
+    in place (their records are left out)."""
     modified: list[str] = []
     if any(map(_get_versions, with_records)):
-        for acc in with_records:
-            if acc.versions and _modified(acc):
-                modified.append(acc.name)
-                acc.clear_records()
-        with_records = list(filter(_get_values, with_records))
+        changed = [acc for acc in with_records if acc.versions and _modified(acc)]
+        modified = [acc.name for acc in changed]
+        with_records = [acc for acc in with_records if acc not in changed]  # identity
     on_device: dict[Any, list[Accumulator]] = {}
     host: list[Accumulator] = []
     for acc in with_records:
@@ -71,19 +101,11 @@ def fold(accs: list[Accumulator], numbers: NumberRecords, table: Table, nonfinit
             on_device.setdefault(acc.record_device, []).append(acc)
     if numbers.values or host:
         _fold_records(table, plan_for(table, None, accs), numbers, host, None, nonfinite)
-        numbers.clear()
     for device, members in on_device.items():
         plan = plan_for(table, device, members)
         with torch.no_grad():
             _fold_records(table, plan, None, plan.members, device, nonfinite)
-    for acc in with_records:  # each holds an array record (numbers alone go flat)
-        acc.clear_records()
-    if modified:
-        raise ModifiedInputError(
-            "tensors logged this step were changed in place before compute(), so the "
-            "values they had when logged are gone; log a copy (tensor.clone()) or log "
-            f"after the change. Metrics dropped from this step: {', '.join(map(repr, modified))}"
-        )
+    return modified
 
 
 _get_values = attrgetter("values")
@@ -144,8 +166,13 @@ def _fold_records(
             if kind.has_extra:
                 _fold_extras(table, kind, positions[0], kind.reduce_extra(part), part)
         if added:
-            sum_positions, max_positions = plan.positions([i for i, _, _ in added], table)
-            sums, maxes = (joined([a[j] for a in added], device) for j in (1, 2))
+            if len(added) == 1:  # the columnar kinds', or one kind's
+                key, sums, maxes = added[0]
+                keys = (key,)
+            else:
+                keys = tuple(key for key, _, _ in added)
+                sums, maxes = (joined([a[j] for a in added], device) for j in (1, 2))
+            sum_positions, max_positions = plan.positions(keys, table)
             if batch.on_host:
                 table.add(sum_positions, sums, max_positions, maxes)
             else:
@@ -162,8 +189,7 @@ def _reduce_fused(table: Table, batch: Batch, layout: Layout, fused: Fused) -> t
         elements, calls = layout.element_at[rows], layout.call_at[rows]
         batch = batch.part(slice(0, rows), slice(0, elements), slice(0, calls))
     device = None if batch.on_host else batch.values.device
-    sums = joined(list(map(batch.column_sum, fused.sum_columns)), device)
-    maxes = joined(list(map(batch.column_max, fused.max_columns)), device)
+    sums, maxes = batch.column_sums(fused.sum_columns), batch.column_maxes(fused.max_columns)
     if device is None:
         return sums[fused.sum_source], maxes[fused.max_source]
     return (
@@ -195,14 +221,18 @@ def _batch(
     together, in call order), its layout, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
     if not accs:  # python numbers only: checked when logged, one element per call
-        layout = plan.numbers_layout(numbers)
-        value, weight = numbers.arrays()
+        cached = plan.numbers_layout(numbers)
+        layout = cached.layout
+        if numbers.weight_at:
+            value, weight = numbers.arrays()
+            if layout.order is not None:
+                weight = weight[layout.order]
+        else:  # every weight is 1
+            value, weight = np.fromiter(numbers.values, np.float64, len(numbers.values)), None
         if layout.order is not None:
-            value, weight = value[layout.order], weight[layout.order]
-        batch = Batch(
-            value, weight, layout.segments, layout.lengths, layout.call_lengths,
-            starts=layout.starts, full=layout.full,
-        )  # fmt: skip
+            value = value[layout.order]
+        weight = cached.unit_weights if weight is None else weight
+        batch = Batch.of(value, weight, cached.batch_rows)
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
     batch, layout = _joined_batch(plan, numbers, accs, device)

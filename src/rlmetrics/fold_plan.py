@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from rlmetrics.kinds.base import Accumulator
+from rlmetrics.kinds.rows import Rows
 from rlmetrics.record import NumberRecords
 from rlmetrics.table import Table
 
@@ -65,6 +66,17 @@ class Layout(NamedTuple):
         return Layout(
             order, rows, lengths, starts, full, element_at, call_at, call_rows, call_lengths
         )
+
+
+class NumbersLayout(NamedTuple):
+    """The layout of a step's flat python numbers, kept while their row list is the
+    same: the elements' plan order, the batch's rows, and the weights when none was
+    logged (all 1; read-only)."""
+
+    rows: list[int]  # per number, its table row, as recorded
+    layout: Layout
+    batch_rows: Rows
+    unit_weights: np.ndarray
 
 
 class Group:
@@ -134,7 +146,7 @@ class Plan:
         self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
         self.index = np.full(table.num_rows, -1, dtype=np.int64)
         self.index[self.rows] = np.arange(len(self.rows))
-        self._numbers: tuple[list[int], Layout] | None = None
+        self._numbers: NumbersLayout | None = None
         self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def fused(self, table: Table) -> Fused:
@@ -143,12 +155,11 @@ class Plan:
             self._fused = Fused.make(self.groups[: self.num_columnar], table)
         return self._fused
 
-    def positions(self, groups: list[int], table: Table) -> tuple[np.ndarray, np.ndarray]:
+    def positions(self, groups: tuple[int, ...], table: Table) -> tuple[np.ndarray, np.ndarray]:
         """The SUM and MAX positions of the rows of ``groups`` (indices into
         ``self.groups``; ``FUSED`` for the columnar groups as ``Fused`` orders their
         slots), flat, in order; kept per set of groups."""
-        key = tuple(groups)
-        cached = self._positions.get(key)
+        cached = self._positions.get(groups)
         if cached is None:
             sums, maxes = [], []
             for i in groups:
@@ -160,20 +171,23 @@ class Plan:
                     _, sum_positions, max_positions = self.groups[i].positions(table)
                     sums.append(sum_positions.reshape(-1))
                     maxes.append(max_positions.reshape(-1))
-            cached = self._positions[key] = (np.concatenate(sums), np.concatenate(maxes))
+            cached = self._positions[groups] = (np.concatenate(sums), np.concatenate(maxes))
         return cached
 
-    def numbers_layout(self, numbers: NumberRecords) -> Layout:
+    def numbers_layout(self, numbers: NumberRecords) -> NumbersLayout:
         """The layout of the flat ``numbers``; the last one is kept, since a
         steady-state step logs its metrics in the same order every time."""
         cached = self._numbers
-        if cached is not None and cached[0] == numbers.rows:
-            return cached[1]
+        if cached is not None and cached.rows == numbers.rows:
+            return cached
         rows = self.number_rows(numbers)
         calls = np.ones(len(rows), dtype=np.int64)  # one element per call
         layout = Layout.make(rows, rows, calls, len(self.rows))
-        self._numbers = (list(numbers.rows), layout)
-        return layout
+        batch_rows = Rows(layout.segments, layout.lengths, calls, layout.starts, layout.full)
+        ones = np.ones(len(rows))
+        ones.flags.writeable = False
+        self._numbers = NumbersLayout(list(numbers.rows), layout, batch_rows, ones)
+        return self._numbers
 
     def number_rows(self, numbers: NumberRecords) -> np.ndarray:
         """Per flat number, its metric's place in this plan."""

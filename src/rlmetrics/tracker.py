@@ -229,11 +229,14 @@ class Tracker(LogMethods):
         if self.pending_timers:
             read_device_timers(self, wait)
         if self._recorded and not self._groups.resolving:
+            # every call recorded one flat python number: no metric holds records of its own
+            flat_only = self._recorded == len(self._numbers.values)
             try:
                 self._groups.resolve(self)
             finally:
                 self._recorded = 0
-                fold(list(self._accumulators.values()), self._numbers, self._table, self.nonfinite)
+                accs = list(self._accumulators.values())
+                fold(accs, self._numbers, self._table, self.nonfinite, flat_only=flat_only)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -402,10 +405,11 @@ class Tracker(LogMethods):
         self.pending_timers = []
         self._groups.clear()
         self._numbers.clear()
-        self._recorded = 0
-        if any(map(_get_values, self._accumulators.values())):  # none after a fold
+        # records are left only by calls since the last fold (a fold clears every one)
+        if self._recorded and any(map(_get_values, self._accumulators.values())):
             for acc in self._accumulators.values():
                 acc.clear()  # drops the records (the tensors they keep alive) now
+        self._recorded = 0
         if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
             self._pool = dict(self._accumulators)
             self._table = self._table.compacted(list(self._pool.values()))

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-Array = Any  # np.ndarray on the host, torch.Tensor on a device
+from rlmetrics.kinds.rows import Array, Rows
 
 COLUMNS = ("value", "negated_value", "weight", "weighted_value", "selected")
 """The per-element columns a kind can declare its slots with (``Batch.column``): the
@@ -30,6 +30,18 @@ value, its negation, the weight, value × weight, and 1 where selected (weight >
 SUM slot sums its column over a metric's elements (one that is not selected has value
 and weight 0 by then: it adds nothing); a MAX slot takes its column's max over the
 selected elements (-inf when there is none)."""
+
+STACK_LIMIT = 1 << 14
+"""Elements (all columns together) up to which a host batch reduces several columns
+with one operation (``Batch.column_sums``): in a small batch each operation's fixed
+cost outweighs copying the columns into one array; in a large one the copy costs more.
+A device batch reduces column by column, so that the number of torch operations does
+not depend on how many elements were logged."""
+
+MIN_KEYS_BY_COLUMN = 128
+"""The fewest keys (rows, or rows times columns) for which rows of ``Rows.width``
+take their maxima column by column: with fewer, one ``reduceat`` costs less than the
+elementwise operations."""
 
 
 class Batch:
@@ -63,47 +75,44 @@ class Batch:
     ) -> None:
         """``starts`` (where each row's elements start) and ``full`` (every row has an
         element) follow from ``lengths``; a caller that knows them passes them."""
+        self._set(values, weights, Rows(segments, lengths, call_lengths, starts, full))
+
+    @classmethod
+    def of(cls, values: Array, weights: Array, rows: Rows) -> Batch:
+        """A batch of ``values`` and ``weights`` laid out as ``rows``."""
+        batch = object.__new__(cls)
+        batch._set(values, weights, rows)
+        return batch
+
+    def _set(self, values: Array, weights: Array, rows: Rows) -> None:
         self.values = values
         self.weights = weights
-        self.segments = segments
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.call_lengths = np.asarray(call_lengths, dtype=np.int64)
-        self.num_rows = len(self.lengths)
+        self.rows = rows
+        self.segments = rows.segments
+        self.lengths = rows.lengths
+        self.call_lengths = rows.call_lengths
+        self.num_rows = rows.num_rows
         self._selected: Array | None = None
-        self._starts = starts
-        self._full = full
 
     def part(self, rows: slice, elements: slice, calls: slice) -> Batch:
         """The batch of ``rows`` (whose elements and calls are ``elements`` and
         ``calls``), its rows numbered from 0: the metrics of one kind."""
-        part = object.__new__(type(self))
-        segments = self.segments[elements]
-        part.values = self.values[elements]
-        part.weights = self.weights[elements]
-        part.segments = segments - rows.start if rows.start else segments
-        part.lengths = self.lengths[rows]
-        part.call_lengths = self.call_lengths[calls]
-        part.num_rows = rows.stop - rows.start
-        part.all_selected = self.all_selected
-        part._selected = None if self.all_selected else self.selected()[elements]
-        starts = self._starts
-        if starts is not None:
-            starts = starts[rows] - elements.start if elements.start else starts[rows]
-        part._starts = starts
-        part._full = True if self._full else None  # a part of a full batch is full
+        part = self.of(
+            self.values[elements], self.weights[elements], self.rows.part(rows, elements, calls)
+        )
+        if self.all_selected:
+            part.all_selected = True
+        else:
+            part._selected = self.selected()[elements]
         return part
 
     def row_starts(self) -> np.ndarray:
         """Per row, the position of its first element (host array)."""
-        if self._starts is None:
-            self._starts = np.cumsum(self.lengths) - self.lengths
-        return self._starts
+        return self.rows.starts()
 
     def rows_full(self) -> bool:
         """Whether every row has an element."""
-        if self._full is None:
-            self._full = bool(self.lengths.all())
-        return self._full
+        return self.rows.full()
 
     # -- operations a kind's reduce uses ---------------------------------------------
     def selected(self) -> Array:
@@ -115,7 +124,7 @@ class Batch:
     def count(self) -> Array:
         """Per row, the number of selected elements."""
         if self.all_selected:
-            return self.lengths.astype(np.float64)
+            return self.rows.counts()
         return self.sum_by(self.selected())
 
     def column(self, name: str) -> Array:
@@ -147,6 +156,40 @@ class Batch:
         column = self.select(self.column(name), -math.inf)
         return column if self.one_per_row else self.max_by(column)
 
+    def column_sums(self, names: Sequence[str]) -> Array:
+        """``column_sum`` of each of ``names``, laid end to end (num_rows values each).
+        A small batch joins the columns and sums them by (row, column) at once (each
+        sum adds its elements in ``column_sum``'s order: the same bits)."""
+        if not self._stacks(len(names)):
+            return self._joined([self.column_sum(name) for name in names])
+        keys, _, _ = self.rows.stacked(len(names), self.constant)
+        ones = self.rows.ones(self.xp, self.values) if self.all_selected else None
+        columns = [ones if ones is not None and name == "selected" else self.column(name)
+                   for name in names]  # fmt: skip
+        return self.sum_by(self.xp.concatenate(columns), keys, len(names) * self.num_rows)
+
+    def column_maxes(self, names: Sequence[str]) -> Array:
+        """``column_max`` of each of ``names``, laid end to end; a small batch joins the
+        columns and maxes them by (row, column) at once."""
+        if not self._stacks(len(names)):
+            return self._joined([self.column_max(name) for name in names])
+        columns = [self.column(name) for name in names]
+        if not self.all_selected:
+            columns = [self.where(self.selected(), column, -math.inf) for column in columns]
+        joined = self.xp.concatenate(columns)
+        keys, starts, nonempty = self.rows.stacked(len(names), self.constant)
+        return self._max_by_keys(joined, keys, starts, nonempty, len(names) * self.num_rows)
+
+    def _stacks(self, columns: int) -> bool:
+        """Whether ``columns`` columns reduce with one operation (a small host batch)."""
+        return columns > 1 and len(self.values) * columns <= STACK_LIMIT
+
+    def _joined(self, per_row: list[Array]) -> Array:
+        """Per-row arrays laid end to end (an empty float64 array for none)."""
+        if len(per_row) == 1:
+            return per_row[0]
+        return self.xp.concatenate(per_row) if per_row else self.constant(np.zeros(0))
+
     def select(self, x: Array, fill: float) -> Array:
         """``x`` where an element is selected, ``fill`` elsewhere."""
         return x if self.all_selected else self.where(self.selected(), x, fill)
@@ -160,13 +203,32 @@ class Batch:
 
     def max_by(self, x: Array) -> Array:
         """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
-        starts = self.row_starts()
-        if self.rows_full():
+        rows = self.rows
+        full = rows.full()
+        nonempty = None if full else self.lengths > 0
+        starts = rows.starts() if full else rows.starts()[nonempty]
+        return self._max_by_keys(x, self.segments, starts, nonempty, self.num_rows)
+
+    def _max_by_keys(
+        self, x: Array, keys: Array, starts: np.ndarray, nonempty: Any, size: int
+    ) -> Array:
+        """Per key in ``range(size)``, the max of ``x`` (NaN wins; -inf for none): the
+        elements of each key lie together in ascending order of keys, the keys with an
+        element (``nonempty``; None: all) start at ``starts``."""
+        if nonempty is None:
+            width = self.rows.width() if size >= MIN_KEYS_BY_COLUMN else 0
+            if width:  # a few elements per key: their maxima column by column, in order
+                block = x.reshape(-1, width)
+                if width == 1:
+                    return block[:, 0].copy()
+                out = np.maximum(block[:, 0], block[:, 1])
+                for j in range(2, width):
+                    out = np.maximum(out, block[:, j])
+                return out
             return np.maximum.reduceat(x, starts)
-        out = np.full(self.num_rows, -math.inf)
-        nonempty = self.lengths > 0
-        if nonempty.any():
-            out[nonempty] = np.maximum.reduceat(x, starts[nonempty])
+        out = np.full(size, -math.inf)
+        if len(starts):
+            out[nonempty] = np.maximum.reduceat(x, starts)
         return out
 
     def last_elements(self) -> Batch:
@@ -174,15 +236,14 @@ class Batch:
         unselected zero for a row without one): what a replacing kind reduces."""
         full = self.all_selected and self.rows_full()
         if full:  # every row's last element
-            index = self.row_starts() + (self.lengths - 1)
+            index = self.rows.last_index()
             values, weights = self.values[index], self.weights[index]
         else:
             last = self.max_by(self.select(self.positions(), -1.0))
             present = last >= 0
             values = self.where(present, self.take(self.values, last), 0.0)
             weights = self.where(present, self.take(self.weights, last), 0.0)
-        ones, rows = np.ones(self.num_rows, dtype=np.int64), np.arange(self.num_rows)
-        out = type(self)(values, weights, self.constant(rows), ones, ones, starts=rows, full=True)
+        out = self.of(values, weights, self.rows.one_each(self.constant))
         out.all_selected = full
         out.one_per_row = True
         return out
@@ -256,8 +317,16 @@ class DeviceBatch(Batch):
         return to_device(array, self.values.device)
 
     def max_by(self, x: Tensor) -> Tensor:
-        out = torch.full((self.num_rows,), -math.inf, dtype=torch.float64, device=x.device)
-        return out.scatter_reduce_(0, self.segments, x.to(torch.float64), "amax")
+        return self._max_by_keys(x, self.segments, None, None, self.num_rows)
+
+    def _stacks(self, columns: int) -> bool:
+        return False  # column by column: a number of operations that no size changes
+
+    def _max_by_keys(
+        self, x: Tensor, keys: Tensor, starts: np.ndarray | None, nonempty: Any, size: int
+    ) -> Tensor:
+        out = torch.full((size,), -math.inf, dtype=torch.float64, device=x.device)
+        return out.scatter_reduce_(0, keys, x.to(torch.float64), "amax")
 
     def columns(self, *columns: Tensor) -> Tensor:
         if not columns:

@@ -1,0 +1,148 @@
+"""Where a batch's elements belong (``Rows``), and what follows from it, derived once.
+
+A fold keeps the rows of its python numbers across steps (``rlmetrics.fold_plan``),
+so everything here that follows from them (row starts, counts, each kind's part, the
+keys that reduce several columns at once) is computed on a steady-state step's first
+fold only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+Array = Any  # np.ndarray on the host, torch.Tensor on a device
+
+MAX_WIDTH = 4
+"""The most elements per row for which ``Rows.width`` applies: numpy's ``reduceat``
+folds a segment of up to 4 elements in order (the later of two equal maxima wins,
+which tells 0.0 from -0.0), like the elementwise maxima; above it, it takes another
+order."""
+
+
+class Rows:
+    """Where a batch's elements belong: the row of each element, the elements of each
+    row and of each call, and what follows from them, each computed once. A fold keeps
+    the rows of its python numbers across steps, and the rows of its parts with them,
+    so a steady-state step derives none of this again.
+
+    Attributes:
+        segments: int64, 1-D, the row of each element, ascending (on the batch's
+            backend).
+        lengths: int64 host array, the number of elements of each row.
+        call_lengths: int64 host array, the number of elements of each log call.
+        num_rows: how many rows.
+    """
+
+    __slots__ = ("_full", "_memo", "_starts", "call_lengths", "lengths", "num_rows", "segments")
+
+    def __init__(
+        self,
+        segments: Array,
+        lengths: Sequence[int] | np.ndarray,
+        call_lengths: Sequence[int] | np.ndarray,
+        starts: np.ndarray | None = None,
+        full: bool | None = None,
+    ) -> None:
+        self.segments = segments
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.call_lengths = np.asarray(call_lengths, dtype=np.int64)
+        self.num_rows = len(self.lengths)
+        self._starts = starts
+        self._full = full
+        self._memo: dict[Any, Any] = {}  # what follows from the rows, by what it is
+
+    def starts(self) -> np.ndarray:
+        """Per row, the position of its first element (host array)."""
+        if self._starts is None:
+            self._starts = np.cumsum(self.lengths) - self.lengths
+        return self._starts
+
+    def full(self) -> bool:
+        """Whether every row has an element."""
+        if self._full is None:
+            self._full = bool(self.lengths.all())
+        return self._full
+
+    def width(self) -> int:
+        """Every row's number of elements when they are all equal and at most
+        ``MAX_WIDTH``, else 0: such rows take their maxima column by column (a few
+        elementwise operations instead of one reduction per row)."""
+        width = self._memo.get("width")
+        if width is None:
+            lengths = self.lengths
+            width = int(lengths[0]) if len(lengths) else 0
+            if not 0 < width <= MAX_WIDTH or (lengths != width).any():
+                width = 0
+            self._memo["width"] = width
+        return width
+
+    def counts(self) -> np.ndarray:
+        """Per row, its number of elements, float64 (read-only: shared by the batches
+        of these rows)."""
+        counts = self._memo.get("counts")
+        if counts is None:
+            counts = self._memo["counts"] = self.lengths.astype(np.float64)
+            counts.flags.writeable = False
+        return counts
+
+    def ones(self, xp: Any, like: Array) -> Array:
+        """A float64 1 per element, on the backend of ``like`` (namespace ``xp``)."""
+        ones = self._memo.get("ones")
+        if ones is None:
+            ones = self._memo["ones"] = xp.ones_like(like)
+        return ones
+
+    def last_index(self) -> np.ndarray:
+        """Per row (all full), the position of its last element."""
+        index = self._memo.get("last")
+        if index is None:
+            index = self._memo["last"] = self.starts() + (self.lengths - 1)
+        return index
+
+    def one_each(self, constant: Any) -> Rows:
+        """The rows of a batch of one element per row (``constant`` puts a host array
+        on the backend of these rows' segments)."""
+        rows = self._memo.get("one_each")
+        if rows is None:
+            index = np.arange(self.num_rows)
+            ones = np.ones(self.num_rows, dtype=np.int64)
+            rows = self._memo["one_each"] = Rows(constant(index), ones, ones, index, True)
+        return rows
+
+    def stacked(self, columns: int, constant: Any) -> tuple[Array, np.ndarray, Any]:
+        """For ``columns`` per-element columns laid end to end: per element its key
+        (row + column × num_rows, on the segments' backend), per key with an element
+        where its elements start (host), and which keys have one (None: all)."""
+        key = ("stacked", columns)
+        stacked = self._memo.get(key)
+        if stacked is None:
+            offsets = np.arange(columns)[:, None]
+            starts = (self.starts() + offsets * len(self.segments)).reshape(-1)
+            nonempty = None if self.full() else np.tile(self.lengths > 0, columns)
+            if nonempty is not None:
+                starts = starts[nonempty]
+            keys = (self.segments[None, :] + constant(offsets * self.num_rows)).reshape(-1)
+            stacked = self._memo[key] = (keys, starts, nonempty)
+        return stacked
+
+    def part(self, rows: slice, elements: slice, calls: slice) -> Rows:
+        """The rows ``rows`` (whose elements and calls are ``elements`` and ``calls``),
+        numbered from 0; kept per slice of rows."""
+        key = (rows.start, rows.stop)
+        part = self._memo.get(key)
+        if part is None:
+            segments = self.segments[elements]
+            starts = self._starts
+            if starts is not None:
+                starts = starts[rows] - elements.start if elements.start else starts[rows]
+            part = self._memo[key] = Rows(
+                segments - rows.start if rows.start else segments,
+                self.lengths[rows],
+                self.call_lengths[calls],
+                starts,
+                True if self._full else None,  # a part of a full batch is full
+            )
+        return part
