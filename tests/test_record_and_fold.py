@@ -516,7 +516,7 @@ def test_max_and_min_of_signed_zeros_keep_the_later_of_equal_values(calls: int) 
     for step in range(8):
         data: dict[str, list[float]] = {}
         for call in range(calls):
-            for i in range(80):  # enough rows for the column-by-column maxima
+            for i in range(80):  # many rows, several columns stacked
                 if step % 2 and i == 5 and call == calls - 1 and calls > 1:
                     continue  # one metric short: rows of unequal length
                 x = rng.choice(pool)

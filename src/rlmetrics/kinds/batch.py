@@ -38,12 +38,6 @@ cost outweighs copying the columns into one array; in a large one the copy costs
 A device batch reduces column by column, so that the number of torch operations does
 not depend on how many elements were logged."""
 
-MIN_KEYS_BY_COLUMN = 128
-"""The fewest keys (rows, or rows times columns) for which rows of ``Rows.width``
-take their maxima column by column: with fewer, one ``reduceat`` costs less than the
-elementwise operations."""
-
-
 class Batch:
     """One backend's records of one kind (see the module docstring).
 
@@ -216,15 +210,6 @@ class Batch:
         elements of each key lie together in ascending order of keys, the keys with an
         element (``nonempty``; None: all) start at ``starts``."""
         if nonempty is None:
-            width = self.rows.width() if size >= MIN_KEYS_BY_COLUMN else 0
-            if width:  # a few elements per key: their maxima column by column, in order
-                block = x.reshape(-1, width)
-                if width == 1:
-                    return block[:, 0].copy()
-                out = np.maximum(block[:, 0], block[:, 1])
-                for j in range(2, width):
-                    out = np.maximum(out, block[:, j])
-                return out
             return np.maximum.reduceat(x, starts)
         out = np.full(size, -math.inf)
         if len(starts):

@@ -15,13 +15,6 @@ import numpy as np
 
 Array = Any  # np.ndarray on the host, torch.Tensor on a device
 
-MAX_WIDTH = 4
-"""The most elements per row for which ``Rows.width`` applies: numpy's ``reduceat``
-folds a segment of up to 4 elements in order (the later of two equal maxima wins,
-which tells 0.0 from -0.0), like the elementwise maxima; above it, it takes another
-order."""
-
-
 class Rows:
     """Where a batch's elements belong: the row of each element, the elements of each
     row and of each call, and what follows from them, each computed once. A fold keeps
@@ -65,19 +58,6 @@ class Rows:
         if self._full is None:
             self._full = bool(self.lengths.all())
         return self._full
-
-    def width(self) -> int:
-        """Every row's number of elements when they are all equal and at most
-        ``MAX_WIDTH``, else 0: such rows take their maxima column by column (a few
-        elementwise operations instead of one reduction per row)."""
-        width = self._memo.get("width")
-        if width is None:
-            lengths = self.lengths
-            width = int(lengths[0]) if len(lengths) else 0
-            if not 0 < width <= MAX_WIDTH or (lengths != width).any():
-                width = 0
-            self._memo["width"] = width
-        return width
 
     def counts(self) -> np.ndarray:
         """Per row, its number of elements, float64 (read-only: shared by the batches
