@@ -38,6 +38,7 @@ cost outweighs copying the columns into one array; in a large one the copy costs
 A device batch reduces column by column, so that the number of torch operations does
 not depend on how many elements were logged."""
 
+
 class Batch:
     """One backend's records of one kind (see the module docstring).
 

@@ -15,6 +15,7 @@ import numpy as np
 
 Array = Any  # np.ndarray on the host, torch.Tensor on a device
 
+
 class Rows:
     """Where a batch's elements belong: the row of each element, the elements of each
     row and of each call, and what follows from them, each computed once. A fold keeps
