@@ -92,8 +92,8 @@ def record_number(
         if weight == 0.0:  # contributes nothing, NaN or not, under every policy
             acc.kept_call = True  # but the metric exists (see Tracker._forget_rejected)
             return
-    if acc.kind.parts != 1:
-        _check_parts(acc, name, 1)
+    if acc.sized:
+        _check_size(acc, name, 1, ())
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
@@ -111,12 +111,18 @@ def record_number(
         acc.weights.append(weight)
 
 
-def _check_parts(acc: Accumulator, name: str, size: int) -> None:
-    parts = acc.kind.parts
-    if size % parts:
+def _check_size(acc: Accumulator, name: str, size: int, shape: tuple[int, ...]) -> None:
+    """A call's size against its kind's rule (``Accumulator.sized``): a multiple of its
+    ``parts``, one element for a kind that ``replaces``."""
+    kind = acc.kind
+    if size % kind.parts:
         raise TypeError(
-            f"metric {name!r} (kind {acc.kind.name!r}) splits each call into {parts} equal "
-            f"parts, so a call must hold a multiple of {parts} elements; got {size}"
+            f"metric {name!r} (kind {kind.name!r}) splits each call into {kind.parts} equal "
+            f"parts, so a call must hold a multiple of {kind.parts} elements; got {size}"
+        )
+    if size != 1 and kind.replaces:
+        raise ValueError(
+            f"metric {name!r} (kind {kind.name!r}) takes one value, got shape {tuple(shape)}"
         )
 
 
@@ -269,13 +275,8 @@ def record_tensor(
             if weight.requires_grad:
                 weight = weight.detach()
     size = shape.numel()
-    kind = acc.kind
-    if kind.parts != 1:
-        _check_parts(acc, name, size)
-    if size != 1 and kind.replaces:
-        raise ValueError(
-            f"metric {name!r} (kind {kind.name!r}) takes one value, got shape {tuple(shape)}"
-        )
+    if acc.sized:
+        _check_size(acc, name, size, shape)
     if needs_check:
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
@@ -311,12 +312,8 @@ def record_prepared(
     if value is None:
         record_number(acc, name, prepared.number, prepared.weight_number, nonfinite, numbers)
         return
-    if acc.kind.parts != 1:
-        _check_parts(acc, name, prepared.size)
-    if acc.kind.replaces and prepared.size != 1:
-        raise ValueError(
-            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {prepared.shape}"
-        )
+    if acc.sized:
+        _check_size(acc, name, prepared.size, prepared.shape)
     if prepared.check_weights or nonfinite == "error":
         acc.num_checked += 1  # may be rejected: compute() tells
     else:

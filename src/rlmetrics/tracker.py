@@ -81,7 +81,7 @@ def _record_method(kind: str) -> Callable[..., None]:
             except TypeError:  # an unhashable name
                 check_name(name)
                 raise
-            if acc is None or acc.kind.name != kind:
+            if acc is None or acc.kind_name != kind:
                 self._log_new(name, kind, value, weight)
             elif (
                 type(value) is float
