@@ -555,7 +555,7 @@ def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
     expected = [("a", "mean"), ("b", "sum"), ("p/c", "max"), ("p/q/d", "min")]
     assert t.seen == [*expected, ("e", "std"), ("p/f", "last")]
     assert t.compute() == {"a": 1.0, "b": 1.0, "e": 0.5, "p/c": 2.0, "p/f": 4.0, "p/q/d": 3.0}
-    assert Tracker().prefixed("p/").direct and not view.direct
+    assert Tracker().prefixed("p/")._direct and not view._direct
 
 
 def test_prefixed_views_log_into_the_same_tracker() -> None:

@@ -197,7 +197,7 @@ def _prefixed_method(kind: str) -> Callable[..., None]:
         self: PrefixedTracker, name: str, value: Any, weight: Any = None, mask: Any = None,
         by: Any = None, labels: Any = None,
     ) -> None:  # fmt: skip
-        if self.direct and mask is None and by is None and labels is None:
+        if self._direct and mask is None and by is None and labels is None:
             RECORDS[kind](self.tracker, self.prefix + check_name(name), value, weight)
         else:
             through_log(self, name, value, weight, mask, by, labels)
@@ -216,7 +216,7 @@ class PrefixedTracker(LogMethods):
             raise TypeError(f"prefix must be a string, got {type(prefix).__name__}")
         self.tracker = tracker
         self.prefix = prefix
-        self.direct = tracker._logs_directly  # whether RECORDS holds its log methods
+        self._direct = tracker._logs_directly  # whether RECORDS holds its log methods
 
     def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
         self.tracker._log(self.prefix + check_name(name), kind, value, weight)
