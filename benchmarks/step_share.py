@@ -13,9 +13,11 @@ kept as it is.
 The demo trainer (``rlmetrics demo`` defaults: GRPO, 32 prompts x 8 samples, float32)
 runs on ``--dp`` spawned gloo ranks with these patches, installed in each rank:
 
-* ``Tracker._log`` and ``Tracker._log_shared`` (every log call of a Tracker or a
-  prefixed view ends in one of them) and ``Tracker.compute`` are wrapped in a
-  ``perf_counter`` timer that adds to per-step totals;
+* the Tracker's log methods of each kind (``Tracker.mean`` and the others, also in
+  ``log_methods.RECORDS``, which prefixed views call), ``Tracker._log`` and
+  ``Tracker._log_shared`` (every log call of a Tracker or a prefixed view goes through
+  one of them) and ``Tracker.compute`` are wrapped in a ``perf_counter`` timer that
+  adds to per-step totals;
 * ``train_step`` is wrapped the same way: its wall time is the step (it ends with the
   step's ``compute()``);
 * before ``compute()``, an untimed ``dist.barrier()`` aligns the ranks, so that waiting
@@ -159,9 +161,9 @@ def switchable(
     switch: dict[str, Any] = {"on": True, "last": {}}
 
     def switched(log: Callable) -> Callable:
-        def switched_log(self: Any, *args: Any) -> None:
+        def switched_log(self: Any, *args: Any, **kwargs: Any) -> None:
             if switch["on"]:
-                log(self, *args)
+                log(self, *args, **kwargs)
 
         return switched_log
 
@@ -181,18 +183,20 @@ def install(rank: int, steps: list[dict[str, float]], alternate: bool) -> None:
     With ``alternate``, odd steps run with the tracker switched off (log calls and
     ``compute()`` return at once, inside the same timers), for the A/B comparison.
     """
+    from rlmetrics.log_methods import KIND_METHODS, RECORDS
     from rlmetrics.tracker import Tracker
     from rlmetrics.trainer import report
 
     train = importlib.import_module("rlmetrics.trainer.train")  # the package shadows it
 
     totals = fresh_totals()
-    (log, log_shared), compute, switch = switchable(
-        (Tracker._log, Tracker._log_shared), Tracker.compute
-    )
+    names = ("_log", "_log_shared", *KIND_METHODS)
+    logs, compute, switch = switchable(tuple(getattr(Tracker, n) for n in names), Tracker.compute)
     depth = [0]  # one cell: a log_shared call is timed once, not again per metric
-    Tracker._log = timed(log, totals, "log", count=True, depth=depth)
-    Tracker._log_shared = timed(log_shared, totals, "log", count=True, depth=depth)
+    for name, log in zip(names, logs, strict=True):
+        setattr(Tracker, name, timed(log, totals, "log", count=True, depth=depth))
+        if name in RECORDS:
+            RECORDS[name] = getattr(Tracker, name)
     Tracker.compute = aligned(timed(compute, totals, "compute"), totals)
     report.Reporter.log = timed(report.Reporter.log, totals, "report")
     inner = timed(train.train_step, totals, "step")

@@ -530,6 +530,34 @@ def test_name_clash_between_result_keys_is_reported() -> None:
 
 
 # -- prefixes -------------------------------------------------------------------------------
+def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
+    """The kind methods record without calling ``_log``; a subclass that overrides it
+    (as ``rlmetrics.audit.RecordingTracker`` does) still sees every call, made on the
+    tracker or a prefixed view, by kind method or kind name, with or without a mask."""
+
+    class Seeing(Tracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, str]] = []
+
+        def _log(self, name: str, kind: str, value: object, weight: object) -> None:
+            self.seen.append((name, kind))
+            super()._log(name, kind, value, weight)
+
+    t = Seeing()
+    view = t.prefixed("p/")
+    t.mean("a", 1.0)
+    t.sum("b", torch.ones(2), mask=torch.tensor([True, False]))
+    view.max("c", 2.0)
+    view.prefixed("q/").min("d", torch.tensor(3.0))
+    t.log("e", [1.0, 2.0], kind="std")
+    view.log("f", 4.0, kind="last")
+    expected = [("a", "mean"), ("b", "sum"), ("p/c", "max"), ("p/q/d", "min")]
+    assert t.seen == [*expected, ("e", "std"), ("p/f", "last")]
+    assert t.compute() == {"a": 1.0, "b": 1.0, "e": 0.5, "p/c": 2.0, "p/f": 4.0, "p/q/d": 3.0}
+    assert Tracker().prefixed("p/")._direct and not view._direct
+
+
 def test_prefixed_views_log_into_the_same_tracker() -> None:
     t = Tracker()
     actor = t.prefixed("actor/")

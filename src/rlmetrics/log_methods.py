@@ -171,11 +171,41 @@ class LogMethods:
         raise NotImplementedError
 
 
+KIND_METHODS = ("mean", "sum", "max", "min", "std", "last", "dist", "quantile")
+"""The kinds with a log method of their own (``LogMethods.mean`` and the others)."""
+
+
 def _alias(name: str, weight: Any, mask: Any) -> Any:
     """``mask=`` is ``weight=`` by its older name; both at once is an error."""
     if weight is not None:
         raise TypeError(f"metric {name!r}: pass weight= or mask= (an alias), not both")
     return mask
+
+
+RECORDS: dict[str, Callable[..., None]] = {}
+"""The Tracker's own log method of each kind name (``Tracker.mean`` and the others, and
+those ``Tracker._log`` made; filled by ``rlmetrics.tracker``)."""
+
+
+def _prefixed_method(kind: str) -> Callable[..., None]:
+    """A prefixed view's log call of ``kind``: the tracker's own log method, under the
+    prefixed name (a call fewer than through ``_log``), unless the tracker's class
+    overrides ``_log``."""
+    through_log = _log_method(kind, "")
+
+    def log(
+        self: PrefixedTracker, name: str, value: Any, weight: Any = None, mask: Any = None,
+        by: Any = None, labels: Any = None,
+    ) -> None:  # fmt: skip
+        if self._direct and mask is None and by is None and labels is None:
+            RECORDS[kind](self.tracker, self.prefix + check_name(name), value, weight)
+        else:
+            through_log(self, name, value, weight, mask, by, labels)
+
+    log.__name__ = kind
+    log.__qualname__ = f"PrefixedTracker.{kind}"
+    log.__doc__ = getattr(LogMethods, kind).__doc__
+    return log
 
 
 class PrefixedTracker(LogMethods):
@@ -186,6 +216,7 @@ class PrefixedTracker(LogMethods):
             raise TypeError(f"prefix must be a string, got {type(prefix).__name__}")
         self.tracker = tracker
         self.prefix = prefix
+        self._direct = tracker._logs_directly  # whether RECORDS holds its log methods
 
     def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
         self.tracker._log(self.prefix + check_name(name), kind, value, weight)
@@ -204,4 +235,7 @@ class PrefixedTracker(LogMethods):
         return PrefixedTracker(self.tracker, self.prefix + prefix)
 
 
-__all__ = ["LogMethods", "PrefixedTracker"]
+for _kind in KIND_METHODS:
+    setattr(PrefixedTracker, _kind, _prefixed_method(_kind))
+
+__all__ = ["KIND_METHODS", "RECORDS", "LogMethods", "PrefixedTracker"]

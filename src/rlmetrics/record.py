@@ -92,8 +92,8 @@ def record_number(
         if weight == 0.0:  # contributes nothing, NaN or not, under every policy
             acc.kept_call = True  # but the metric exists (see Tracker._forget_rejected)
             return
-    if acc.kind.parts != 1:
-        _check_parts(acc, name, 1)
+    if acc.sized:
+        _check_size(acc, name, 1, ())
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
@@ -111,12 +111,18 @@ def record_number(
         acc.weights.append(weight)
 
 
-def _check_parts(acc: Accumulator, name: str, size: int) -> None:
-    parts = acc.kind.parts
-    if size % parts:
+def _check_size(acc: Accumulator, name: str, size: int, shape: tuple[int, ...]) -> None:
+    """A call's size against its kind's rule (``Accumulator.sized``): a multiple of its
+    ``parts``, one element for a kind that ``replaces``."""
+    kind = acc.kind
+    if size % kind.parts:
         raise TypeError(
-            f"metric {name!r} (kind {acc.kind.name!r}) splits each call into {parts} equal "
-            f"parts, so a call must hold a multiple of {parts} elements; got {size}"
+            f"metric {name!r} (kind {kind.name!r}) splits each call into {kind.parts} equal "
+            f"parts, so a call must hold a multiple of {kind.parts} elements; got {size}"
+        )
+    if size != 1 and kind.replaces:
+        raise ValueError(
+            f"metric {name!r} (kind {kind.name!r}) takes one value, got shape {tuple(shape)}"
         )
 
 
@@ -213,13 +219,21 @@ def record_tensor(
     of elements recorded.
 
     The common call, so ``check_tensor``'s checks are written out here and each tensor
-    attribute is read once, and only when needed (each read is a call into torch): a
-    CPU tensor is not a meta one, so ``is_meta`` is read only off the host path; a bool
-    weight cannot require grad; the weight's dtype serves its check and the bool-mask
-    test. Any refused tensor gets ``tensor_error``'s message.
+    attribute is read once, and only when needed (each read is a call into torch): the
+    shape, read for the size and the weight's check, also tells a strided nested tensor
+    (torch gives it none; a jagged one has a layout of its own), so ``is_nested`` is
+    read only then; a CPU tensor is not a meta one, so ``is_meta`` is read only off the
+    host path; a bool weight cannot require grad; the weight's dtype serves its check
+    and the bool-mask test. Any refused tensor gets ``tensor_error``'s message.
     """
-    if value.dtype not in REAL_DTYPES or value.layout is not STRIDED or value.is_nested:
+    if value.dtype not in REAL_DTYPES or value.layout is not STRIDED:
         raise tensor_error(name, value)
+    try:
+        shape = value.shape  # a strided nested tensor has none: this read checks that too
+    except RuntimeError:
+        if not value.is_nested:
+            raise
+        raise tensor_error(name, value) from None
     on_host = host and value.is_cpu  # else the fold runs on the value's device
     if not on_host and value.is_meta:
         raise tensor_error(name, value)
@@ -227,15 +241,24 @@ def record_tensor(
         value = value.detach()  # a view: the record must not keep the graph alive
     if weight is None:
         needs_check = nonfinite == "error"
-        size = value.numel()
     elif type(weight) is not Tensor:  # a python float or int
         weight = _weight_number(name, weight)
         needs_check = nonfinite == "error"
-        size = value.numel()
     else:
         dtype = weight.dtype
-        if dtype not in REAL_DTYPES or weight.layout is not STRIDED or weight.is_nested:
+        if dtype not in REAL_DTYPES or weight.layout is not STRIDED:
             raise tensor_error(name, weight, "weight")
+        try:
+            weight_shape = weight.shape
+        except RuntimeError:
+            if not weight.is_nested:
+                raise
+            raise tensor_error(name, weight, "weight") from None
+        if weight_shape != shape:
+            raise ValueError(
+                f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
+                f"value shape {tuple(shape)}"
+            )
         if on_host:
             if not weight.is_cpu:  # a CPU value with a device (or meta) weight
                 if weight.is_meta:
@@ -251,20 +274,9 @@ def record_tensor(
             needs_check = True
             if weight.requires_grad:
                 weight = weight.detach()
-        shape = value.shape
-        if weight.shape != shape:
-            raise ValueError(
-                f"metric {name!r}: weight shape {tuple(weight.shape)} does not match "
-                f"value shape {tuple(shape)}"
-            )
-        size = shape.numel()
-    kind = acc.kind
-    if kind.parts != 1:
-        _check_parts(acc, name, size)
-    if size != 1 and kind.replaces:
-        raise ValueError(
-            f"metric {name!r} (kind {kind.name!r}) takes one value, got shape {tuple(value.shape)}"
-        )
+    size = shape.numel()
+    if acc.sized:
+        _check_size(acc, name, size, shape)
     if needs_check:
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
@@ -300,12 +312,8 @@ def record_prepared(
     if value is None:
         record_number(acc, name, prepared.number, prepared.weight_number, nonfinite, numbers)
         return
-    if acc.kind.parts != 1:
-        _check_parts(acc, name, prepared.size)
-    if acc.kind.replaces and prepared.size != 1:
-        raise ValueError(
-            f"metric {name!r} (kind {acc.kind.name!r}) takes one value, got shape {prepared.shape}"
-        )
+    if acc.sized:
+        _check_size(acc, name, prepared.size, prepared.shape)
     if prepared.check_weights or nonfinite == "error":
         acc.num_checked += 1  # may be rejected: compute() tells
     else:

@@ -20,7 +20,7 @@ from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
 from rlmetrics.kinds.base import NUM_COUNTS
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
-from rlmetrics.log_methods import LogMethods, PrefixedTracker
+from rlmetrics.log_methods import KIND_METHODS, RECORDS, LogMethods, PrefixedTracker
 from rlmetrics.packing import Packing, RejectedInputError, in_order, local_reduce
 from rlmetrics.record import (
     NumberRecords,
@@ -52,6 +52,60 @@ def _locked(method: _Method) -> _Method:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
+
+
+_TENSOR_WEIGHTS = frozenset({Tensor, float, int})  # the weights record_tensor takes
+
+
+def _record_method(kind: str) -> Callable[..., None]:
+    """The Tracker's log call of ``kind`` (``Tracker.mean`` and the others, and
+    ``Tracker._log`` for any kind name), written once: under the tracker's lock, the
+    metric found (or made: a failed first call leaves none), then the value recorded.
+    The common calls, a plain float and a tensor, are recorded from here, not through
+    further methods: on this path a python call costs about what a check does."""
+
+    def log(
+        self: Tracker, name: str, value: Any, weight: Any = None, mask: Any = None,
+        by: Any = None, labels: Any = None,
+    ) -> None:  # fmt: skip
+        if mask is not None or by is not None or labels is not None:
+            LogMethods.log(self, name, value, weight, mask, by, labels, kind=kind)
+            return
+        lock = self._lock  # acquire/release: cheaper than a with block
+        lock.acquire()
+        try:
+            try:
+                acc = self._accumulators.get(name)
+            except TypeError:  # an unhashable name
+                check_name(name)
+                raise
+            if acc is None or acc.kind_name != kind:
+                self._log_new(name, kind, value, weight)
+            elif (
+                type(value) is float
+                and weight is None
+                and acc.flat
+                and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
+            ):  # record_number's work for a plain float, written out
+                numbers = self._numbers
+                numbers.values.append(value)
+                numbers.rows.append(acc.row)
+                self._recorded += 1
+            elif type(value) is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
+                self._recorded += 1 + record_tensor(
+                    acc, name, value, weight, self.nonfinite, self.host_arrays
+                )
+            else:
+                self._log_value(acc, name, value, weight)
+            if self._recorded > self.record_limit:
+                self._fold(wait=False)
+        finally:
+            lock.release()
+
+    log.__name__ = kind
+    log.__qualname__ = f"Tracker.{kind}"
+    log.__doc__ = getattr(LogMethods, kind, LogMethods.log).__doc__
+    return log
 
 
 class Tracker(LogMethods):
@@ -131,9 +185,23 @@ class Tracker(LogMethods):
         self._recorded = 0  # elements and calls recorded since the last fold
         self.pending_timers: list[Any] = []  # device timers not read yet (rlmetrics.timing)
         self._groups = Groups()  # calls with by= waiting for the fold
+        self.record_limit = type(self).record_limit  # read by every log call: faster here
 
     host_arrays: bool = True
     record_limit: int = 1 << 22
+
+    _logs_directly = True  # prefixed views call RECORDS' methods, not _log
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that overrides ``_log`` sees every log call: its kind methods are
+        ``LogMethods``', which call ``_log`` (``rlmetrics.audit.RecordingTracker``), and
+        so do its prefixed views'."""
+        super().__init_subclass__(**kwargs)
+        if cls._log is not Tracker._log:
+            cls._logs_directly = False
+            for kind in KIND_METHODS:
+                if kind not in cls.__dict__:
+                    setattr(cls, kind, getattr(LogMethods, kind))
 
     # -- logging ------------------------------------------------------------------
     def kind(self, kind_name: str) -> Kind:
@@ -143,44 +211,35 @@ class Tracker(LogMethods):
         return self._own_kinds.get(kind_name) or get_kind(kind_name)
 
     def _log(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
-        lock = self._lock  # acquire/release: cheaper than a with block
-        lock.acquire()
+        """A log call by kind name (prefixed views, ``log(kind=...)``, ``log_shared``):
+        the kind's log method (``_record_method``), made at its first call that logs."""
+        record = RECORDS.get(kind_name)
+        if record is None:
+            record = _record_method(kind_name)
+            record(self, name, value, weight)
+            RECORDS[kind_name] = record  # it logged, so it names a kind: few such names
+        else:
+            record(self, name, value, weight)
+
+    def _log_new(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
+        """A metric's first call of the step (or a kind conflict, which raises)."""
+        acc = self._accumulator(name, self.kind(kind_name))
         try:
-            try:
-                acc = self._accumulators.get(name)
-            except TypeError:  # an unhashable name
-                check_name(name)
-                raise
-            if acc is None or acc.kind.name != kind_name:
-                acc = self._accumulator(name, self.kind(kind_name))
-                try:
-                    self._log_value(acc, name, value, weight)
-                except BaseException:
-                    del self._accumulators[name]  # a failed first call leaves no empty metric
-                    raise
-                return
-            if (
-                type(value) is float
-                and weight is None
-                and acc.flat
-                and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
-            ):  # the most common call, record_number's work written out
-                numbers = self._numbers
-                numbers.values.append(value)
-                numbers.rows.append(acc.row)
-                self._recorded += 1
-                if self._recorded > self.record_limit:
-                    self._fold(wait=False)
-                return
             self._log_value(acc, name, value, weight)
-        finally:
-            lock.release()
+        except BaseException:
+            del self._accumulators[name]  # a failed first call leaves no empty metric
+            raise
 
     def _log_value(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
-        """Python numbers take the fast path; everything else is prepared first (unless
-        ``log_shared`` prepared it already)."""
+        """Record a value the log method does not record itself: tensors (with no weight,
+        a tensor or a python one), python numbers, prepared values (``log_shared``),
+        arrays and the rest."""
         value_type = type(value)
-        if (value_type is float or value_type is int) and (
+        if value_type is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
+            self._recorded += 1 + record_tensor(
+                acc, name, value, weight, self.nonfinite, self.host_arrays
+            )
+        elif (value_type is float or value_type is int) and (
             weight is None or type(weight) is float or type(weight) is int
         ):
             try:
@@ -192,20 +251,11 @@ class Tracker(LogMethods):
                 raise
             record_number(acc, name, number, weight, self.nonfinite, self._numbers)
             self._recorded += 1
-        elif value_type is Tensor and (
-            weight is None or (weight_type := type(weight)) is Tensor or weight_type is float
-            or weight_type is int
-        ):  # fmt: skip
-            self._recorded += 1 + record_tensor(
-                acc, name, value, weight, self.nonfinite, self.host_arrays
-            )
         else:
             if value_type is not Prepared:
                 value = prepare(name, value, weight, host_arrays=self.host_arrays)
             record_prepared(acc, name, value, self.nonfinite, self._numbers)
             self._recorded += 1 + value.size
-        if self._recorded > self.record_limit:
-            self._fold(wait=False)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
@@ -475,6 +525,10 @@ class Tracker(LogMethods):
         kinds = self._checked_kinds(state, {})  # a state that fails changes nothing
         self.reset()
         self._merge_checked(state, kinds)
+
+
+for _kind in KIND_METHODS:
+    setattr(Tracker, _kind, RECORDS.setdefault(_kind, _record_method(_kind)))
 
 
 __all__ = ["NUM_COUNTS", "LogMethods", "PrefixedTracker", "Tracker"]

@@ -261,9 +261,15 @@ class Accumulator:
     # python numbers go to the tracker's flat records (until an array record, and only
     # for a kind that takes a single number)
     flat: bool = False
+    # the kind's name, and whether it limits a call's size (parts, replaces): read by
+    # every log call, which an attribute of the kind costs more (rlmetrics.record)
+    kind_name: str = field(default="", init=False)
+    sized: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.flat = self.kind.parts == 1
+        self.kind_name = self.kind.name
+        self.sized = self.kind.parts != 1 or self.kind.replaces
 
     def clear(self) -> None:
         """A new step: no records, no calls counted."""
