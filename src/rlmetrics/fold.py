@@ -34,6 +34,7 @@ from rlmetrics.assemble import Parts, assemble, joined, joined_host, on_backend
 from rlmetrics.fold_plan import FUSED, Fused, Layout, Plan, plan_for
 from rlmetrics.kinds.base import Accumulator, Kind
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
+from rlmetrics.kinds.rows import Rows
 from rlmetrics.record import NumberRecords
 from rlmetrics.table import Table
 
@@ -276,10 +277,9 @@ def _joined_batch(
         order = on_backend(layout.order, device)
         value, weight = value[order], weight[order]
     make = Batch if device is None else DeviceBatch
-    batch = make(
-        value, weight, on_backend(layout.segments, device), layout.lengths, layout.call_lengths,
-        starts=layout.starts, full=layout.full,
-    )  # fmt: skip
+    segments = on_backend(layout.segments, device)
+    rows = Rows(segments, layout.lengths, layout.call_lengths, layout.starts, layout.full)
+    batch = make.of(value, weight, rows)
     return batch, layout
 
 

@@ -64,13 +64,8 @@ class Batch:
         segments: Array,
         lengths: Sequence[int] | np.ndarray,
         call_lengths: Sequence[int] | np.ndarray,
-        *,
-        starts: np.ndarray | None = None,
-        full: bool | None = None,
     ) -> None:
-        """``starts`` (where each row's elements start) and ``full`` (every row has an
-        element) follow from ``lengths``; a caller that knows them passes them."""
-        self._set(values, weights, Rows(segments, lengths, call_lengths, starts, full))
+        self._set(values, weights, Rows(segments, lengths, call_lengths))
 
     @classmethod
     def of(cls, values: Array, weights: Array, rows: Rows) -> Batch:
