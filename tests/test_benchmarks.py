@@ -1,5 +1,5 @@
 """The benchmarks' measuring tools: the torch-op counter and the target verdicts of
-log_bench and sync_bench (sync_ops), and a tiny log_bench run end to end."""
+log_bench and sync_bench (sync_ops), and tiny log_bench and step_bench runs end to end."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def bench() -> Iterator[dict[str, ModuleType]]:
     """The benchmark modules, imported with benchmarks/ on sys.path for this module."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
-        names = ("op_count", "log_bench", "sync_ops")
+        names = ("op_count", "log_bench", "sync_ops", "step_bench")
         yield {name: importlib.import_module(name) for name in names}
 
 
@@ -83,3 +83,23 @@ def test_log_bench_runs_end_to_end(
     out = capsys.readouterr().out
     assert out.count("torch ops per call") == 4
     assert "| 1k tensor + bool mask |" in out
+
+
+def test_step_bench_runs_end_to_end_with_agreeing_contenders(
+    bench: dict[str, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torchmetrics")
+    args = ["--steps", "1", "--warmup", "0", "--floats", "10", "--scalars", "2"]
+    bench["step_bench"].main([*args, "--tensors", "2", "--elements", "50", "--no-write"])
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in bench["step_bench"].CONTENDERS)
+
+
+def test_step_bench_refuses_contenders_that_disagree(bench: dict[str, ModuleType]) -> None:
+    """The check that keeps the contenders doing the same work can fail."""
+    good = {"a": 1.0, "token/0": 2.0}
+    results = {"torchmetrics": good, "rlmetrics": good, "verl-style": {"a": 1.0, "token/0": 2.5}}
+    bench["step_bench"].check_agree(results)  # verl's token means may differ: the drift
+    results["rlmetrics"] = {"a": 1.0, "token/0": 2.5}
+    with pytest.raises(AssertionError, match="rlmetrics: token/0"):
+        bench["step_bench"].check_agree(results)
