@@ -85,6 +85,7 @@ format: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(PY) benchmarks/log_bench.py
+	$(PY) benchmarks/step_bench.py
 	$(PY) benchmarks/sync_bench.py
 
 clean:
