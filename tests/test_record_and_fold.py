@@ -529,3 +529,23 @@ def test_max_and_min_of_signed_zeros_keep_the_later_of_equal_values(calls: int) 
             low = -functools.reduce(_later_max, [-x for x in values])
             assert got[f"max/{i}"].hex() == high.hex(), (step, values)
             assert got[f"min/{i}"].hex() == low.hex(), (step, values)
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "tensor path"])
+def test_tensors_of_several_dtypes_in_one_step_fold_exactly(host_arrays: bool) -> None:
+    """Tensors of one shape but other dtypes, folded together: each converts to float64
+    on its own (an int64 beyond float32's precision beside float32 tensors stays exact)."""
+    t = Tracker()
+    t.host_arrays = host_arrays
+    big = torch.tensor([2**40 + 1, 3], dtype=torch.int64)
+    small = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float32)
+    half = torch.tensor([0.5, 1.5], dtype=torch.bfloat16)
+    t.sum("count", big)
+    t.mean("x", small)
+    t.sum("count", torch.tensor(7, dtype=torch.int64))
+    t.mean("x", half)
+    t.mean("x", torch.tensor(0.25, dtype=torch.float32))
+    got = t.compute()
+    assert got["count"] == 2**40 + 11
+    expected = np.concatenate([small.double().numpy(), half.double().numpy(), [0.25]])
+    assert got["x"] == pytest.approx(reference("mean", "x", expected, None)["x"], rel=1e-12)
