@@ -229,7 +229,7 @@ def _batch(
             if layout.order is not None:
                 weight = weight[layout.order]
         else:  # every weight is 1
-            value, weight = np.fromiter(numbers.values, np.float64, len(numbers.values)), None
+            value, weight = numbers.value_array(), None
         if layout.order is not None:
             value = value[layout.order]
         weight = cached.unit_weights if weight is None else weight

@@ -67,14 +67,17 @@ class NumberRecords:
         self.weight_at.clear()
         self.weights.clear()
 
+    def value_array(self) -> np.ndarray:
+        """The values, a float64 array."""
+        return np.fromiter(self.values, np.float64, len(self.values))
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Values and weights, float64 arrays (the rows stay a list: the fold compares
         them with the last step's)."""
-        size = len(self.values)
-        weights = np.ones(size)
+        weights = np.ones(len(self.values))
         if self.weight_at:
             weights[np.fromiter(self.weight_at, np.int64, len(self.weight_at))] = self.weights
-        return np.fromiter(self.values, np.float64, size), weights
+        return self.value_array(), weights
 
 
 def record_number(
