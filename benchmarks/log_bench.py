@@ -39,9 +39,6 @@ so the script runs on any version of the tracker.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import random
 import statistics
 import time
@@ -52,7 +49,7 @@ import torch
 from rlmetrics import Tracker
 
 from op_count import count_ops, describe
-from results_md import write_section
+from results_md import load, machine, write_section
 
 START, END = "<!-- log_bench:start -->", "<!-- log_bench:end -->"
 CONTENDERS = ("rlmetrics", "rlmetrics tensor path", "torchmetrics", "verl-style")
@@ -208,22 +205,11 @@ def verdict(
     return lines
 
 
-def load() -> str:
-    """The 1, 5 and 15 minute load averages (the machine may be shared)."""
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def machine(threads: int, loads: tuple[str, str]) -> str:
-    """One line describing where the numbers come from."""
+def machine_line(threads: int, loads: tuple[str, str]) -> str:
+    """Where the numbers come from (``results_md.machine``)."""
     import torchmetrics
 
-    return (
-        f"{os.cpu_count()} CPUs (nproc), {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}, "
-        f"torchmetrics {torchmetrics.__version__}, torch threads {threads}, "
-        f"load average (1, 5, 15 min) {loads[0]} before, {loads[1]} after, "
-        f"{datetime.date.today().isoformat()}"
-    )
+    return machine(f"torchmetrics {torchmetrics.__version__}, torch threads {threads}", loads)
 
 
 def section(parts: dict[str, list[str]], args: argparse.Namespace, loads: tuple[str, str]) -> str:
@@ -233,7 +219,7 @@ def section(parts: dict[str, list[str]], args: argparse.Namespace, loads: tuple[
             START,
             "## log_bench: cost of one log call (`benchmarks/log_bench.py`)",
             "",
-            f"Machine: {machine(args.threads, loads)}.",
+            f"Machine: {machine_line(args.threads, loads)}.",
             "",
             f"Cells: the median over {args.rounds} rounds of a batch's mean cost per call "
             f"({args.calls} calls per batch for scalars, {max(args.calls // 10, 1)} for the "

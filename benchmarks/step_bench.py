@@ -35,9 +35,6 @@ between ranks is ``sync_bench``'s.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -47,7 +44,7 @@ import torch
 
 from rlmetrics import Tracker
 
-from results_md import write_section
+from results_md import load, machine, write_section
 
 START, END = "<!-- step_bench:start -->", "<!-- step_bench:end -->"
 CONTENDERS = ("rlmetrics", "rlmetrics tensor path", "torchmetrics", "verl-style")
@@ -196,21 +193,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--elements", type=int, default=1000)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
+    import torchmetrics
+
     torch.set_num_threads(1)
-    before = os.getloadavg()
+    before = load()
     samples = run(args)
-    after = os.getloadavg()
-    loads = " / ".join(", ".join(f"{x:.1f}" for x in load) for load in (before, after))
+    loads = (before, load())
     rows = markdown(samples, args)
+    detail = f"torchmetrics {torchmetrics.__version__}, torch threads 1"
     text = "\n".join(
         [
             START,
             "## step_bench: one RL step's metrics on one process (`benchmarks/step_bench.py`)",
             "",
-            f"Machine: {os.cpu_count()} CPUs (nproc), {platform.machine()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}, torch threads 1, "
-            f"load average (1, 5, 15 min) before / after {loads}, "
-            f"{datetime.date.today().isoformat()}.",
+            f"Machine: {machine(detail, loads)}.",
             "",
             *rows,
             END,

@@ -45,10 +45,8 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import argparse
-import datetime
 import gc
 import math
-import platform
 import time
 import traceback
 from pathlib import Path
@@ -61,7 +59,7 @@ import torch.distributed as dist
 from spawn_ranks import spawn_ranks
 
 import sync_ops
-from results_md import write_section
+from results_md import load, machine, write_section
 from sync_contenders import (
     KINDS,
     MICRO_BATCHES,
@@ -286,23 +284,16 @@ def verdict(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "
     )
 
 
-def load() -> str:
-    """The 1, 5 and 15 minute load averages (the machine may be shared)."""
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def machine(loads: tuple[str, str]) -> str:
-    """One line describing where the numbers come from."""
+def machine_line(loads: tuple[str, str]) -> str:
+    """Where the numbers come from (``results_md.machine``)."""
     import torcheval
     import torchmetrics
 
-    return (
-        f"{os.cpu_count()} CPUs (nproc), {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}, "
+    detail = (
         f"torchmetrics {torchmetrics.__version__}, torcheval {torcheval.__version__}, "
-        f"gloo on 127.0.0.1, OMP_NUM_THREADS=1, load average (1, 5, 15 min) {loads[0]} "
-        f"before, {loads[1]} after, {datetime.date.today().isoformat()}"
+        "gloo on 127.0.0.1, OMP_NUM_THREADS=1"
     )
+    return machine(detail, loads)
 
 
 def section(
@@ -318,7 +309,7 @@ def section(
             START,
             "## sync_bench: one step's metric sync (`benchmarks/sync_bench.py`)",
             "",
-            f"Machine: {machine(loads)}.",
+            f"Machine: {machine_line(loads)}.",
             "",
             f"Cells: median / p90 in µs (samples). A sample is the max over ranks of one "
             f"iteration; {args.warmup} warm-up iterations discarded, {args.iters} measured, "
