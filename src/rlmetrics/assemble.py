@@ -31,11 +31,6 @@ def joined(arrays: list[Array], device: torch.device | None) -> Array:
     return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
 
 
-def joined_host(arrays: list[np.ndarray]) -> np.ndarray:
-    """Host arrays as one (no copy for a single one)."""
-    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-
-
 class Parts:
     """Metrics' records as flat parts (host arrays or tensors), metric by metric in call
     order; each run of python numbers, across metrics, becomes one array."""

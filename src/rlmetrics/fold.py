@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.assemble import Parts, assemble, joined, joined_host, on_backend
+from rlmetrics.assemble import Parts, assemble, joined, on_backend
 from rlmetrics.fold_plan import FUSED, Fused, Layout, Plan, plan_for
 from rlmetrics.kinds.base import Accumulator, Kind
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
@@ -101,7 +101,11 @@ def _fold_all(
         else:
             on_device.setdefault(acc.record_device, []).append(acc)
     if numbers.values or host:
-        _fold_records(table, plan_for(table, None, accs), numbers, host, None, nonfinite)
+        plan = plan_for(table, None, accs)
+        if numbers.values:  # first, as an early fold would: their own cached layout
+            _fold_records(table, plan, numbers, [], None, nonfinite)
+        if host:
+            _fold_records(table, plan, None, host, None, nonfinite)
     for device, members in on_device.items():
         plan = plan_for(table, device, members)
         with torch.no_grad():
@@ -184,19 +188,41 @@ def _fold_records(
 
 def _reduce_fused(table: Table, batch: Batch, layout: Layout, fused: Fused) -> tuple[Array, Array]:
     """The slots of the columnar kinds' rows (the first ``fused.num_rows``), flat in
-    ``fused``'s order: each column reduced once over all their elements."""
+    ``fused``'s order: each column reduced once over the elements of its groups."""
     rows = fused.num_rows
     if rows != batch.num_rows:
         elements, calls = layout.element_at[rows], layout.call_at[rows]
         batch = batch.part(slice(0, rows), slice(0, elements), slice(0, calls))
-    device = None if batch.on_host else batch.values.device
-    sums, maxes = batch.column_sums(fused.sum_columns), batch.column_maxes(fused.max_columns)
-    if device is None:
+    if batch.on_host and batch.rows.keyed:  # small: every column over all elements at once
+        sums, maxes = batch.column_sums(fused.sum_columns), batch.column_maxes(fused.max_columns)
+    else:
+        sums = _span_columns(batch, layout, fused.sum_columns, fused.sum_spans, Batch.column_sum)
+        maxes = _span_columns(batch, layout, fused.max_columns, fused.max_spans, Batch.column_max)
+    if batch.on_host:
         return sums[fused.sum_source], maxes[fused.max_source]
+    device = batch.values.device
     return (
         sums[table.index_on(fused.sum_source, device)],
         maxes[table.index_on(fused.max_source, device)],
     )
+
+
+def _span_columns(
+    batch: Batch, layout: Layout, names: list[str], spans: list[tuple[int, int]], reduce: Any
+) -> Array:
+    """``reduce`` (``Batch.column_sum`` or ``column_max``) of each column of ``names``
+    over the rows of its span only, laid end to end, ``batch.num_rows`` values each (the
+    rows out of a column's span left 0: no slot reads them)."""
+    out = []
+    for name, (start, stop) in zip(names, spans, strict=True):
+        if stop - start == batch.num_rows:
+            out.append(reduce(batch, name))
+            continue
+        elements = slice(layout.element_at[start], layout.element_at[stop])
+        calls = slice(layout.call_at[start], layout.call_at[stop])
+        part = batch.part(slice(start, stop), elements, calls)
+        out += [batch.zeros(start), reduce(part, name), batch.zeros(batch.num_rows - stop)]
+    return batch.xp.concatenate(out) if out else batch.zeros(0)
 
 
 def _fold_extras(
@@ -236,51 +262,37 @@ def _batch(
         batch = Batch.of(value, weight, cached.batch_rows)
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
-    batch, layout = _joined_batch(plan, numbers, accs, device)
+    batch, layout = _joined_batch(plan, accs, device)
     counts = None
     if nonfinite != "propagate" or any(map(_get_num_checked, accs)):
         counts = _screen(batch, layout, device, nonfinite)
-    batch.values = batch.where(batch.selected(), batch.values, 0.0)  # NaN * 0 is NaN
+    batch.zero_unselected()
     return batch, layout, counts
 
 
 def _joined_batch(
-    plan: Plan, numbers: NumberRecords | None, accs: list[Accumulator], device: torch.device | None
+    plan: Plan, accs: list[Accumulator], device: torch.device | None
 ) -> tuple[Batch, Layout]:
-    """Every record of the fold (the flat numbers first, then each metric's own) as one
-    batch in ``plan``'s order, unscreened, and its layout."""
-    # per source: values, weights, each element's and each call's plan row, call sizes
-    values, weights, element_rows, call_rows, call_lengths = [], [], [], [], []
-    if numbers is not None and numbers.values:
-        number_values, number_weights = numbers.arrays()
-        rows = plan.number_rows(numbers)
-        values.append(number_values)
-        weights.append(number_weights)
-        element_rows.append(rows)
-        call_rows.append(rows)
-        call_lengths.append(np.ones(len(rows), dtype=np.int64))
+    """The records of ``accs`` (one backend's metrics with records of their own) as one
+    batch in ``plan``'s order, unscreened, and its layout. Each metric's records are
+    laid out in turn, the metrics in plan order, so the elements need no sort."""
+    index = plan.index[np.fromiter(map(_get_row, accs), np.int64, len(accs))]
+    if len(index) > 1 and (index[1:] < index[:-1]).any():  # the host's come in tracker order
+        order = np.argsort(index, kind="stable")
+        accs, index = [accs[i] for i in order.tolist()], index[order]
     parts = Parts()
     for acc in accs:
         parts.add(acc)
     parts.flush()
-    acc_rows = plan.index[np.fromiter(map(_get_row, accs), np.int64, len(accs))]
-    values.append(assemble(parts.values, device))
-    weights.append(assemble(parts.weights, device))
-    element_rows.append(np.repeat(acc_rows, parts.lengths))
-    call_rows.append(np.repeat(acc_rows, [len(acc.values) for acc in accs]))
-    call_lengths.append(np.asarray(parts.call_lengths, dtype=np.int64))
-    value, weight = joined(values, device), joined(weights, device)
-    layout = Layout.make(
-        joined_host(element_rows), joined_host(call_rows), joined_host(call_lengths), len(plan.rows)
+    value, weight = assemble(parts.values, device), assemble(parts.weights, device)
+    calls = np.fromiter(map(len, map(_get_values, accs)), np.int64, len(accs))
+    layout = Layout.of_sorted(
+        index, np.asarray(parts.lengths, dtype=np.int64), calls, parts.call_lengths, len(plan.rows)
     )
-    if layout.order is not None:
-        order = on_backend(layout.order, device)
-        value, weight = value[order], weight[order]
     make = Batch if device is None else DeviceBatch
     segments = on_backend(layout.segments, device)
     rows = Rows(segments, layout.lengths, layout.call_lengths, layout.starts, layout.full)
-    batch = make.of(value, weight, rows)
-    return batch, layout
+    return make.of(value, weight, rows), layout
 
 
 def _screen(batch: Batch, layout: Layout, device: torch.device | None, nonfinite: str) -> Array:

@@ -59,12 +59,42 @@ class Layout(NamedTuple):
             call_rows, call_lengths = call_rows[call_order], call_lengths[call_order]
         lengths = np.bincount(rows, minlength=num_rows)
         row_calls = np.bincount(call_rows, minlength=num_rows)
+        return Layout._of(order, rows, lengths, row_calls, call_rows, call_lengths)
+
+    @staticmethod
+    def of_sorted(
+        rows: np.ndarray,
+        lengths: np.ndarray,
+        calls: np.ndarray,
+        call_lengths: list[int],
+        num_rows: int,
+    ) -> Layout:
+        """The layout of records already in plan order: the metrics at plan rows ``rows``
+        (ascending, each once) hold ``lengths`` elements in ``calls`` calls each, and the
+        calls, in order, hold ``call_lengths`` elements."""
+        row_lengths = np.zeros(num_rows, dtype=np.int64)
+        row_lengths[rows] = lengths
+        row_calls = np.zeros(num_rows, dtype=np.int64)
+        row_calls[rows] = calls
+        segments, call_rows = np.repeat(rows, lengths), np.repeat(rows, calls)
+        call_sizes = np.asarray(call_lengths, dtype=np.int64)
+        return Layout._of(None, segments, row_lengths, row_calls, call_rows, call_sizes)
+
+    @staticmethod
+    def _of(
+        order: np.ndarray | None,
+        segments: np.ndarray,
+        lengths: np.ndarray,
+        row_calls: np.ndarray,
+        call_rows: np.ndarray,
+        call_lengths: np.ndarray,
+    ) -> Layout:
         ends = np.cumsum(lengths)
         element_at = [0, *ends.tolist()]
-        call_at = np.concatenate(([0], np.cumsum(row_calls))).tolist()
+        call_at = [0, *np.cumsum(row_calls).tolist()]
         starts, full = ends - lengths, bool(lengths.all())
         return Layout(
-            order, rows, lengths, starts, full, element_at, call_at, call_rows, call_lengths
+            order, segments, lengths, starts, full, element_at, call_at, call_rows, call_lengths
         )
 
 
@@ -97,15 +127,18 @@ class Group:
 
 class Fused(NamedTuple):
     """How the leading columnar groups of a plan reduce together: each column once over
-    all their elements (one value per plan row), then each slot of each row read from its
-    column's row (``*_source``, into the columns' per-row values laid end to end) into
-    its table position (``*_positions``)."""
+    the elements of the groups that declare it (its ``*_spans``: the plan rows from the
+    first such group to the last), one value per plan row, then each slot of each row
+    read from its column's row (``*_source``, into the columns' per-row values laid end
+    to end) into its table position (``*_positions``)."""
 
     num_rows: int  # the plan rows of the columnar groups: 0 .. num_rows - 1
     sum_columns: list[str]
+    sum_spans: list[tuple[int, int]]
     sum_source: np.ndarray
     sum_positions: np.ndarray
     max_columns: list[str]
+    max_spans: list[tuple[int, int]]
     max_source: np.ndarray
     max_positions: np.ndarray
 
@@ -114,17 +147,20 @@ class Fused(NamedTuple):
         num_rows = sum(len(group.members) for group in groups)
         made: list[Any] = []
         for slots in (1, 2):  # the SUM, then the MAX slots (``Group.positions``' order)
-            columns: dict[str, int] = {}
+            spans: dict[str, tuple[int, int]] = {}  # per column, in order of first use
             sources, positions = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
             first = 0
             for group in groups:
                 kind, at = group.kind, group.positions(table)[slots]
-                rows = np.arange(first, first + len(group.members))
-                first += len(group.members)
+                last = first + len(group.members)
                 for j, name in enumerate(kind.sum_columns if slots == 1 else kind.max_columns):
-                    sources.append(columns.setdefault(name, len(columns)) * num_rows + rows)
+                    column = list(spans).index(name) if name in spans else len(spans)
+                    spans[name] = (spans.get(name, (first, last))[0], last)
+                    sources.append(column * num_rows + np.arange(first, last))
                     positions.append(at[:, j])
-            made += [list(columns), np.concatenate(sources), np.concatenate(positions)]
+                first = last
+            made += [list(spans), list(spans.values())]
+            made += [np.concatenate(sources), np.concatenate(positions)]
         return Fused(num_rows, *made)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.rows import Array, Rows
+from rlmetrics.kinds.rows import SMALL, Array, Rows
 
 COLUMNS = ("value", "negated_value", "weight", "weighted_value", "selected")
 """The per-element columns a kind can declare its slots with (``Batch.column``): the
@@ -31,7 +31,7 @@ SUM slot sums its column over a metric's elements (one that is not selected has 
 and weight 0 by then: it adds nothing); a MAX slot takes its column's max over the
 selected elements (-inf when there is none)."""
 
-STACK_LIMIT = 1 << 14
+STACK_LIMIT = SMALL
 """Elements (all columns together) up to which a host batch reduces several columns
 with one operation (``Batch.column_sums``): in a small batch each operation's fixed
 cost outweighs copying the columns into one array; in a large one the copy costs more.
@@ -129,7 +129,7 @@ class Batch:
         if name == "weighted_value":
             return self.values * self.weights
         if name == "selected":
-            return self.where(self.selected(), 1.0, 0.0)
+            return self.as_float(self.selected())
         raise ValueError(f"unknown column {name!r}; columns: {', '.join(COLUMNS)}")
 
     def column_sum(self, name: str) -> Array:
@@ -167,12 +167,14 @@ class Batch:
         if not self.all_selected:
             columns = [self.where(self.selected(), column, -math.inf) for column in columns]
         joined = self.xp.concatenate(columns)
-        keys, starts, nonempty = self.rows.stacked(len(names), self.constant)
-        return self._max_by_keys(joined, keys, starts, nonempty, len(names) * self.num_rows)
+        _, starts, nonempty = self.rows.stacked(len(names), self.constant)
+        size = len(names) * self.num_rows
+        return self._by_segments(np.maximum, joined, starts, nonempty, size)
 
     def _stacks(self, columns: int) -> bool:
         """Whether ``columns`` columns reduce with one operation (a small host batch)."""
-        return columns > 1 and len(self.values) * columns <= STACK_LIMIT
+        rows = self.rows  # a part of a large batch sums as the batch does
+        return columns > 1 and rows.keyed and len(self.values) * columns <= STACK_LIMIT
 
     def _joined(self, per_row: list[Array]) -> Array:
         """Per-row arrays laid end to end (an empty float64 array for none)."""
@@ -186,30 +188,55 @@ class Batch:
 
     def sum_by(self, x: Array, keys: Array | None = None, size: int | None = None) -> Array:
         """Per row, the sum of ``x`` over the row's elements (0 for an empty row); with
-        ``keys``, the sums of ``x`` by key in ``range(size)`` instead."""
+        ``keys``, the sums of ``x`` by key in ``range(size)`` instead.
+
+        A large batch (``Rows.keyed`` false) sums each row as one ``reduceat`` segment
+        (its elements lie together), in float64 whatever the dtype of ``x`` (bool
+        counts); its rounding differs from an element-by-element sum only as any other
+        split of the row's elements would."""
         if keys is None:
+            if not self.rows.keyed:
+                return self._by_row(np.add, x)
             keys, size = self.segments, self.num_rows
         return np.bincount(keys, weights=x, minlength=size)[:size]
 
+    def zero_unselected(self) -> None:
+        """Give the elements that are not selected the value 0, so that no arithmetic
+        on them (``NaN * 0`` is NaN) reaches a sum."""
+        if self.all_selected:
+            return
+        if self.xp.isfinite(self.values).all():  # a product with the mask is then exact
+            self.values = self.values * self.selected()
+        else:
+            self.values = self.where(self.selected(), self.values, 0.0)
+
     def max_by(self, x: Array) -> Array:
         """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
-        rows = self.rows
-        full = rows.full()
-        nonempty = None if full else self.lengths > 0
-        starts = rows.starts() if full else rows.starts()[nonempty]
-        return self._max_by_keys(x, self.segments, starts, nonempty, self.num_rows)
+        return self._by_row(np.maximum, x)
 
-    def _max_by_keys(
-        self, x: Array, keys: Array, starts: np.ndarray, nonempty: Any, size: int
-    ) -> Array:
-        """Per key in ``range(size)``, the max of ``x`` (NaN wins; -inf for none): the
-        elements of each key lie together in ascending order of keys, the keys with an
-        element (``nonempty``; None: all) start at ``starts``."""
+    def _by_row(self, ufunc: np.ufunc, x: Array) -> Array:
+        """Per row, ``ufunc`` over its elements (see ``_by_segments``)."""
+        rows = self.rows
+        if rows.full():
+            return ufunc.reduceat(x, rows.starts(), dtype=np.float64)
+        nonempty = self.lengths > 0
+        return self._by_segments(ufunc, x, rows.starts()[nonempty], nonempty, self.num_rows)
+
+    @staticmethod
+    def _by_segments(
+        ufunc: np.ufunc, x: np.ndarray, starts: np.ndarray, nonempty: Any, size: int
+    ) -> np.ndarray:
+        """Per key in ``range(size)``, ``ufunc`` (``np.add``: 0 for a key without an
+        element; ``np.maximum``: -inf for none, NaN wins) over its elements, in float64:
+        the elements of each key lie together in ascending order of keys, the keys with
+        an element (``nonempty``; None: all) start at ``starts``. A segment's sum is
+        added in ``reduceat``'s order, which depends on its elements only, not on where
+        they lie."""
         if nonempty is None:
-            return np.maximum.reduceat(x, starts)
-        out = np.full(size, -math.inf)
+            return ufunc.reduceat(x, starts, dtype=np.float64)
+        out = np.full(size, 0.0 if ufunc is np.add else -math.inf)
         if len(starts):
-            out[nonempty] = np.maximum.reduceat(x, starts)
+            out[nonempty] = ufunc.reduceat(x, starts, dtype=np.float64)
         return out
 
     def last_elements(self) -> Batch:
@@ -241,6 +268,14 @@ class Batch:
     def constant(self, array: np.ndarray) -> Array:
         """A host array on this batch's backend."""
         return array
+
+    def as_float(self, x: Array) -> Array:
+        """``x`` (bool, int...) as float64."""
+        return x.astype(np.float64)
+
+    def zeros(self, size: int) -> Array:
+        """``size`` float64 zeros on this batch's backend."""
+        return np.zeros(size)
 
     def by_row(self, per_row: Array) -> Array:
         """A per-row array spread to the rows' elements."""
@@ -297,17 +332,22 @@ class DeviceBatch(Batch):
     def constant(self, array: np.ndarray) -> Tensor:
         return to_device(array, self.values.device)
 
+    def as_float(self, x: Tensor) -> Tensor:
+        return x.to(torch.float64)
+
+    def zeros(self, size: int) -> Tensor:
+        return torch.zeros(size, dtype=torch.float64, device=self.values.device)
+
+    def zero_unselected(self) -> None:
+        if not self.all_selected:  # no check for non-finite values: it would wait for them
+            self.values = torch.where(self.selected(), self.values, 0.0)
+
     def max_by(self, x: Tensor) -> Tensor:
-        return self._max_by_keys(x, self.segments, None, None, self.num_rows)
+        out = torch.full((self.num_rows,), -math.inf, dtype=torch.float64, device=x.device)
+        return out.scatter_reduce_(0, self.segments, x.to(torch.float64), "amax")
 
     def _stacks(self, columns: int) -> bool:
         return False  # column by column: a number of operations that no size changes
-
-    def _max_by_keys(
-        self, x: Tensor, keys: Tensor, starts: np.ndarray | None, nonempty: Any, size: int
-    ) -> Tensor:
-        out = torch.full((size,), -math.inf, dtype=torch.float64, device=x.device)
-        return out.scatter_reduce_(0, keys, x.to(torch.float64), "amax")
 
     def columns(self, *columns: Tensor) -> Tensor:
         if not columns:

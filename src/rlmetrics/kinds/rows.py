@@ -15,6 +15,11 @@ import numpy as np
 
 Array = Any  # np.ndarray on the host, torch.Tensor on a device
 
+SMALL = 1 << 14
+"""Elements up to which a batch is small: its sums go by key (``np.bincount``, element
+after element), where a large one's go by segment (``np.add.reduceat``, whose cost
+grows with the rows, not the elements); see ``Rows.keyed``."""
+
 
 class Rows:
     """Where a batch's elements belong: the row of each element, the elements of each
@@ -28,9 +33,15 @@ class Rows:
         lengths: int64 host array, the number of elements of each row.
         call_lengths: int64 host array, the number of elements of each log call.
         num_rows: how many rows.
+        keyed: whether the host sums of these rows go by key (a small batch) rather
+            than by segment; the parts of a batch keep its choice, so that every sum
+            of one fold adds its elements alike (the same bits, whichever kind's code
+            or part sums them).
     """
 
-    __slots__ = ("_full", "_memo", "_starts", "call_lengths", "lengths", "num_rows", "segments")
+    __slots__ = (
+        "_full", "_memo", "_starts", "call_lengths", "keyed", "lengths", "num_rows", "segments"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -39,8 +50,10 @@ class Rows:
         call_lengths: Sequence[int] | np.ndarray,
         starts: np.ndarray | None = None,
         full: bool | None = None,
+        keyed: bool | None = None,
     ) -> None:
         self.segments = segments
+        self.keyed = len(segments) <= SMALL if keyed is None else keyed
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.call_lengths = np.asarray(call_lengths, dtype=np.int64)
         self.num_rows = len(self.lengths)
@@ -125,5 +138,6 @@ class Rows:
                 self.call_lengths[calls],
                 starts,
                 True if self._full else None,  # a part of a full batch is full
+                self.keyed,
             )
         return part
