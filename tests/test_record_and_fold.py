@@ -549,3 +549,42 @@ def test_tensors_of_several_dtypes_in_one_step_fold_exactly(host_arrays: bool) -
     assert got["count"] == 2**40 + 11
     expected = np.concatenate([small.double().numpy(), half.double().numpy(), [0.25]])
     assert got["x"] == pytest.approx(reference("mean", "x", expected, None)["x"], rel=1e-12)
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "tensor path"])
+def test_a_large_step_matches_numpy_whatever_its_records(host_arrays: bool) -> None:
+    """A step past the small-batch size (sums by segment, each column over its kinds'
+    rows only): masked float32 tensors with NaN and inf under the mask, 0-d tensors,
+    python numbers and every columnar kind, split into micro-batches in two ways, report
+    numpy's values on the whole batch (exact for max, min and counts)."""
+    rng = np.random.default_rng(5)
+    n = 9000  # per metric: two metrics pass rows.SMALL together
+    x = rng.normal(3.0, 2.0, size=(2, n)).astype(np.float32)
+    keep = rng.random((2, n)) > 0.3
+    x[~keep & (rng.random((2, n)) < 0.05)] = np.nan  # unselected: change nothing
+    x[~keep & (rng.random((2, n)) < 0.05)] = -np.inf
+    floats = rng.normal(size=8)
+    results = []
+    for cuts in ([n], [1000, 4500, 4501, n]):
+        t = Tracker()
+        t.host_arrays = host_arrays
+        start = 0
+        for stop in cuts:
+            part = slice(start, stop)
+            for kind, row in (("mean", 0), ("sum", 1), ("max", 0), ("min", 1)):
+                t.log(f"{kind}/x", torch.from_numpy(x[row, part]),
+                      torch.from_numpy(keep[row, part]), kind=kind)  # fmt: skip
+            t.mean("loss", torch.tensor(float(floats[start % 8]), dtype=torch.float32))
+            t.max("number", float(floats[stop % 8]))
+            start = stop
+        results.append(t.compute())
+    want = {
+        "mean/x": reference("mean", "m", x[0].astype(np.float64), keep[0])["m"],
+        "sum/x": reference("sum", "m", x[1].astype(np.float64), keep[1])["m"],
+    }
+    for got in results:
+        assert got["mean/x"] == pytest.approx(want["mean/x"], rel=1e-12)
+        assert got["sum/x"] == pytest.approx(want["sum/x"], rel=1e-12)
+        assert got["max/x"] == x[0][keep[0]].max() and got["min/x"] == x[1][keep[1]].min()
+    assert results[0]["number"] == floats[n % 8]
+    assert results[1]["number"] == max(floats[[1000 % 8, 4500 % 8, 4501 % 8, n % 8]])
