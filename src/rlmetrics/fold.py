@@ -140,7 +140,7 @@ def _fold_records(
     device: torch.device | None,
     nonfinite: str,
 ) -> None:
-    """Fold one backend's records (the host's: ``numbers`` and the host records of
+    """Fold one backend's records (the host's: ``numbers`` or the host records of
     ``accs``; a device's: the records of ``accs``): one batch for all; the columnar
     kinds reduce together, every other kind its own rows; all that adds lands in
     ``table`` with one indexed add and one indexed max."""
