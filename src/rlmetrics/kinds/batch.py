@@ -217,10 +217,9 @@ class Batch:
     def _by_row(self, ufunc: np.ufunc, x: Array) -> Array:
         """Per row, ``ufunc`` over its elements (see ``_by_segments``)."""
         rows = self.rows
-        if rows.full():
-            return ufunc.reduceat(x, rows.starts(), dtype=np.float64)
-        nonempty = self.lengths > 0
-        return self._by_segments(ufunc, x, rows.starts()[nonempty], nonempty, self.num_rows)
+        nonempty = None if rows.full() else self.lengths > 0
+        starts = rows.starts() if nonempty is None else rows.starts()[nonempty]
+        return self._by_segments(ufunc, x, starts, nonempty, self.num_rows)
 
     @staticmethod
     def _by_segments(
