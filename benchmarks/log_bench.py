@@ -11,7 +11,10 @@ tenth of it for the 1k-element input), ``--threads 1`` (torch intra-op threads),
 kept as it is.
 
 Inputs (CPU): a python float, a 0-d float32 tensor, and a 1k-element float32 tensor with
-a bool mask. Contenders, each given the input the way its users pass it:
+a bool mask: the same mask every call (as many metrics of one micro-batch share its
+response mask) and, untargeted, a new mask each call (the next of 64, in turn; fetching
+it costs every contender the same). Contenders, each given the input the way its users
+pass it:
 
 * rlmetrics: ``Tracker.mean(name, value, weight=mask)`` (host data takes the host path);
 * rlmetrics tensor path: the same call with ``Tracker.host_arrays = False``, which sends
@@ -39,6 +42,7 @@ so the script runs on any version of the tracker.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import time
@@ -53,10 +57,11 @@ from results_md import load, machine, write_section
 
 START, END = "<!-- log_bench:start -->", "<!-- log_bench:end -->"
 CONTENDERS = ("rlmetrics", "rlmetrics tensor path", "torchmetrics", "verl-style")
-INPUTS = ("python float", "0-d tensor", "1k tensor + bool mask")
+INPUTS = ("python float", "0-d tensor", "1k tensor + bool mask", "1k tensor + new bool mask")
+FRESH_MASKS = 64  # the masks the last input takes in turn
 TARGET_NS = 1000  # per log call, each of TARGETS
 TARGET_OPS = 0  # torch ops dispatched per log call, each of TARGETS
-TARGETS = (*((CONTENDERS[0], label) for label in INPUTS), (CONTENDERS[1], INPUTS[2]))
+TARGETS = (*((CONTENDERS[0], label) for label in INPUTS[:3]), (CONTENDERS[1], INPUTS[2]))
 OP_CALLS = 100  # calls whose dispatched ops are counted, per (contender, input)
 
 Call = Callable[[], None]
@@ -72,6 +77,7 @@ def make_calls() -> dict[tuple[str, str], tuple[Call, Call]]:
     mask = torch.rand(1000) > 0.3
     inputs = {"python float": (scalar, None), "0-d tensor": (zero_d, None)}
     inputs["1k tensor + bool mask"] = (values, mask)
+    masks = [torch.rand(1000) > 0.3 for _ in range(FRESH_MASKS)]
     if not hasattr(Tracker, "host_arrays"):  # setting it would pass silently
         raise RuntimeError("Tracker.host_arrays is gone: the tensor path needs another switch")
     calls: dict[tuple[str, str], tuple[Call, Call]] = {}
@@ -94,7 +100,33 @@ def make_calls() -> dict[tuple[str, str], tuple[Call, Call]]:
         )
         store: dict[str, list[float]] = {}
         calls["verl-style", label] = (verl_call(store, value, weight), store.clear)
+    add_fresh_mask_calls(calls, values, masks)
     return calls
+
+
+def add_fresh_mask_calls(
+    calls: dict[tuple[str, str], tuple[Call, Call]], values: torch.Tensor, masks: list[torch.Tensor]
+) -> None:
+    """The last input's calls: each contender's masked call, the next mask each time."""
+    from torchmetrics import MeanMetric
+
+    label = INPUTS[3]
+    for contender in CONTENDERS[:2]:
+        tracker = Tracker()
+        tracker.host_arrays = contender == "rlmetrics"
+        tracker_masks = itertools.cycle(masks)
+        calls[contender, label] = (
+            lambda t=tracker, ws=tracker_masks: t.mean("loss", values, weight=next(ws)),
+            tracker.reset,
+        )
+    metric, metric_masks = MeanMetric(), itertools.cycle(masks)
+    calls["torchmetrics", label] = (
+        lambda m=metric, ws=metric_masks: m.update(values, weight=next(ws)),
+        metric.reset,
+    )
+    store: dict[str, list[float]] = {}
+    verl_masked = itertools.cycle([verl_call(store, values, mask) for mask in masks])
+    calls["verl-style", label] = (lambda: next(verl_masked)(), store.clear)
 
 
 def verl_call(store: dict[str, list[float]], value: object, mask: torch.Tensor | None) -> Call:
@@ -133,7 +165,7 @@ def run(rounds: int, calls: int, seed: int) -> dict[tuple[str, str], list[float]
         rnd.shuffle(order)
         for key in order:
             call, reset = table[key]
-            n = calls if key[1] != INPUTS[2] else max(calls // 10, 1)
+            n = calls if not key[1].startswith("1k") else max(calls // 10, 1)
             sample = time_batch(call, n)
             reset()
             if round_index:

@@ -161,6 +161,27 @@ def test_a_call_refused_after_its_weight_was_checked_leaves_the_versions_aligned
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_a_weight_logged_again_is_checked_again_after_any_in_place_change(
+    host_arrays: bool,
+) -> None:
+    """One mask for many metrics is checked once (``CheckedWeight``); an in-place change
+    between two calls, even one that changes only its shape, is seen by the next call
+    (its check runs again) and by the fold (the calls before it are dropped)."""
+    t = Tracker()
+    t.host_arrays = host_arrays
+    mask = torch.tensor([True, False, True, True])
+    t.mean("a", torch.arange(4.0), weight=mask)
+    t.sum("b", torch.arange(4.0), weight=mask)
+    mask.resize_(3)  # a new shape, in place: the same object with another version
+    with pytest.raises(ValueError, match=r"metric 'c': weight shape \(3,\) does not match"):
+        t.mean("c", torch.arange(4.0), weight=mask)
+    t.mean("d", torch.arange(3.0), weight=mask)
+    with pytest.raises(ModifiedInputError, match=r"dropped from this step: 'a', 'b'$"):
+        t.compute()
+    assert t.compute() == {"d": 1.0}  # the mask's first three elements: (0 + 2) / 2
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
 def test_the_record_folds_past_its_bound_with_the_same_result(host_arrays: bool) -> None:
     """A bound small enough to fold every few calls gives the one-fold result (to
     rounding), for every kind, and keeps the records short."""
@@ -454,8 +475,15 @@ def test_record_tensor_records_what_prepare_and_record_prepared_record(
 ) -> None:
     """The tensor fast path (``record_tensor``, with a tensor, a python number or no
     weight) leaves the same records, returns the same size and raises the same errors
-    as the general path (``prepare`` then ``record_prepared``)."""
-    from rlmetrics.record import NumberRecords, prepare, record_prepared, record_tensor
+    as the general path (``prepare`` then ``record_prepared``), whether the tensor
+    weight is checked by this call or was by the last one (``CheckedWeight``)."""
+    from rlmetrics.record import (
+        CheckedWeight,
+        NumberRecords,
+        prepare,
+        record_prepared,
+        record_tensor,
+    )
 
     x = TENSOR_VALUES[value]()
     w = WEIGHTS[weight](x)
@@ -465,8 +493,11 @@ def test_record_tensor_records_what_prepare_and_record_prepared_record(
         record_prepared(acc, "m", prepared, nonfinite, NumberRecords())
         return prepared.size
 
-    fast = _outcome(lambda acc: record_tensor(acc, "m", x, w, nonfinite, host), kind)
-    assert fast == _outcome(general, kind)
+    checked = CheckedWeight()
+    expected = _outcome(general, kind)
+    for call in ("checks the weight", "reuses the last check"):
+        fast = _outcome(lambda acc: record_tensor(acc, "m", x, w, nonfinite, host, checked), kind)
+        assert fast == expected, call
 
 
 def test_python_numbers_with_and_without_weights_fold_each_weight_in_place() -> None:

@@ -209,6 +209,30 @@ def _on_host(value: Any) -> bool:
     return not isinstance(value, Tensor) or (type(value) is Tensor and value.is_cpu)
 
 
+class CheckedWeight:
+    """The last tensor weight a tracker's log calls checked, and what the checks found.
+
+    RL losses pass one response mask to many metrics of a micro-batch; a weight logged
+    again unchanged (the same object at the same version: every in-place operation on
+    a tensor, metadata ones such as ``resize_`` and ``set_`` included, bumps its
+    version) needs none of its checks again, only the comparison of its shape with the
+    value's. ``last`` holds (the weight as logged, its version, its shape, its device
+    when not the CPU, whether its data is checked at the fold, the weight recorded:
+    detached if it required grad), or ``NOT_CHECKED``; it keeps the weight alive until
+    the tracker's next fold or reset.
+    """
+
+    NOT_CHECKED = (None, -1, None, None, False, None)
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: tuple[Any, ...] = self.NOT_CHECKED
+
+    def clear(self) -> None:
+        self.last = self.NOT_CHECKED
+
+
 def record_tensor(
     acc: Accumulator,
     name: str,
@@ -216,18 +240,19 @@ def record_tensor(
     weight: Tensor | float | int | None,
     nonfinite: str,
     host: bool,
+    checked: CheckedWeight,
 ) -> int:
     """Record a plain tensor value with no weight, a plain tensor weight or a python
-    float or int weight; ``host``: CPU tensors go down the host path. Returns the number
-    of elements recorded.
+    float or int weight; ``host``: CPU tensors go down the host path; ``checked``: the
+    tracker's last checked tensor weight. Returns the number of elements recorded.
 
     The common call, so ``check_tensor``'s checks are written out here and each tensor
     attribute is read once, and only when needed (each read is a call into torch): the
     shape, read for the size and the weight's check, also tells a strided nested tensor
     (torch gives it none; a jagged one has a layout of its own), so ``is_nested`` is
     read only then; a CPU tensor is not a meta one, so ``is_meta`` is read only off the
-    host path; a bool weight cannot require grad; the weight's dtype serves its check
-    and the bool-mask test. Any refused tensor gets ``tensor_error``'s message.
+    host path; a tensor weight is checked once while it is logged again unchanged
+    (``CheckedWeight``). Any refused tensor gets ``tensor_error``'s message.
     """
     if value.dtype not in REAL_DTYPES or value.layout is not STRIDED:
         raise tensor_error(name, value)
@@ -242,41 +267,45 @@ def record_tensor(
         raise tensor_error(name, value)
     if value.requires_grad:
         value = value.detach()  # a view: the record must not keep the graph alive
-    if weight is None:
-        needs_check = nonfinite == "error"
-    elif type(weight) is not Tensor:  # a python float or int
-        weight = _weight_number(name, weight)
-        needs_check = nonfinite == "error"
-    else:
-        dtype = weight.dtype
-        if dtype not in REAL_DTYPES or weight.layout is not STRIDED:
-            raise tensor_error(name, weight, "weight")
-        try:
-            weight_shape = weight.shape
-        except RuntimeError:
-            if not weight.is_nested:
-                raise
-            raise tensor_error(name, weight, "weight") from None
+    if type(weight) is Tensor:
+        version = weight._version
+        last = checked.last
+        if weight is last[0] and version == last[1]:
+            _, _, weight_shape, device, check_data, weight = last
+        else:
+            dtype = weight.dtype
+            if dtype not in REAL_DTYPES or weight.layout is not STRIDED:
+                raise tensor_error(name, weight, "weight")
+            try:
+                weight_shape = weight.shape
+            except RuntimeError:
+                if not weight.is_nested:
+                    raise
+                raise tensor_error(name, weight, "weight") from None
+            device = None
+            if not weight.is_cpu:
+                if weight.is_meta:
+                    raise tensor_error(name, weight, "weight")
+                device = weight.device
+            check_data = dtype is not BOOL  # a mask's data needs no check
+            recorded = weight.detach() if check_data and weight.requires_grad else weight
+            checked.last = (weight, version, weight_shape, device, check_data, recorded)
+            weight = recorded
         if weight_shape != shape:
             raise ValueError(
                 f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
                 f"value shape {tuple(shape)}"
             )
-        if on_host:
-            if not weight.is_cpu:  # a CPU value with a device (or meta) weight
-                if weight.is_meta:
-                    raise tensor_error(name, weight, "weight")
-                on_host = False
-                if acc.record_device is None:
-                    acc.record_device = weight.device
-        elif weight.is_meta:
-            raise tensor_error(name, weight, "weight")
-        if dtype is BOOL:  # a mask: its data needs no check, and it cannot require grad
-            needs_check = nonfinite == "error"
-        else:
-            needs_check = True
-            if weight.requires_grad:
-                weight = weight.detach()
+        if on_host and device is not None:  # a CPU value with a device weight
+            on_host = False
+            if acc.record_device is None:
+                acc.record_device = device
+        needs_check = check_data or nonfinite == "error"
+    else:
+        version = None
+        if weight is not None:  # a python float or int
+            weight = _weight_number(name, weight)
+        needs_check = nonfinite == "error"
     size = shape.numel()
     if acc.sized:
         _check_size(acc, name, size, shape)
@@ -284,8 +313,8 @@ def record_tensor(
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
         acc.kept_call = True
-    if type(weight) is Tensor:
-        acc.versions.append(weight._version)
+    if version is not None:
+        acc.versions.append(version)
     acc.versions.append(value._version)
     if not on_host and acc.record_device is None:
         acc.record_device = value.device

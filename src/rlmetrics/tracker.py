@@ -23,6 +23,7 @@ from rlmetrics.layout import Layout
 from rlmetrics.log_methods import KIND_METHODS, RECORDS, LogMethods, PrefixedTracker
 from rlmetrics.packing import Packing, RejectedInputError, in_order, local_reduce
 from rlmetrics.record import (
+    CheckedWeight,
     NumberRecords,
     Prepared,
     prepare,
@@ -93,7 +94,7 @@ def _record_method(kind: str) -> Callable[..., None]:
                 self._recorded += 1
             elif type(value) is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
                 self._recorded += 1 + record_tensor(
-                    acc, name, value, weight, self.nonfinite, self.host_arrays
+                    acc, name, value, weight, self.nonfinite, self.host_arrays, self._checked_weight
                 )
             else:
                 self._log_value(acc, name, value, weight)
@@ -182,6 +183,7 @@ class Tracker(LogMethods):
         self._local: tuple[list[Accumulator], Packing] | None = None  # compute(sync=False)
         self._lock = threading.RLock()  # see "Threads" above
         self._numbers = NumberRecords()  # python-number calls since the last fold
+        self._checked_weight = CheckedWeight()  # the last tensor weight logged
         self._recorded = 0  # elements and calls recorded since the last fold
         self.pending_timers: list[Any] = []  # device timers not read yet (rlmetrics.timing)
         self._groups = Groups()  # calls with by= waiting for the fold
@@ -237,7 +239,7 @@ class Tracker(LogMethods):
         value_type = type(value)
         if value_type is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
             self._recorded += 1 + record_tensor(
-                acc, name, value, weight, self.nonfinite, self.host_arrays
+                acc, name, value, weight, self.nonfinite, self.host_arrays, self._checked_weight
             )
         elif (value_type is float or value_type is int) and (
             weight is None or type(weight) is float or type(weight) is int
@@ -278,6 +280,7 @@ class Tracker(LogMethods):
         and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``)."""
         if self.pending_timers:
             read_device_timers(self, wait)
+        self._checked_weight.clear()  # the records no longer keep the weight alive
         if self._recorded and not self._groups.resolving:
             # every call recorded one flat python number: no metric holds records of its own
             flat_only = self._recorded == len(self._numbers.values)
@@ -440,6 +443,7 @@ class Tracker(LogMethods):
         self._lock = threading.RLock()
         self.__dict__.setdefault("_groups", Groups())  # pickled before groups existed
         self.__dict__.setdefault("_numbers", NumberRecords())
+        self.__dict__.setdefault("_checked_weight", CheckedWeight())
         for acc in self._accumulators.values():
             try:
                 kind = self.kind(acc.kind.name)
@@ -455,6 +459,7 @@ class Tracker(LogMethods):
         self.pending_timers = []
         self._groups.clear()
         self._numbers.clear()
+        self._checked_weight.clear()
         # records are left only by calls since the last fold (a fold clears every one)
         if self._recorded and any(map(_get_values, self._accumulators.values())):
             for acc in self._accumulators.values():
