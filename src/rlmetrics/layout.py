@@ -64,6 +64,7 @@ class Layout:
         self.names = [name for name, _ in ordered]
         self.kinds = [kind for _, kind in ordered]
         self.index = {name: i for i, name in enumerate(self.names)}
+        self.keys = dict.fromkeys(self.names)  # copied and filled: no resize per result
         members: dict[int, list[int]] = {}
         for i, kind in enumerate(self.kinds):
             members.setdefault(id(kind), []).append(i)
