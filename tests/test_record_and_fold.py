@@ -135,11 +135,11 @@ def test_a_refused_tensor_raises_in_the_call_and_records_nothing(
     t.host_arrays = host_arrays
     t.mean("m", torch.tensor([1.0, 3.0]))
     acc = t.accumulators["m"]
-    before = (len(acc.values), len(acc.weights), list(acc.versions), acc.num_arrays)
+    before = (len(acc.values), len(acc.weights), list(acc.versions), acc.arrays)
     args = (bad, None) if role == "value" else (torch.ones(3), bad)
     with pytest.raises(TypeError, match=re.escape(f"metric 'm': {role} {message}")):
         t.mean("m", *args)
-    assert (len(acc.values), len(acc.weights), list(acc.versions), acc.num_arrays) == before
+    assert (len(acc.values), len(acc.weights), list(acc.versions), acc.arrays) == before
     assert t.compute() == {"m": 2.0}
 
 
@@ -419,7 +419,7 @@ def _records(acc: Any) -> tuple:
         [same(v) for v in acc.values],
         [same(w) for w in acc.weights],
         list(acc.versions),
-        acc.num_arrays,
+        acc.arrays,
         acc.num_checked,
         acc.kept_call,
         acc.record_device,

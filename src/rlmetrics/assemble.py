@@ -45,7 +45,7 @@ class Parts:
 
     def add(self, acc: Accumulator) -> None:
         values, weights = acc.values, acc.weights
-        if not acc.num_arrays:  # python numbers only: checked when logged, never rejected
+        if not acc.arrays:  # python numbers only: checked when logged, never rejected
             self.numbers += values
             self.number_weights += weights
             self.call_lengths += [1] * len(values)

@@ -216,13 +216,13 @@ class CheckedWeight:
     again unchanged (the same object at the same version: every in-place operation on
     a tensor, metadata ones such as ``resize_`` and ``set_`` included, bumps its
     version) needs none of its checks again, only the comparison of its shape with the
-    value's. ``last`` holds (the weight as logged, its version, its shape, its device
-    when not the CPU, whether its data is checked at the fold, the weight recorded:
+    value's. ``last`` holds (the weight as logged, its version, its shape and size, its
+    device when not the CPU, whether its data is checked at the fold, the weight recorded:
     detached if it required grad), or ``NOT_CHECKED``; it keeps the weight alive until
     the tracker's next fold or reset.
     """
 
-    NOT_CHECKED = (None, -1, None, None, False, None)
+    NOT_CHECKED = (None, -1, None, 0, None, False, None)
 
     __slots__ = ("last",)
 
@@ -271,7 +271,7 @@ def record_tensor(
         version = weight._version
         last = checked.last
         if weight is last[0] and version == last[1]:
-            _, _, weight_shape, device, check_data, weight = last
+            _, _, weight_shape, size, device, check_data, weight = last
         else:
             dtype = weight.dtype
             if dtype not in REAL_DTYPES or weight.layout is not STRIDED:
@@ -289,7 +289,8 @@ def record_tensor(
                 device = weight.device
             check_data = dtype is not BOOL  # a mask's data needs no check
             recorded = weight.detach() if check_data and weight.requires_grad else weight
-            checked.last = (weight, version, weight_shape, device, check_data, recorded)
+            size = weight_shape.numel()
+            checked.last = (weight, version, weight_shape, size, device, check_data, recorded)
             weight = recorded
         if weight_shape != shape:
             raise ValueError(
@@ -306,7 +307,7 @@ def record_tensor(
         if weight is not None:  # a python float or int
             weight = _weight_number(name, weight)
         needs_check = nonfinite == "error"
-    size = shape.numel()
+        size = shape.numel()
     if acc.sized:
         _check_size(acc, name, size, shape)
     if needs_check:
@@ -318,7 +319,7 @@ def record_tensor(
     acc.versions.append(value._version)
     if not on_host and acc.record_device is None:
         acc.record_device = value.device
-    acc.num_arrays += 1
+    acc.arrays = True
     acc.flat = False  # the metric's later numbers follow this record in its own
     acc.values.append(value)
     acc.weights.append(weight)
@@ -358,7 +359,7 @@ def record_prepared(
     device = prepared.device
     if device is not None and acc.record_device is None:
         acc.record_device = device
-    acc.num_arrays += 1
+    acc.arrays = True
     acc.flat = False  # the metric's later numbers follow this record in its own
     acc.values.append(value)
     acc.weights.append(weight)

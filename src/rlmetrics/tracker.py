@@ -83,7 +83,7 @@ def _record_method(kind: str) -> Callable[..., None]:
             if acc is None or acc.kind_name != kind:
                 self._log_new(name, kind, value, weight)
             elif (
-                type(value) is float
+                (value_type := type(value)) is float
                 and weight is None
                 and acc.flat
                 and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
@@ -92,7 +92,7 @@ def _record_method(kind: str) -> Callable[..., None]:
                 numbers.values.append(value)
                 numbers.rows.append(acc.row)
                 self._recorded += 1
-            elif type(value) is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
+            elif value_type is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
                 self._recorded += 1 + record_tensor(
                     acc, name, value, weight, self.nonfinite, self.host_arrays, self._checked_weight
                 )

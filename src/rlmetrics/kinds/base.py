@@ -256,7 +256,7 @@ class Accumulator:
     values: list[Any] = field(default_factory=list)
     weights: list[Any] = field(default_factory=list)
     record_device: torch.device | None = None  # a tensor record's device: the fold's
-    num_arrays: int = 0  # records that are not python numbers
+    arrays: bool = False  # whether any record is not a python number
     versions: list[int] = field(default_factory=list)  # tensor records' (weight, value)
     # python numbers go to the tracker's flat records (until an array record, and only
     # for a kind that takes a single number)
@@ -283,7 +283,7 @@ class Accumulator:
         self.weights.clear()
         self.versions.clear()
         self.record_device = None
-        self.num_arrays = 0
+        self.arrays = False
         self.flat = self.kind.parts == 1
 
     def count(self, slot: int, amount: float = 1.0) -> None:
