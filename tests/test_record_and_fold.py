@@ -4,10 +4,12 @@ at compute() that does not grow with the calls, in-place changes caught, memory 
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import pickle
 import random
 import re
+import weakref
 from typing import Any
 
 import numpy as np
@@ -179,6 +181,27 @@ def test_a_weight_logged_again_is_checked_again_after_any_in_place_change(
     with pytest.raises(ModifiedInputError, match=r"dropped from this step: 'a', 'b'$"):
         t.compute()
     assert t.compute() == {"d": 1.0}  # the mask's first three elements: (0 + 2) / 2
+
+
+@pytest.mark.parametrize("by", [None, "host labels", "tensor labels"])
+def test_a_tracker_keeps_no_logged_weight_alive_after_its_step(by: str | None) -> None:
+    """A logged mask is let go with the step's records, the tracker's last checked weight
+    included (``CheckedWeight``): at the fold (calls with ``by=`` too, which wait for
+    it) and at a reset."""
+    from rlmetrics.record import CheckedWeight
+
+    labels = {None: None, "host labels": [0, 1, 0], "tensor labels": torch.tensor([0, 1, 0])}
+    t = Tracker()
+    for end in ("compute", "reset"):
+        mask = torch.tensor([True, False, True])
+        released = weakref.ref(mask)
+        t.mean("m", torch.arange(3.0), weight=mask, by=labels[by])
+        t.sum("s", torch.arange(3.0), weight=mask, by=labels[by])
+        getattr(t, end)()
+        del mask
+        gc.collect()
+        assert released() is None, end
+        assert t._checked_weight.last is CheckedWeight.NOT_CHECKED, end
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
