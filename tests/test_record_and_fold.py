@@ -183,6 +183,23 @@ def test_a_weight_logged_again_is_checked_again_after_any_in_place_change(
     assert t.compute() == {"d": 1.0}  # the mask's first three elements: (0 + 2) / 2
 
 
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_a_weight_made_to_require_grad_between_calls_is_recorded_detached(
+    host_arrays: bool,
+) -> None:
+    """A weight made to require grad between two calls: the later call records it
+    detached though its check was kept (``requires_grad_`` leaves the version as it
+    was), and the fold, outside autograd, reads the earlier call's record too."""
+    t = Tracker()
+    t.host_arrays = host_arrays
+    weight = torch.tensor([0.5, 1.0])
+    t.mean("a", torch.tensor([1.0, 4.0]), weight=weight)
+    weight.requires_grad_(True)
+    t.mean("b", torch.tensor([1.0, 4.0]), weight=weight)
+    assert not any(w.requires_grad for w in t.accumulators["b"].weights)
+    assert t.compute() == {"a": 3.0, "b": 3.0}
+
+
 @pytest.mark.parametrize("by", [None, "host labels", "tensor labels"])
 def test_a_tracker_keeps_no_logged_weight_alive_after_its_step(by: str | None) -> None:
     """A logged mask is let go with the step's records, the tracker's last checked weight

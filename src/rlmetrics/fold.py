@@ -23,6 +23,7 @@ raises ``ModifiedInputError`` naming the metric: its value at the log call is go
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from operator import attrgetter
 from typing import Any
 
@@ -66,7 +67,9 @@ def fold(
     """
     with_records = [] if flat_only else list(filter(_get_values, accs))
     try:
-        modified = _fold_all(accs, with_records, numbers, table, nonfinite)
+        # outside autograd: a logged tensor may have been made to require grad since
+        with torch.no_grad() if with_records else nullcontext():
+            modified = _fold_all(accs, with_records, numbers, table, nonfinite)
     finally:
         numbers.clear()
         for acc in with_records:  # each holds an array record (numbers alone go flat)

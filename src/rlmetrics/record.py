@@ -272,6 +272,8 @@ def record_tensor(
         last = checked.last
         if weight is last[0] and version == last[1]:
             _, _, weight_shape, size, device, check_data, weight = last
+            if check_data and weight.requires_grad:  # requires_grad_ keeps the version
+                weight = weight.detach()
         else:
             dtype = weight.dtype
             if dtype not in REAL_DTYPES or weight.layout is not STRIDED:
