@@ -189,15 +189,19 @@ def test_a_weight_made_to_require_grad_between_calls_is_recorded_detached(
 ) -> None:
     """A weight made to require grad between two calls: the later call records it
     detached though its check was kept (``requires_grad_`` leaves the version as it
-    was), and the fold, outside autograd, reads the earlier call's record too."""
+    was), and the fold, outside autograd, reads the earlier calls' records too (a value
+    made to require grad as well)."""
     t = Tracker()
     t.host_arrays = host_arrays
     weight = torch.tensor([0.5, 1.0])
     t.mean("a", torch.tensor([1.0, 4.0]), weight=weight)
+    value = torch.tensor([2.0, 4.0])
+    t.sum("c", value)
     weight.requires_grad_(True)
+    value.requires_grad_(True)
     t.mean("b", torch.tensor([1.0, 4.0]), weight=weight)
     assert not any(w.requires_grad for w in t.accumulators["b"].weights)
-    assert t.compute() == {"a": 3.0, "b": 3.0}
+    assert t.compute() == {"a": 3.0, "b": 3.0, "c": 6.0}
 
 
 @pytest.mark.parametrize("by", [None, "host labels", "tensor labels"])
