@@ -375,3 +375,50 @@ def test_ten_thousand_metrics_log_and_compute_in_reasonable_time() -> None:
         assert out[f"m/{i:05d}"] == expected, i
     assert log_s < 10.0, log_s
     assert compute_s < 10.0, compute_s
+
+
+# -- inference tensors: torch counts no in-place change to them ------------------------------
+@pytest.mark.parametrize("kind", ["mean", "sum", "max", "std", "dist"])
+@pytest.mark.parametrize("weighted", ["none", "tensor", "number", "mask", "shared", "by"])
+@pytest.mark.parametrize("inside", [False, True], ids=["logged_after", "logged_inside"])
+def test_inference_tensors_are_logged_as_they_were(kind: str, weighted: str, inside: bool) -> None:
+    """Rollouts are often made under ``torch.inference_mode()``; reading such a tensor's
+    version counter raises torch's error, which named no metric. The record is a copy (as
+    a numpy array's is), so a later in-place change, which torch lets pass unnoticed under
+    inference mode, cannot reach it: the fold reports the values as logged."""
+    x = np.array([0.5, -1.0, 3.0, 2.0, 7.0, 1.5])
+    w = np.array([1.0, 0.0, 2.0, 0.5, 1.0, 3.0])
+    with torch.inference_mode():
+        value, weight = torch.tensor(x), torch.tensor(w)
+        labels = torch.tensor([0, 0, 1, 1, 0, 1])
+    t = Tracker()
+    with torch.inference_mode(inside):
+        if weighted == "none":
+            t.log("m", value, kind=kind)
+        elif weighted == "tensor":
+            t.log("m", value, weight, kind=kind)
+            t.log("m", value, weight, kind=kind)  # the checked weight, logged again
+        elif weighted == "number":
+            t.log("m", value, 2.0, kind=kind)
+        elif weighted == "mask":
+            t.log("m", value, mask=weight > 0, kind=kind)
+        elif weighted == "shared":
+            t.log_shared([("m", kind)], value, weight)
+        else:
+            t.log("m", value, weight, by=labels, labels={0: "a", 1: "b"}, kind=kind)
+        with torch.inference_mode():
+            value.mul_(10.0)  # after the log call: not seen by the record
+            weight.add_(1.0)
+            labels.fill_(0)
+    expected = {
+        "none": reference(kind, "m", x, None),
+        "tensor": reference(kind, "m", np.r_[x, x], np.r_[w, w]),
+        "number": reference(kind, "m", x, np.full_like(x, 2.0)),
+        "mask": reference(kind, "m", x, w > 0),
+        "shared": reference(kind, "m", x, w),
+        "by": {
+            **reference(kind, "m/a", x[[0, 1, 4]], w[[0, 1, 4]]),
+            **reference(kind, "m/b", x[[2, 3, 5]], w[[2, 3, 5]]),
+        },
+    }[weighted]
+    same(t.compute(), expected)

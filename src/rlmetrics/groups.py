@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.fold import ModifiedInputError
-from rlmetrics.inputs import check_name
+from rlmetrics.inputs import check_name, tracked
 from rlmetrics.kinds import Kind
 from rlmetrics.record import Prepared, prepare
 
@@ -259,7 +259,7 @@ def check_label_tensor(name: str, by: Tensor) -> Tensor:
         )
     if by.is_meta:
         raise TypeError(f"metric {name!r}: a by= tensor must hold data, got a meta tensor")
-    return by  # an integer tensor never requires grad: no detach needed
+    return tracked(by)  # an integer tensor never requires grad: no detach needed
 
 
 def check_shape(name: str, labels: tuple[int, ...], value: tuple[int, ...]) -> None:

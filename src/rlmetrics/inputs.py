@@ -126,8 +126,20 @@ def check_tensor(name: str, tensor: Tensor, what: str = "value") -> Tensor:
         and not tensor.is_nested
         and not tensor.is_meta
     ):
+        tensor = tracked(tensor)
         return tensor.detach() if tensor.requires_grad else tensor
     raise tensor_error(name, tensor, what)
+
+
+def tracked(tensor: Tensor) -> Tensor:
+    """``tensor``, or a copy of it (an ordinary tensor) when it is an inference tensor:
+    torch keeps no version counter for those (reading it raises) and lets them change in
+    place under ``torch.inference_mode()`` unnoticed, so, as with a numpy array, only a
+    copy keeps the values they had when logged."""
+    if not tensor.is_inference():
+        return tensor
+    with torch.inference_mode(False), torch.no_grad():
+        return tensor.clone()
 
 
 def tensor_error(name: str, tensor: Tensor, what: str = "value") -> TypeError:

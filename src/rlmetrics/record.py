@@ -9,8 +9,9 @@ needs data (negative or non-finite weights in an array, non-finite values under
 ``nonfinite="error"``) is checked at the fold, which rejects and counts the call.
 
 Records keep references, so nothing logged may change before the step ends: a numpy
-array or list is copied here (numpy has no way to notice a later write), and a tensor's
-version counter is recorded, so an in-place change before the fold raises there. A
+array or list is copied here (numpy has no way to notice a later write), as is an
+inference tensor (torch keeps it no version counter), and a tensor's version counter is
+recorded, so an in-place change before the fold raises there. A
 tensor that requires grad is detached (one view), so the record does not keep its
 autograd graph alive.
 """
@@ -33,6 +34,7 @@ from rlmetrics.inputs import (
     check_weight_number,
     numeric_array,
     tensor_error,
+    tracked,
     unmask,
 )
 from rlmetrics.kinds import Accumulator
@@ -268,7 +270,11 @@ def record_tensor(
     if value.requires_grad:
         value = value.detach()  # a view: the record must not keep the graph alive
     if type(weight) is Tensor:
-        version = weight._version
+        try:
+            version = weight._version
+        except RuntimeError:  # an inference tensor: recorded as a copy (never cached)
+            weight = tracked(weight)
+            version = weight._version
         last = checked.last
         if weight is last[0] and version == last[1]:
             _, _, weight_shape, size, device, check_data, weight = last
@@ -312,13 +318,18 @@ def record_tensor(
         size = shape.numel()
     if acc.sized:
         _check_size(acc, name, size, shape)
+    try:
+        value_version = value._version
+    except RuntimeError:  # an inference tensor: recorded as a copy
+        value = tracked(value)
+        value_version = value._version
     if needs_check:
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
         acc.kept_call = True
     if version is not None:
         acc.versions.append(version)
-    acc.versions.append(value._version)
+    acc.versions.append(value_version)
     if not on_host and acc.record_device is None:
         acc.record_device = value.device
     acc.arrays = True
