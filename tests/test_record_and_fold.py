@@ -184,6 +184,33 @@ def test_a_weight_logged_again_is_checked_again_after_any_in_place_change(
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_a_tensor_given_data_of_another_size_by_assignment_is_dropped_naming_it(
+    host_arrays: bool,
+) -> None:
+    """``tensor.data = other`` changes a tensor's data and shape but not its version
+    counter: neither the fold's version check nor the next call's (its weight check
+    kept, ``CheckedWeight``) sees it. A weight that no longer matches its value's size
+    is dropped at the fold, named, like any tensor changed in place, and the rest of
+    the step is folded (the misaligned records raised numpy's or torch's error, naming
+    no metric, and the whole step was lost)."""
+    t = Tracker()
+    t.host_arrays = host_arrays
+    t.mean("kept", torch.tensor([5.0, 7.0]), weight=torch.tensor([1.0, 3.0]))
+    t.sum("number", 2.0)
+    weight = torch.ones(4)
+    t.mean("a", torch.arange(4.0), weight=weight)
+    weight.data = torch.tensor([1.0, 2.0, 3.0])  # the same version, another shape
+    t.mean("b", torch.arange(4.0), weight=weight)  # its checks kept: the old shape
+    value = torch.arange(3.0)
+    t.std("c", value, weight=torch.ones(3))
+    value.data = torch.ones(5)
+    with pytest.raises(ModifiedInputError, match=r"dropped from this step: ") as raised:
+        t.compute()
+    assert str(raised.value).endswith("'a', 'b', 'c'")
+    assert t.compute() == {"kept": 6.5, "number": 2.0}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
 def test_a_weight_made_to_require_grad_between_calls_is_recorded_detached(
     host_arrays: bool,
 ) -> None:

@@ -112,7 +112,7 @@ def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
             return torch.zeros(0, dtype=torch.float64, device=device)
         flat_all = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
     if len(blocks) > 1 and order != sorted(order):
-        sizes = [_size(parts[i]) for i in order]
+        sizes = [part_size(parts[i]) for i in order]
         permutation = _permutation(order, sizes)
         flat_all = flat_all[permutation if device is None else on_backend(permutation, device)]
     return flat_all
@@ -132,7 +132,8 @@ def _tensor_block(tensors: list[Tensor], scalar: bool, target: torch.device) -> 
     return joined.to(target, torch.float64)
 
 
-def _size(part: Any) -> int:
+def part_size(part: Any) -> int:
+    """The elements of a record or part: a tensor, an array or a python number (one)."""
     return part.numel() if isinstance(part, Tensor) else np.size(part)
 
 

@@ -16,8 +16,10 @@ Rules, the same on every backend:
   ``compute()`` reports it.
 * ``nonfinite="skip"`` drops non-finite selected elements and counts them.
 
-A tensor changed in place between its log call and the fold (its version counter moved)
-raises ``ModifiedInputError`` naming the metric: its value at the log call is gone.
+A tensor changed in place between its log call and the fold (its version counter moved,
+or, given data of another size by ``tensor.data = other``, which moves no version, its
+size no longer that of its value or weight) raises ``ModifiedInputError`` naming the
+metric: its value at the log call is gone.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.assemble import Parts, assemble, joined, on_backend
+from rlmetrics.assemble import Parts, assemble, joined, on_backend, part_size
 from rlmetrics.fold_plan import FUSED, Fused, Layout, Plan, plan_for
 from rlmetrics.kinds.base import Accumulator, Kind
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
@@ -42,6 +44,16 @@ from rlmetrics.table import Table
 
 class ModifiedInputError(ValueError):
     """A logged tensor was changed in place before the step's end."""
+
+
+class _Misaligned(RuntimeError):
+    """A backend's joined values and weights differ in length: ``accs`` hold a record
+    whose value and weight sizes differ (a tensor given data of another size by
+    ``tensor.data = other`` after its log call's checks)."""
+
+    def __init__(self, accs: list[Accumulator]) -> None:
+        super().__init__(f"misaligned records of {[acc.name for acc in accs]}")
+        self.accs = accs
 
 
 def fold(
@@ -108,12 +120,31 @@ def _fold_all(
         if numbers.values:  # first, as an early fold would: their own cached layout
             _fold_records(table, plan, numbers, [], None, nonfinite)
         if host:
-            _fold_records(table, plan, None, host, None, nonfinite)
+            modified += _fold_aligned(table, plan, host, None, nonfinite)
     for device, members in on_device.items():
         plan = plan_for(table, device, members)
-        with torch.no_grad():
-            _fold_records(table, plan, None, plan.members, device, nonfinite)
+        modified += _fold_aligned(table, plan, plan.members, device, nonfinite)
     return modified
+
+
+def _fold_aligned(
+    table: Table, plan: Plan, accs: list[Accumulator], device: torch.device | None, nonfinite: str
+) -> list[str]:
+    """Fold one backend's records (``_fold_records``); returns the metrics left out
+    because a record's value and weight sizes no longer agree (``_Misaligned``: found
+    before anything is folded, so the others fold as if they came alone)."""
+    try:
+        _fold_records(table, plan, None, accs, device, nonfinite)
+        return []
+    except _Misaligned as error:
+        misaligned = error.accs
+    kept = [acc for acc in accs if acc not in misaligned]  # identity
+    if kept:
+        if device is not None:  # a device's plan is made for its metrics alone
+            plan = plan_for(table, device, kept)
+            kept = plan.members
+        _fold_records(table, plan, None, kept, device, nonfinite)
+    return [acc.name for acc in misaligned]
 
 
 _get_values = attrgetter("values")
@@ -133,6 +164,15 @@ def _modified(acc: Accumulator) -> bool:
         if isinstance(value, Tensor) and value._version != next(versions):
             return True
     return False
+
+
+def _misaligned(acc: Accumulator) -> bool:
+    """Whether a record of ``acc`` has an array or tensor weight of another size than
+    its value."""
+    return any(
+        weight is not None and type(weight) is not float and part_size(value) != part_size(weight)
+        for value, weight in zip(acc.values, acc.weights, strict=True)
+    )
 
 
 def _fold_records(
@@ -288,6 +328,8 @@ def _joined_batch(
         parts.add(acc)
     parts.flush()
     value, weight = assemble(parts.values, device), assemble(parts.weights, device)
+    if len(value) != len(weight):
+        raise _Misaligned([acc for acc in accs if _misaligned(acc)])
     calls = np.fromiter(map(len, map(_get_values, accs)), np.int64, len(accs))
     layout = Layout.of_sorted(
         index, np.asarray(parts.lengths, dtype=np.int64), calls, parts.call_lengths, len(plan.rows)
