@@ -220,6 +220,26 @@ def test_changing_a_deferred_tensor_in_place_raises(changed: str) -> None:
     assert t.compute() == {"y": 2.0}  # reported once; the other metric was kept
 
 
+@pytest.mark.parametrize("changed", ["value", "weight", "labels"])
+def test_a_deferred_tensor_given_data_of_another_shape_is_dropped_naming_it(changed: str) -> None:
+    """``tensor.data = other`` keeps the version counter: a waiting call whose value,
+    weight or labels were given another shape so is dropped and named at the fold (new
+    labels of fewer elements split the value silently, a shorter value or weight raised
+    torch's IndexError, naming no metric)."""
+    tensors = {
+        "value": torch.arange(4.0),
+        "weight": torch.ones(4),
+        "labels": torch.tensor([0, 1, 0, 1]),
+    }
+    t = Tracker()
+    t.mean("x", tensors["value"], weight=tensors["weight"], by=tensors["labels"])
+    t.mean("y", 2.0)
+    tensors[changed].data = tensors[changed][:3].clone()  # the same version
+    with pytest.raises(ModifiedInputError, match="'x'"):
+        t.compute()
+    assert t.compute() == {"y": 2.0}
+
+
 BAD_CALLS = {  # (by, labels, value, error, message)
     "length": (["a", "b"], None, [1.0, 2.0, 3.0], ValueError, r"by= has shape \(2,\).*\(3,\)"),
     "tensor length": (torch.tensor([0, 1]), None, torch.ones(3), ValueError, "has shape"),

@@ -56,7 +56,7 @@ class Deferred(NamedTuple):
     labels: Tensor | np.ndarray  # tensor labels, or host codes (indices into ``names``)
     names: list[str] | None  # per code, its name part; None for tensor labels
     mapping: Mapping[Any, str] | None
-    versions: tuple[int, ...]  # of the tensors among value, weight, labels
+    versions: tuple[tuple[int, torch.Size], ...]  # ``tensor_states`` of value, weight, labels
 
 
 class Groups:
@@ -102,7 +102,7 @@ class Groups:
                 tracker._log_shared(labelled(metrics, part), v, w)
             return 0
         tensors = (prepared.value, prepared.weight, codes)
-        versions = tuple(t._version for t in tensors if isinstance(t, Tensor))
+        versions = tensor_states(tensors)
         self.pending.append(Deferred(metrics, prepared, codes, names, mapping, versions))
         return 1 + prepared.size
 
@@ -125,7 +125,7 @@ class Groups:
             with torch.no_grad():
                 for call in pending:
                     tensors = (call.prepared.value, call.prepared.weight, call.labels)
-                    now = tuple(t._version for t in tensors if isinstance(t, Tensor))
+                    now = tensor_states(tensors)
                     if now != call.versions:
                         modified.append(call.metrics[0][0])
                         continue
@@ -248,6 +248,13 @@ def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[n
     parts = [label_part(name, label.item() if isinstance(label, np.generic) else label, mapping)
              for label in uniques]  # fmt: skip
     return codes.reshape(array.shape).astype(np.int64, copy=False), parts
+
+
+def tensor_states(items: tuple[Any, ...]) -> tuple[tuple[int, torch.Size], ...]:
+    """The version counter and shape of each tensor among ``items``: a waiting call's
+    tensors must keep both until the fold (``tensor.data = other`` changes the shape and
+    leaves the version)."""
+    return tuple((t._version, t.shape) for t in items if isinstance(t, Tensor))
 
 
 def check_label_tensor(name: str, by: Tensor) -> Tensor:
