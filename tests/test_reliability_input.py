@@ -422,3 +422,54 @@ def test_inference_tensors_are_logged_as_they_were(kind: str, weighted: str, ins
         },
     }[weighted]
     same(t.compute(), expected)
+
+
+# -- tensor subclasses with a dispatch of their own -------------------------------------------
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-process gloo group (a file store: no port), destroyed after the test."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_tensor() -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.ones(4)
+
+
+def _dtensor() -> torch.Tensor:
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    return distribute_tensor(torch.arange(4.0), DeviceMesh("cpu", [0]), [Shard(0)])
+
+
+@pytest.mark.parametrize("role", ["value", "weight", "by"])
+@pytest.mark.parametrize("make", [_fake_tensor, _dtensor], ids=["FakeTensor", "DTensor"])
+def test_a_tensor_subclass_with_its_own_dispatch_is_refused_naming_the_metric(
+    make, role: str, request
+) -> None:
+    """A DTensor (its elements spread over ranks: the fold's torch operations on it need
+    collectives) or a FakeTensor (no data) raised torch's error at compute(), naming no
+    metric, and lost the metric's step; the log call now refuses it, saying what to log."""
+    if make is _dtensor:
+        request.getfixturevalue("one_rank_group")
+    tensor = make()
+    t = Tracker()
+    t.sum("kept", 2.0)
+    args = {
+        "value": (tensor, None, None),
+        "weight": (torch.ones(4), tensor, None),
+        "by": (torch.ones(4), None, tensor.to(torch.int64)),
+    }[role]
+    what = "a by= tensor" if role == "by" else role
+    with pytest.raises(TypeError, match=rf"metric 'm': {what} .*{type(tensor).__name__}"):
+        t.mean("m", args[0], weight=args[1], by=args[2])
+    assert t.compute() == {"kept": 2.0}

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.fold import ModifiedInputError
-from rlmetrics.inputs import check_name, tracked
+from rlmetrics.inputs import check_name, own_dispatch, own_dispatch_error, tracked
 from rlmetrics.kinds import Kind
 from rlmetrics.record import Prepared, prepare
 
@@ -266,6 +266,8 @@ def check_label_tensor(name: str, by: Tensor) -> Tensor:
         )
     if by.is_meta:
         raise TypeError(f"metric {name!r}: a by= tensor must hold data, got a meta tensor")
+    if own_dispatch(by):
+        raise TypeError(own_dispatch_error(name, by, "a by= tensor"))
     return tracked(by)  # an integer tensor never requires grad: no detach needed
 
 

@@ -117,18 +117,30 @@ def unmask(name: str, value: object, weight: object) -> tuple[object, object]:
 
 
 def check_tensor(name: str, tensor: Tensor, what: str = "value") -> Tensor:
-    """A tensor must be real, dense (strided), not nested and hold data (not meta);
-    returned detached when it requires grad (a view: the record must not keep the
-    autograd graph alive)."""
+    """A tensor must be real, dense (strided), not nested, hold data (not meta) and not
+    be a subclass with a dispatch of its own (``own_dispatch``); returned detached when
+    it requires grad (a view: the record must not keep the autograd graph alive)."""
     if (
         tensor.dtype in REAL_DTYPES
         and tensor.layout is STRIDED
         and not tensor.is_nested
         and not tensor.is_meta
+        and not own_dispatch(tensor)
     ):
         tensor = tracked(tensor)
         return tensor.detach() if tensor.requires_grad else tensor
     raise tensor_error(name, tensor, what)
+
+
+def own_dispatch(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s class dispatches torch operations itself (``DTensor``, whose
+    elements lie on several ranks, so that the fold's operations on it would need
+    collectives; ``FakeTensor``, which holds no data), unlike a plain tensor or a
+    ``Parameter``."""
+    return type(tensor) is not Tensor and type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH
+
+
+_PLAIN_DISPATCH = Tensor.__torch_dispatch__
 
 
 def tracked(tensor: Tensor) -> Tensor:
@@ -158,7 +170,18 @@ def tensor_error(name: str, tensor: Tensor, what: str = "value") -> TypeError:
         return TypeError(f"metric {name!r}: {what} must be a dense tensor with data, got {problem}")
     if tensor.dtype not in REAL_DTYPES:
         return TypeError(f"metric {name!r}: {what} has unsupported dtype {tensor.dtype}")
+    if own_dispatch(tensor):
+        return TypeError(own_dispatch_error(name, tensor, what))
     raise AssertionError(f"metric {name!r}: {what} passes every tensor check")  # a caller's bug
+
+
+def own_dispatch_error(name: str, tensor: Tensor, what: str) -> str:
+    """The message for a tensor that ``own_dispatch`` refuses."""
+    return (
+        f"metric {name!r}: {what} must be a plain tensor, got a {type(tensor).__name__}, whose "
+        "class runs torch operations itself; log a plain tensor (for a DTensor, its local "
+        "shard, to_local(), or the whole tensor, full_tensor())"
+    )
 
 
 def check_weight_number(name: str, weight: float) -> None:
