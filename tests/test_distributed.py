@@ -8,6 +8,7 @@ rank that dies gets a group of its own.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -199,13 +200,17 @@ def test_killed_rank_gives_timeout_error() -> None:
     assert elapsed < 15.0
 
 
-def modified_on_one_rank(rank: int, world: int) -> list[Any]:
-    """Three steps; rank 0 changes a logged tensor in place in the first. Each rank goes
-    on to its next step after an error (as a training loop that logs it would)."""
+def modified_on_one_rank(rank: int, world: int, by: bool = False) -> list[Any]:
+    """Three steps; rank 0 changes a logged tensor in place in the first (logged with
+    ``by=``, tensor labels, when ``by``). Each rank goes on to its next step after an
+    error (as a training loop that logs it would)."""
     tracker, out = Tracker(), []
     for step in range(3):
         x = torch.tensor([float(rank + 1)])
-        tracker.mean("x", x)
+        if by:
+            tracker.mean("x", x, by=torch.tensor([0]), labels={0: "a"})
+        else:
+            tracker.mean("x", x)
         tracker.sum("n", 1.0)
         if rank == 0 and step == 0:
             x.add_(10)
@@ -216,15 +221,25 @@ def modified_on_one_rank(rank: int, world: int) -> list[Any]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a fold error on one rank (ModifiedInputError; a by= call dropped) raises "
-    "before the collective: the other ranks' step merges this rank's next one, and the "
-    "last step times out (report of branch hostile; needs a synced flag)",
-)
 def test_a_tensor_changed_in_place_on_one_rank_keeps_the_ranks_in_step() -> None:
-    for out in ok_results(run_ranks(modified_on_one_rank, 2, timeout=120)):
-        assert out[1:] == [{"n": 2.0, "x": 1.5}] * 2, out
+    """Rank 0's fold drops the changed tensor's call: it still joins the step's collective,
+    its dropped call counted as rejected, so every rank raises (rank 0 its own reason)
+    and resets nothing, as one process would; the next steps stay paired across ranks."""
+    for rank, out in enumerate(ok_results(run_ranks(modified_on_one_rank, 2, timeout=120))):
+        assert out[0] == ("ModifiedInputError" if rank == 0 else "RejectedInputError"), out
+        # step 0's rest (both n, rank 1's x) merges into step 1, as compute() again would
+        assert out[1] == {"n": 4.0, "x": pytest.approx(5 / 3)}, out
+        assert out[2] == {"n": 2.0, "x": 1.5}, out
+
+
+def test_a_grouped_tensor_changed_in_place_on_one_rank_keeps_the_ranks_in_step() -> None:
+    """With ``by=`` the dropped call's metrics are not known before the split: rank 0
+    joins the step's collective, then raises; the peers' result lacks its call."""
+    outs = ok_results(run_ranks(functools.partial(modified_on_one_rank, by=True), 2, timeout=120))
+    assert outs[0][0] == "ModifiedInputError", outs
+    assert outs[1][0] == {"n": 2.0, "x/a": 2.0}, outs
+    for out in outs:
+        assert out[1:] == [{"n": 2.0, "x/a": 1.5}] * 2, out
 
 
 COLLECTIVES = (

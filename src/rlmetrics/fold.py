@@ -43,7 +43,12 @@ from rlmetrics.table import Table
 
 
 class ModifiedInputError(ValueError):
-    """A logged tensor was changed in place before the step's end."""
+    """A logged tensor was changed in place before the step's end. ``calls``: the calls
+    dropped per metric, where the metric is known (empty for calls with ``by=``)."""
+
+    def __init__(self, message: str, calls: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.calls = calls or {}
 
 
 class _Misaligned(RuntimeError):
@@ -82,15 +87,17 @@ def fold(
         # outside autograd: a logged tensor may have been made to require grad since
         with torch.no_grad() if with_records else nullcontext():
             modified = _fold_all(accs, with_records, numbers, table, nonfinite)
+        dropped = {acc.name: len(acc.values) for acc in modified}
     finally:
         numbers.clear()
         for acc in with_records:  # each holds an array record (numbers alone go flat)
             acc.clear_records()
-    if modified:
+    if dropped:
         raise ModifiedInputError(
             "tensors logged this step were changed in place before compute(), so the "
             "values they had when logged are gone; log a copy (tensor.clone()) or log "
-            f"after the change. Metrics dropped from this step: {', '.join(map(repr, modified))}"
+            f"after the change. Metrics dropped from this step: {', '.join(map(repr, dropped))}",
+            dropped,
         )
 
 
@@ -100,14 +107,13 @@ def _fold_all(
     numbers: NumberRecords,
     table: Table,
     nonfinite: str,
-) -> list[str]:
+) -> list[Accumulator]:
     """``fold``'s work, backend by backend; returns the metrics whose tensors changed
     in place (their records are left out)."""
-    modified: list[str] = []
+    modified: list[Accumulator] = []
     if any(map(_get_versions, with_records)):
-        changed = [acc for acc in with_records if acc.versions and _modified(acc)]
-        modified = [acc.name for acc in changed]
-        with_records = [acc for acc in with_records if acc not in changed]  # identity
+        modified = [acc for acc in with_records if acc.versions and _modified(acc)]
+        with_records = [acc for acc in with_records if acc not in modified]  # identity
     on_device: dict[Any, list[Accumulator]] = {}
     host: list[Accumulator] = []
     for acc in with_records:
@@ -129,7 +135,7 @@ def _fold_all(
 
 def _fold_aligned(
     table: Table, plan: Plan, accs: list[Accumulator], device: torch.device | None, nonfinite: str
-) -> list[str]:
+) -> list[Accumulator]:
     """Fold one backend's records (``_fold_records``); returns the metrics left out
     because a record's value and weight sizes no longer agree (``_Misaligned``: found
     before anything is folded, so the others fold as if they came alone)."""
@@ -144,7 +150,7 @@ def _fold_aligned(
             plan = plan_for(table, device, kept)
             kept = plan.members
         _fold_records(table, plan, None, kept, device, nonfinite)
-    return [acc.name for acc in misaligned]
+    return misaligned
 
 
 _get_values = attrgetter("values")

@@ -23,7 +23,8 @@ from rlmetrics.table import Table
 
 class RejectedInputError(ValueError):
     """Tensor log calls were rejected on the device (negative or non-finite weights, or
-    non-finite values under ``nonfinite="error"``) and dropped; raised at step end."""
+    non-finite values under ``nonfinite="error"``), or changed in place on some rank,
+    and dropped; raised at step end, on every rank of a sync."""
 
 
 @dataclass(eq=False)
@@ -239,9 +240,9 @@ def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
         if n > 0
     ]
     raise RejectedInputError(
-        "tensor log calls were rejected (negative or non-finite weights, or non-finite "
-        "values under nonfinite='error') and dropped; rejected calls per metric: "
-        + ", ".join(rejected)
+        "tensor log calls were rejected (negative or non-finite weights, non-finite "
+        "values under nonfinite='error', or, on some rank, tensors changed in place "
+        "before compute()) and dropped; rejected calls per metric: " + ", ".join(rejected)
     )
 
 

@@ -17,7 +17,7 @@ from rlmetrics.fold import fold
 from rlmetrics.groups import Groups
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
-from rlmetrics.kinds.base import NUM_COUNTS
+from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.layout import Layout
 from rlmetrics.log_methods import KIND_METHODS, RECORDS, LogMethods, PrefixedTracker
@@ -495,23 +495,49 @@ class Tracker(LogMethods):
             sync: False to skip the process group.
 
         Raises:
-            ValueError: a tensor log call was rejected (see ``state``); nothing is reset,
-                and calling ``compute()`` again returns every other call's metrics.
+            ValueError: a tensor log call was rejected (see ``state``), or a logged
+                tensor changed in place (``ModifiedInputError``; in a sync every rank
+                raises); nothing is reset, and calling ``compute()`` again returns every
+                other call's metrics. A call with ``by=`` dropped at the fold raises
+                after the step, on its rank only.
         """
         as_timeout(timeout)  # a bad timeout raises even where nothing syncs
-        self._fold()
+        dropped = None
         if sync and should_sync(group):
+            dropped = self._fold_for_sync()
             try:
                 reduced = sync_reduce(self, group=group, timeout=timeout)
-            except RejectedInputError:
+            except RejectedInputError as error:
                 self._forget_rejected()
+                if dropped is not None:
+                    raise dropped from error  # this rank's own reason
                 raise
         else:
+            self._fold()
             reduced = self._local_reduce()
         out = reduced.results(empty=self.empty)
         if reset:
             self.reset()
+        if dropped is not None:
+            raise dropped  # calls with by= dropped at this rank's fold: in no rank's result
         return out
+
+    def _fold_for_sync(self) -> ValueError | None:
+        """Fold before a sync; a fold error is returned, not raised, so that this rank
+        still joins the step's collective (raising now would leave its peers' collective
+        to pair with this rank's next one). The calls it dropped count as rejected, so
+        that every rank raises after the sync; those of calls with ``by=`` (their
+        metrics unknown) are returned for this rank to raise after the step."""
+        try:
+            self._fold()
+        except ValueError as error:  # ModifiedInputError; calls with by= dropped
+            calls = getattr(error, "calls", {})
+            for name, count in calls.items():
+                acc = self._accumulators.get(name)
+                if acc is not None:
+                    acc.count(REJECTED_SLOT, float(count))
+            return error
+        return None
 
     # -- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
