@@ -200,19 +200,24 @@ def test_killed_rank_gives_timeout_error() -> None:
     assert elapsed < 15.0
 
 
-def modified_on_one_rank(rank: int, world: int, by: bool = False) -> list[Any]:
+def modified_on_one_rank(rank: int, world: int, by: bool = False, early: bool = False) -> list[Any]:
     """Three steps; rank 0 changes a logged tensor in place in the first (logged with
-    ``by=``, tensor labels, when ``by``). Each rank goes on to its next step after an
-    error (as a training loop that logs it would)."""
+    ``by=``, tensor labels, when ``by``; found by an early fold, in the next log call,
+    when ``early``). Each rank goes on to its next step after an error (as a training
+    loop that logs it would)."""
     tracker, out = Tracker(), []
+    if early:
+        tracker.record_limit = 2  # the second call of a step folds the first one's record
     for step in range(3):
         x = torch.tensor([float(rank + 1)])
         if by:
             tracker.mean("x", x, by=torch.tensor([0]), labels={0: "a"})
         else:
             tracker.mean("x", x)
+        if rank == 0 and step == 0 and early:
+            x.add_(10)
         tracker.sum("n", 1.0)
-        if rank == 0 and step == 0:
+        if rank == 0 and step == 0 and not early:
             x.add_(10)
         try:
             out.append(tracker.compute(timeout=10))
@@ -221,11 +226,13 @@ def modified_on_one_rank(rank: int, world: int, by: bool = False) -> list[Any]:
     return out
 
 
-def test_a_tensor_changed_in_place_on_one_rank_keeps_the_ranks_in_step() -> None:
+@pytest.mark.parametrize("early", [False, True], ids=["at compute", "by an early fold"])
+def test_a_tensor_changed_in_place_on_one_rank_keeps_the_ranks_in_step(early: bool) -> None:
     """Rank 0's fold drops the changed tensor's call: it still joins the step's collective,
     its dropped call counted as rejected, so every rank raises (rank 0 its own reason)
     and resets nothing, as one process would; the next steps stay paired across ranks."""
-    for rank, out in enumerate(ok_results(run_ranks(modified_on_one_rank, 2, timeout=120))):
+    run = functools.partial(modified_on_one_rank, early=early)
+    for rank, out in enumerate(ok_results(run_ranks(run, 2, timeout=120))):
         assert out[0] == ("ModifiedInputError" if rank == 0 else "RejectedInputError"), out
         # step 0's rest (both n, rank 1's x) merges into step 1, as compute() again would
         assert out[1] == {"n": 4.0, "x": pytest.approx(5 / 3)}, out

@@ -253,6 +253,29 @@ def test_a_tracker_keeps_no_logged_weight_alive_after_its_step(by: str | None) -
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+def test_a_tensor_changed_before_an_early_fold_raises_at_compute_naming_it(
+    host_arrays: bool,
+) -> None:
+    """A fold past ``record_limit`` runs inside a later, unrelated log call: that call
+    records as usual, and ``compute()`` raises the early folds' errors, every metric
+    they dropped named (a second early fold's too), then returns the rest."""
+    t = Tracker()
+    t.host_arrays = host_arrays
+    t.record_limit = 6
+    first, second = torch.ones(3), torch.ones(3)
+    t.mean("a", first)
+    first.add_(1)
+    t.sum("n", torch.ones(3))  # past the bound: the early fold finds "a" changed
+    t.mean("b", second)
+    second.add_(1)
+    t.sum("n", torch.ones(3))  # past it again: "b"
+    with pytest.raises(ModifiedInputError, match=r"'a'.* Then: .*'b'") as raised:
+        t.compute()
+    assert raised.value.calls == {"a": 1, "b": 1}
+    assert t.compute() == {"n": 6.0}
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
 def test_the_record_folds_past_its_bound_with_the_same_result(host_arrays: bool) -> None:
     """A bound small enough to fold every few calls gives the one-fold result (to
     rounding), for every kind, and keeps the records short."""

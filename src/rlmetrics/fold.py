@@ -51,6 +51,19 @@ class ModifiedInputError(ValueError):
         self.calls = calls or {}
 
 
+def joined_errors(errors: list[ValueError]) -> ValueError:
+    """Several folds' errors of one step as one: a ``ModifiedInputError`` (every
+    dropped call counted) when they all are, else a ValueError; the messages in order."""
+    message = " Then: ".join(map(str, errors))
+    if not all(isinstance(error, ModifiedInputError) for error in errors):
+        return ValueError(message)
+    calls: dict[str, int] = {}
+    for error in errors:
+        for name, count in error.calls.items():  # type: ignore[attr-defined]
+            calls[name] = calls.get(name, 0) + count
+    return ModifiedInputError(message, calls)
+
+
 class _Misaligned(RuntimeError):
     """A backend's joined values and weights differ in length: ``accs`` hold a record
     whose value and weight sizes differ (a tensor given data of another size by

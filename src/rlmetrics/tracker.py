@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
-from rlmetrics.fold import fold
+from rlmetrics.fold import fold, joined_errors
 from rlmetrics.groups import Groups
 from rlmetrics.inputs import as_number, check_name
 from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
@@ -99,7 +99,7 @@ def _record_method(kind: str) -> Callable[..., None]:
             else:
                 self._log_value(acc, name, value, weight)
             if self._recorded > self.record_limit:
-                self._fold(wait=False)
+                self._fold_early()
         finally:
             lock.release()
 
@@ -135,9 +135,10 @@ class Tracker(LogMethods):
             CPU).
         record_limit: the elements and calls (a python number counts once, an array or
             tensor its size plus one) a tracker records before it folds them into its
-            states mid-step, which bounds
-            the memory its records keep alive (the logged tensors); the fold is the
-            step-end one, without a host sync.
+            states mid-step, which bounds the memory its records keep alive (the
+            logged tensors); the fold is the step-end one, without a host sync, and its
+            errors (a tensor changed in place) are raised by the step's end, not by the
+            log call that passed the bound.
 
     Threads: a tracker may be shared by threads. Each log call holds the tracker's lock
     (uncontended, a fraction of the call's cost), and ``compute()``, ``state()``,
@@ -183,6 +184,7 @@ class Tracker(LogMethods):
         self._local: tuple[list[Accumulator], Packing] | None = None  # compute(sync=False)
         self._lock = threading.RLock()  # see "Threads" above
         self._numbers = NumberRecords()  # python-number calls since the last fold
+        self._fold_errors: list[ValueError] = []  # of early folds, raised by the next
         self._checked_weight = CheckedWeight()  # the last tensor weight logged
         self._recorded = 0  # elements and calls recorded since the last fold
         self.pending_timers: list[Any] = []  # device timers not read yet (rlmetrics.timing)
@@ -272,24 +274,41 @@ class Tracker(LogMethods):
             deferred = self._groups.log(self, metrics, value, weight, by, labels)
             self._recorded += deferred  # after the call, which may record (host labels)
             if self._recorded > self.record_limit:
-                self._fold(wait=False)
+                self._fold_early()
 
     def _fold(self, wait: bool = True) -> None:
         """Reduce every record into the states (see ``rlmetrics.fold``), after logging
         the device timers (all, waiting for them; the finished ones without ``wait``)
-        and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``)."""
-        if self.pending_timers:
-            read_device_timers(self, wait)
-        self._checked_weight.clear()  # the records no longer keep the weight alive
-        if self._recorded and not self._groups.resolving:
-            # every call recorded one flat python number: no metric holds records of its own
-            flat_only = self._recorded == len(self._numbers.values)
-            try:
-                self._groups.resolve(self)
-            finally:
-                self._recorded = 0
-                accs = list(self._accumulators.values())
-                fold(accs, self._numbers, self._table, self.nonfinite, flat_only=flat_only)
+        and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``).
+        Raises the fold's errors, those of the step's early folds included."""
+        errors, self._fold_errors = self._fold_errors, []
+        try:
+            if self.pending_timers:
+                read_device_timers(self, wait)
+            self._checked_weight.clear()  # the records no longer keep the weight alive
+            if self._recorded and not self._groups.resolving:
+                # every call recorded one flat python number: no metric holds records of
+                # its own
+                flat_only = self._recorded == len(self._numbers.values)
+                try:
+                    self._groups.resolve(self)
+                finally:
+                    self._recorded = 0
+                    accs = list(self._accumulators.values())
+                    fold(accs, self._numbers, self._table, self.nonfinite, flat_only=flat_only)
+        except ValueError as error:  # calls dropped (ModifiedInputError, by= calls)
+            errors.append(error)
+        if errors:
+            raise errors[0] if len(errors) == 1 else joined_errors(errors)
+
+    def _fold_early(self) -> None:
+        """The fold past ``record_limit``, inside a log call. Its errors are about
+        earlier calls, so they wait for the step's next fold (``compute()``, ``state()``,
+        ``merge()``), which raises them."""
+        try:
+            self._fold(wait=False)
+        except ValueError as error:
+            self._fold_errors.append(error)
 
     def _accumulator(self, name: str, kind: Kind) -> Accumulator:
         acc = self._accumulators.get(name)
@@ -444,6 +463,7 @@ class Tracker(LogMethods):
         self.__dict__.setdefault("_groups", Groups())  # pickled before groups existed
         self.__dict__.setdefault("_numbers", NumberRecords())
         self.__dict__.setdefault("_checked_weight", CheckedWeight())
+        self.__dict__.setdefault("_fold_errors", [])
         for acc in self._accumulators.values():
             try:
                 kind = self.kind(acc.kind.name)
@@ -460,6 +480,7 @@ class Tracker(LogMethods):
         self._groups.clear()
         self._numbers.clear()
         self._checked_weight.clear()
+        self._fold_errors = []
         # records are left only by calls since the last fold (a fold clears every one)
         if self._recorded and any(map(_get_values, self._accumulators.values())):
             for acc in self._accumulators.values():
