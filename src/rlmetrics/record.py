@@ -11,9 +11,8 @@ needs data (negative or non-finite weights in an array, non-finite values under
 Records keep references, so nothing logged may change before the step ends: a numpy
 array or list is copied here (numpy has no way to notice a later write), as is an
 inference tensor (torch keeps it no version counter), and a tensor's version counter is
-recorded, so an in-place change before the fold raises there. A
-tensor that requires grad is detached (one view), so the record does not keep its
-autograd graph alive.
+recorded, so an in-place change before the fold raises there. A tensor that requires
+grad is detached (one view), so the record does not keep its autograd graph alive.
 """
 
 from __future__ import annotations
@@ -272,7 +271,8 @@ def record_tensor(
     if type(weight) is Tensor:
         try:
             version = weight._version
-        except RuntimeError:  # an inference tensor: recorded as a copy (never cached)
+        except RuntimeError:  # an inference tensor: recorded as a copy, new each call,
+            # so its check is never reused
             weight = tracked(weight)
             version = weight._version
         last = checked.last

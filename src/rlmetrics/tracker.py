@@ -287,8 +287,7 @@ class Tracker(LogMethods):
                 read_device_timers(self, wait)
             self._checked_weight.clear()  # the records no longer keep the weight alive
             if self._recorded and not self._groups.resolving:
-                # every call recorded one flat python number: no metric holds records of
-                # its own
+                # every call recorded one flat number: no metric holds records of its own
                 flat_only = self._recorded == len(self._numbers.values)
                 try:
                     self._groups.resolve(self)
