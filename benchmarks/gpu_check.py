@@ -58,6 +58,7 @@ import torch
 
 import rlmetrics
 from rlmetrics import Tracker
+from rlmetrics.log_methods import RECORDS, PrefixedTracker
 
 from op_count import OpCounter
 
@@ -186,15 +187,17 @@ def junit_counts(path: Path) -> dict[str, Any]:
 
 # -- demo --------------------------------------------------------------------------------
 class SyncGuard:
-    """While active, every Tracker log call runs under ``set_sync_debug_mode("error")``
-    on a CUDA device (a host sync inside it raises), and the calls are counted."""
+    """While active, every log call (of a Tracker or a prefixed view) runs under
+    ``set_sync_debug_mode("error")`` on a CUDA device (a host sync inside it raises),
+    and the calls are counted (a call entering another counts once)."""
 
     def __init__(self, device: torch.device) -> None:
         self.armed = device.type == "cuda"
         self.calls = 0
         self.device_calls = 0  # calls given a tensor on the device
         self.depth = 0
-        self.saved: dict[str, Any] = {}
+        self.saved: dict[tuple[type, str], Any] = {}
+        self.records: dict[str, Callable[..., None]] = {}
 
     def wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
@@ -219,18 +222,23 @@ class SyncGuard:
         return guarded
 
     def __enter__(self) -> SyncGuard:
-        for name in LOG_METHODS:
-            if name in vars(Tracker) or hasattr(Tracker, name):
-                self.saved[name] = vars(Tracker).get(name)
-                setattr(Tracker, name, self.wrap(getattr(Tracker, name)))
+        for cls in (Tracker, PrefixedTracker):
+            for name in LOG_METHODS:
+                if hasattr(cls, name):
+                    self.saved[cls, name] = vars(cls).get(name)
+                    setattr(cls, name, self.wrap(getattr(cls, name)))
+        self.records = dict(RECORDS)  # what prefixed views and Tracker._log call
+        RECORDS.update({kind: self.wrap(method) for kind, method in self.records.items()})
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, original in self.saved.items():
+        for (cls, name), original in self.saved.items():
             if original is None:
-                delattr(Tracker, name)  # it was inherited
+                delattr(cls, name)  # it was inherited
             else:
-                setattr(Tracker, name, original)
+                setattr(cls, name, original)
+        RECORDS.clear()
+        RECORDS.update(self.records)
         if self.armed:
             torch.cuda.set_sync_debug_mode(0)
 
@@ -278,7 +286,10 @@ def part_demo(device: torch.device, size: dict[str, int]) -> dict[str, Any]:
         ]
         start = time.perf_counter()
         with SyncGuard(device) as guard:
-            code = main(argv)
+            try:
+                code = main(argv)
+            except Exception as err:  # a sync in a log call raises here: say where
+                return {"ok": False, **failure(err), "guarded_log_calls": guard.calls}
         seconds = time.perf_counter() - start
         rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     memory = [row.get("actor/perf/max_memory_allocated_gb") for row in rows]
@@ -364,17 +375,25 @@ def part_kernels(device: torch.device, size: dict[str, int]) -> dict[str, Any]:
     error = relative_error(got, [inputs[i % len(inputs)] for i in range(0, n, 24)])
     # past record_limit a log call folds what the tracker holds: on the device, that
     # fold must not sync either
-    early = Tracker()
+    early, early_failure = Tracker(), {}
     early.record_limit = 4 * 1024
     with SyncGuard(device) as guard:
-        for x, m in inputs * 4:
-            early.mean("m", x, weight=m)
-    early_error = relative_error(early.compute(sync=False)["m"], inputs * 4)
+        try:
+            for x, m in inputs * 4:
+                early.mean("m", x, weight=m)
+            early_error = relative_error(early.compute(sync=False)["m"], inputs * 4)
+        except Exception as err:
+            early_failure, early_error = failure(err), float("nan")
     ok = ops.total == 0 and host_ops == 0 and kernels in (None, 0)
     ok = ok and error <= TOLERANCE and early_error <= TOLERANCE
+    note = {}
     if device.type == "cuda" and not control:
-        ok = False  # the profiler counts nothing here: its 0 would mean nothing
+        ok = False
+        note = {"note": "the profiler saw no device activity for x + 1: its counts mean "
+                "nothing here (the torch-op count stands)"}  # fmt: skip
     return {
+        **note,
+        **{f"early_fold_{key}": value for key, value in early_failure.items()},
         "ok": ok,
         "log_calls": n,
         "elements_per_call": 1024,
@@ -512,6 +531,20 @@ PARTS: dict[str, Callable[[torch.device, dict[str, int]], dict[str, Any]]] = {
 }
 
 
+def failure(err: BaseException) -> dict[str, Any]:
+    """An exception's readings (printed too): its type and message, the traceback's last
+    lines and its frames in rlmetrics (where a sync inside a log call came from)."""
+    lines = traceback.format_exception(err)
+    text = "".join(lines).splitlines()
+    print("\n".join(text[-25:]), flush=True)
+    frames = [line.strip() for line in text if "/rlmetrics/" in line]
+    return {
+        "error": f"{type(err).__name__}: {err}"[:500],
+        "traceback": text[-8:],
+        "rlmetrics_frames": frames[-6:],
+    }
+
+
 def run_part(name: str, device: torch.device, size: dict[str, int]) -> dict[str, Any]:
     """One part, its failure recorded (type, message, the traceback's last lines)."""
     print(f"== {name}", flush=True)
@@ -519,13 +552,7 @@ def run_part(name: str, device: torch.device, size: dict[str, int]) -> dict[str,
     try:
         result = PARTS[name](device, size)
     except Exception as err:  # a failing part must not stop the others
-        lines = traceback.format_exc().splitlines()
-        print("\n".join(lines[-20:]), flush=True)
-        result = {
-            "ok": False,
-            "error": f"{type(err).__name__}: {err}"[:500],
-            "traceback": lines[-8:],
-        }
+        result = {"ok": False, **failure(err)}
     finally:
         with contextlib.suppress(Exception):
             if device.type == "cuda":

@@ -4,13 +4,18 @@ holds each part's readings. On a GPU ``make gpu-check`` runs the same parts for 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,23 +58,47 @@ def test_the_dry_run_runs_every_part_and_writes_its_readings(tmp_path: Path) -> 
     assert table in done.stdout  # printed, too
 
 
-def test_a_failing_part_is_recorded_and_the_exit_code_says_so(tmp_path: Path) -> None:
-    """A part that raises does not stop the others; the run then exits 1."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+@pytest.fixture(scope="module")
+def gpu_check() -> Iterator[ModuleType]:
+    """benchmarks/gpu_check.py, imported with benchmarks/ on sys.path for this module."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ROOT / "benchmarks"))
+        yield importlib.import_module("gpu_check")
 
-    def broken(device, size):
+
+def test_the_sync_guard_sees_every_way_into_a_log_call_and_puts_them_back(
+    gpu_check: ModuleType,
+) -> None:
+    """A call of the tracker, of a prefixed view (which calls the record functions
+    directly), with by=, by kind name and a timer's: each counted once; afterwards the
+    classes and the record functions are what they were."""
+    from rlmetrics import Tracker
+    from rlmetrics.log_methods import RECORDS, PrefixedTracker
+
+    before = (dict(RECORDS), dict(vars(Tracker)), dict(vars(PrefixedTracker)))
+    with gpu_check.SyncGuard(torch.device("cpu")) as guard:
+        t = Tracker()
+        t.mean("a", torch.ones(3), weight=torch.tensor([True, False, True]))
+        t.prefixed("p/").sum("b", 1.0)
+        t.mean("c", [1.0, 2.0], by=[0, 1])
+        t.prefixed("q/").log("d", 2.0, kind="max")
+        with t.timer("e"):
+            pass
+    assert guard.calls == 5 and guard.device_calls == 0 and not guard.armed
+    assert {"a", "p/b", "c/0", "c/1", "q/d", "e"} <= set(t.compute())
+    assert (dict(RECORDS), dict(vars(Tracker)), dict(vars(PrefixedTracker))) == before
+
+
+def test_a_failing_part_is_recorded_and_the_exit_code_says_so(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part that raises does not stop the others; the run then exits 1."""
+
+    def broken(device: torch.device, size: dict[str, int]) -> dict[str, Any]:
         raise RuntimeError("planted failure")
 
-    parts = dict(gpu_check.PARTS)
-    gpu_check.PARTS["demo"] = broken
-    try:
-        code = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--parts", "demo,kernels"])
-    finally:
-        gpu_check.PARTS.update(parts)
+    monkeypatch.setitem(gpu_check.PARTS, "demo", broken)
+    code = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--parts", "demo,kernels"])
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 1 and results["ok"] is False
     assert results["parts"]["demo"]["ok"] is False
