@@ -17,7 +17,9 @@ exit code is 1 if any failed):
   cannot share one GPU under NCCL, and spawned ranks would not carry the guard.
 * ``kernels``: device activities (kernels and copies, by ``torch.profiler``) and torch
   ops (by a ``TorchDispatchMode``) per log call, over 1,000 log calls of device tensors
-  with a bool mask; expected 0. A control (``x + 1``) shows the profiler counts kernels.
+  with a bool mask; expected 0. Counted against an empty call's; a control (``x + 1``)
+  shows the profiler counts kernels. Then calls past ``record_limit`` (a fold inside the
+  log call) under the sync guard, and their value checked.
 * ``compute``: ``compute(sync=False)`` of 512 metrics (mean, sum, max and min in turn),
   one call each of python floats, of 0-d device tensors or of 1k-element device tensors
   with a bool mask: the median µs over repeats (the log calls untimed).
@@ -27,8 +29,9 @@ exit code is 1 if any failed):
   call reduced on the device and read with ``.item()``), interleaved with it.
 
 Without a CUDA device, or with ``--dry-run``, it runs the same parts on the CPU with tiny
-sizes in about 20 seconds (``tests/test_gpu_check.py`` runs it in ``make test``): the
-tests then skip, and nothing is guarded or profiled on a device.
+sizes, in well under a minute (``tests/test_gpu_check.py`` runs it in ``make test``):
+only the tests named for a device (``-k "cuda or device"``), which skip or check the
+CPU's side, and nothing is guarded or profiled on a device.
 
 It writes ``gpu_check.json`` into ``--out`` (every number, and the markdown table it
 prints under the key ``table_md``).
