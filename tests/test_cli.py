@@ -7,14 +7,18 @@ None in ``sys.modules``, which makes their import fail as if they were not insta
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from rlmetrics import audit_report
 from rlmetrics.cli import NEXT_STEP, build_parser, config_from_args, main
 from rlmetrics.trainer.config import AlgoConfig, RunConfig, TaskConfig
+from rlmetrics.trainer.launch import rank_device
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-prompts", "2",
         "--samples-per-prompt", "2", "--num-symbols", "3", "--max-prompt-len", "2"]  # fmt: skip
@@ -69,6 +73,57 @@ def test_config_dataclasses_validate_in_post_init() -> None:
     with pytest.raises(ValueError, match="timeout"):
         RunConfig(timeout=math.nan)
     assert AlgoConfig(kl_coef=0.0, gamma=0.0, lam=1.0).kl_coef == 0.0  # bounds included
+
+
+# -- --device ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "CPU", "cuda:", "", 0])
+def test_device_values_other_than_cpu_cuda_or_cuda_n_are_named(bad) -> None:
+    with pytest.raises(ValueError, match=f"device must be cpu, cuda or cuda:N, got {bad!r}"):
+        RunConfig(device=bad)
+
+
+def test_device_flag_reaches_the_config_and_picks_each_ranks_device() -> None:
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["demo", "--device", "cuda:1"])).run.device == "cuda:1"
+    assert config_from_args(parse(["train", "--device", "cpu"])).run.device == "cpu"
+    assert config_from_args(parse(["demo"])).run.device is None
+    assert rank_device(None, 3) == rank_device("cpu", 0) == torch.device("cpu")
+
+
+def memory_metrics(jsonl: Path) -> set[str]:
+    """The GPU memory metrics in the run's rows (reported only for a model on a GPU)."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    return {key for row in rows for key in row if "max_memory_allocated" in key}
+
+
+def test_demo_on_the_cpu_device_trains_there(tmp_path, capsys) -> None:
+    jsonl = tmp_path / "m.jsonl"
+    flags = ["--dp", "1", "--steps", "1", "--device", "cpu", "--metrics-jsonl", str(jsonl)]
+    assert main(["demo", *TINY, *flags]) == 0
+    assert jsonl.exists() and memory_metrics(jsonl) == set()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_demo_on_cuda_without_cuda_is_a_usage_error_before_spawning(device, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *TINY, "--device", device])
+    assert exit_info.value.code == 2
+    assert f"--device {device}: CUDA is not available on this machine" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"--device {device}: CUDA is not available"):
+        rank_device(device, 0)
+
+
+def test_demo_on_a_missing_gpu_or_through_ray_on_a_gpu_is_a_usage_error(capsys) -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for argv, message in [
+        (["--device", f"cuda:{max(count, 1)}"], f"--device cuda:{max(count, 1)}: "),
+        (["--launcher", "ray", "--device", "cuda"], "the ray launcher trains on the CPU only"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["demo", *TINY, *argv])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 # -- a plain install: no rich, no matplotlib ------------------------------------------------

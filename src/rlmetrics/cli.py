@@ -151,6 +151,8 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rlmetrics.trainer.launch import spawn
 
     cfg = _config(args, parser)
+    if args.launcher == "ray" and cfg.run.device not in (None, "cpu"):
+        parser.error(f"--device {cfg.run.device}: the ray launcher trains on the CPU only")
     _check_before_start(cfg, parser)
     start = time.perf_counter()
     history = _launch_ray(args, parser, cfg) if args.launcher == "ray" else spawn(cfg)
@@ -164,13 +166,15 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _check_before_start(cfg: Any, parser: argparse.ArgumentParser) -> None:
-    """Before any rank starts: the loggers' extras are installed, and the checkpoint to
-    resume from exists, is readable and matches the config."""
+    """Before any rank starts: the device exists, the loggers' extras are installed, and
+    the checkpoint to resume from exists, is readable and matches the config."""
     from rlmetrics.extras import require_loggers
     from rlmetrics.loggers import parse_backends
     from rlmetrics.trainer import checkpoint
+    from rlmetrics.trainer.launch import check_device
 
     try:
+        check_device(cfg.run.device)
         require_loggers(parse_backends(cfg.run.loggers), f"--loggers {cfg.run.loggers}")
         path = checkpoint.resume_path(cfg.run)
         if path is not None:

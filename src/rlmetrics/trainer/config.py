@@ -7,6 +7,7 @@ the command line and these defaults never drift apart. ``TrainConfig`` groups th
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "low_var_kl", "k1+", "k3+", "low_var_kl+",
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
 LAUNCHERS = ("spawn", "ray")
 METRICS_PATHS = ("collective", "driver")  # where the Ray launcher merges metrics
+DEVICE_FORM = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def opt(default: Any, help: str, **kwargs: Any) -> Any:
@@ -165,6 +167,13 @@ class RunConfig:
     steps: int = opt(150, "training steps")
     dp: int = opt(2, "data-parallel ranks (spawn launcher; torchrun sets its own)", metavar="D")
     seed: int = opt(0, "seed of the model init and of every step's rollout", metavar="S")
+    device: str | None = opt(
+        None,
+        "where the models and their micro-batches live: cpu, cuda (local rank r on GPU r "
+        "mod the GPU count) or cuda:N (None: the CPU; under torchrun, the local GPU when "
+        "CUDA is available)",
+        metavar="DEV",
+    )
     run_dir: str = opt("runs/demo", "folder for the run's logs", metavar="DIR")
     metrics_jsonl: str | None = opt(
         None, "JSONL file, one line per step (None: RUN_DIR/metrics.jsonl)", metavar="PATH"
@@ -189,6 +198,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", self.steps, ">= 1")
         check(self.dp >= 1, "dp", self.dp, ">= 1")
+        check(
+            self.device is None or bool(DEVICE_FORM.fullmatch(str(self.device))),
+            "device", self.device, "cpu, cuda or cuda:N",
+        )  # fmt: skip
         check(self.log_every >= 0, "log_every", self.log_every, ">= 0")
         from rlmetrics.loggers import parse_backends  # raises ValueError naming a bad one
 
