@@ -60,6 +60,98 @@ def test_demo_rejects_non_finite_and_out_of_range_values(flag, value, message, c
         config_from_args(args)
     with pytest.raises(SystemExit) as exit_info:  # the command line: a usage error, exit 2
         main(["demo", f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"argument {flag}: {message}" in err
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any subcommand that gets past its flags fails the test at once (no ranks start)."""
+    import rlmetrics.audit as audit
+    from rlmetrics.trainer import launch
+
+    def work(*args, **kwargs):
+        raise AssertionError("the command started with a bad flag")
+
+    for owner, name in ((audit, "run_partitions"), (audit, "run_fn_audit"),
+                        (launch, "spawn"), (launch, "from_env")):  # fmt: skip
+        monkeypatch.setattr(owner, name, work)
+
+
+def numeric_flags() -> list[tuple[str, str]]:
+    """(subcommand, flag) of every numeric flag of every subcommand."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, type(parser._subparsers._actions[-1]))]
+    out = []
+    for command, subparser in sub.choices.items():
+        for action in subparser._actions:
+            kind = getattr(action.type, "__name__", None)
+            if kind in ("int", "float", "int list", "float list"):
+                out.append((command, action.option_strings[0]))
+    return out
+
+
+def test_every_subcommand_has_numeric_flags_to_check() -> None:
+    flags = numeric_flags()
+    for command in ("demo", "train", "audit"):
+        assert sum(c == command for c, _ in flags) >= 6, command
+    assert ("audit", "--tol") in flags and ("audit", "--ranks") in flags
+
+
+@pytest.mark.parametrize(("command", "flag"), numeric_flags())
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_every_numeric_flag_refuses_non_finite_and_negative_values(
+    command, flag, value, no_work, capsys
+) -> None:
+    """NaN, infinity, a negative value: a usage error naming the flag, exit 2, before any
+    work (every numeric flag here is >= 0)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"argument {flag}: " in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tol", "nan"], "argument --tol: must be a finite number >= 0, got 'nan'"),
+        (["--tol=-1e-9"], "argument --tol: must be a finite number >= 0, got '-1e-9'"),
+        (["--tol", "inf"], "argument --tol: must be a finite number >= 0, got 'inf'"),
+        (["--num-prompts", "0"], "argument --num-prompts: must be an integer >= 1, got '0'"),
+        (["--samples-per-prompt", "1"], "argument --samples-per-prompt: samples_per_prompt "
+                                        "must be >= 2 with grpo, got 1"),
+        (["--mini-batches", "0"], "argument --mini-batches: must be an integer >= 1"),
+        (["--epochs", "1.5"], "argument --epochs: must be an integer >= 1, got '1.5'"),
+        (["--seed", "-1"], "argument --seed: must be an integer >= 0 and <= 4294967295"),
+        (["--seed", str(2**32)], "argument --seed: must be an integer >= 0 and <= 4294967295"),
+        (["--ranks", "1,0"], "argument --ranks: each item must be an integer >= 1, got '0'"),
+        (["--micro-batch-sizes", "2,nan"], "argument --micro-batch-sizes: each item must be"),
+        (["--partitions", "0,1"], "--partitions: '0' is not DP"),
+    ],
+)  # fmt: skip
+def test_audit_refuses_bad_numbers_as_a_usage_error_naming_the_flag(
+    args, message, no_work, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["audit", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--n-embd", "0"], "argument --n-embd: n_embd must be >= 1, got 0"),
+        (["--n-embd", "-4"], "argument --n-embd: n_embd must be >= 1, got -4"),
+        (["--seed", "-1"], "argument --seed: seed must be an integer >= 0 and <= 4294967295"),
+        (["--seed", str(2**70)], "argument --seed: seed must be an integer >= 0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["demo", "train"])
+def test_trainer_refuses_bad_numbers_as_a_usage_error_naming_the_flag(
+    command, args, message, no_work, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *args])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
