@@ -259,6 +259,31 @@ def test_rejected_call_is_reported_at_the_window_and_the_rest_flushes() -> None:
     assert window.flush() == {"m": 3.0}
 
 
+@pytest.mark.parametrize("empty", ["omit", "nan"])
+@pytest.mark.parametrize("per_step", [False, True])
+def test_keys_two_metrics_report_raise_as_in_compute(empty: str, per_step: bool) -> None:
+    """A `last` named `x/p50` beside a dist `x` (each in a step of its own, or both in
+    one): one step over the window's data raises naming both, so the report does (it
+    reported the `last`'s value as `x/p50` and dropped the dist's p50)."""
+    one_step = Tracker(empty=empty)
+    one_step.dist("x", [1.0, 2.0, 3.0])
+    one_step.last("x/p50", 7.0)
+    with pytest.raises(ValueError, match="rename one of them") as expected:
+        one_step.compute()
+    for split_steps in (True, False):
+        tracker = Tracker(empty=empty)
+        window = Window(tracker, every=2, per_step=per_step)
+        tracker.dist("x", [1.0, 2.0, 3.0])
+        if split_steps:
+            window.step()
+        tracker.last("x/p50", 7.0)
+        if not split_steps:
+            window.step()
+        with pytest.raises(ValueError) as raised:
+            window.step()
+        assert str(raised.value) == str(expected.value)
+
+
 def test_a_name_changing_kind_inside_a_window_raises_and_changes_nothing() -> None:
     tracker = Tracker()
     window = Window(tracker, every=3)
@@ -431,6 +456,43 @@ def gloo_rejected(rank: int, world: int) -> dict[str, object]:
     return out
 
 
+def gloo_collision(rank: int, world: int) -> list[str]:
+    """Rank 0 logs a dist `x`, the last rank a `last` named `x/p50`: compute() over the
+    group raises on every rank, naming both; so does a window's report."""
+    messages = []
+    tracker = Tracker()
+    window = Window(tracker, every=1, timeout=60)
+    for report in (lambda: tracker.compute(timeout=60), window.step):
+        if rank == 0:
+            tracker.dist("x", [1.0, 2.0, 3.0])
+        if rank == world - 1:
+            tracker.last("x/p50", 7.0)
+        try:
+            report()
+        except ValueError as error:
+            messages.append(str(error))
+        tracker.reset()
+    return messages
+
+
+LRS = ((0.1, True), (0.2, True), (0.3, False), (0.1, True))  # (lr, ranks disagree)
+
+
+def gloo_disagree(rank: int, world: int) -> tuple[list, list[str]]:
+    """Each step a report: the ranks' `actor/lr` disagree in steps 0 and 1, agree in 2,
+    disagree again in 3. Returns the reports and this rank's RuntimeWarnings."""
+    tracker = Tracker()
+    actor = tracker.prefixed("actor/")
+    window = Window(tracker, every=1, timeout=60, per_step=["actor/"])
+    reports = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for lr, disagree in LRS:
+            actor.last("lr", lr * (rank + 1) if disagree else lr)
+            reports.append((window.step(), window.per_step_values))
+    return reports, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
 ASYNC_LENGTHS = (2, 3, 1, 4, 2)  # iterations per logged step
 
 
@@ -487,6 +549,8 @@ def gloo_outcome(request: pytest.FixtureRequest) -> tuple[int, dict]:
         "scalar_windows": (gloo_windows, (world + 1, SCALAR_KINDS)),
         "rejected": (gloo_rejected, ()),
         "async": (gloo_async, ()),
+        "collision": (gloo_collision, ()),
+        "disagree": (gloo_disagree, ()),
     }
     return world, run_together(calls, world, timeout=600)
 
@@ -548,3 +612,27 @@ def test_gloo_windows_of_varying_length_stay_one_sync(gloo_outcome: tuple) -> No
         for report, count in (rank_out[w] for rank_out in per_rank):
             assert report == want
             assert w == 0 or count == 1, (w, count)
+
+
+@pytest.mark.slow
+def test_gloo_keys_two_metrics_report_raise_on_every_rank_as_in_compute(
+    gloo_outcome: tuple,
+) -> None:
+    for messages in ok_results(gloo_outcome[1]["collision"]):
+        assert len(messages) == 2 and messages[0] == messages[1], messages
+        assert "'x/p50' reports 'x/p50', which metric 'x' reports too" in messages[0]
+
+
+@pytest.mark.slow
+def test_gloo_last_disagreement_names_the_metric_and_warns_again(gloo_outcome: tuple) -> None:
+    """The report's warning names the user's metric (not the window's internal key);
+    a disagreement lasting two steps warns once, a later one again."""
+    world, outcome = gloo_outcome
+    for reports, messages in ok_results(outcome["disagree"]):
+        for (report, per_step), (lr, disagree) in zip(reports, LRS, strict=True):
+            want = np.mean([lr * (r + 1) for r in range(world)]) if disagree else lr
+            assert report == per_step[0] == {"actor/lr": pytest.approx(want, rel=1e-15)}
+        assert len(messages) == 2, messages
+        for number, message in enumerate(messages, 1):
+            assert message.startswith("metric 'actor/lr' (kind 'last'): merged values disagree")
+            assert f"Disagreement {number} of this metric" in message

@@ -21,8 +21,10 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
 from rlmetrics.kinds import Kind, MetricState
 from rlmetrics.packing import RejectedInputError
+from rlmetrics.results import Reduced
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
 from rlmetrics.window_keys import Decoded, decode, empty_state, latest_of, window_key
@@ -175,18 +177,41 @@ class Window:
         Raises:
             RejectedInputError: as in ``step()``.
         """
-        reporter = self._reporter
-        reporter.reset()
-        reporter.merge(self._encoded())
-        reporter.sum(window_key("r", "rejected"), float(self._num_rejected))
-        out = reporter.compute(group=self.group, timeout=self.timeout, sync=self.sync)
-        decoded = decode(out, self._num_open)
+        decoded = decode(self._synced(), self._num_open)
         if decoded.num_rejected:
             self._report_rejected(decoded)
-        self.per_step_values = decoded.per_step if self._selected is not None else []
+        window = self._results(decoded.window)
+        per_step = [self._results(states) for states in decoded.per_step]
+        self.per_step_values = per_step if self._selected is not None else []
         if reset:
             self._clear()
-        return decoded.window
+        return window
+
+    def _synced(self) -> dict[str, MetricState]:
+        """The open window's parts (``_encoded``) merged over the group by the sync that
+        ``Tracker.compute`` runs (one collective in a steady state), as states: their
+        results are computed under the user's names (``_results``), not the parts'."""
+        as_timeout(self.timeout)  # a bad timeout raises even where nothing syncs
+        reporter = self._reporter
+        reporter.reset()
+        reporter.sum(window_key("r", "rejected"), float(self._num_rejected))
+        reporter.merge(self._encoded())  # folds the count too: the reporter holds no records
+        if self.sync and should_sync(self.group):
+            return sync_reduce(reporter, group=self.group, timeout=self.timeout).states()
+        return dict(reporter.state().metrics)
+
+    def _results(self, states: Mapping[str, MetricState]) -> dict[str, float]:
+        """The values of states under the user's names, as ``Tracker.compute`` reports
+        them: with its check that two metrics report different keys (``x`` as dist
+        reports ``x/p50``), and ``last``'s disagreement warning naming the metric.
+
+        Raises:
+            ValueError: two metrics report the same key.
+        """
+        if not states:
+            return {}
+        reporter = self._reporter
+        return Reduced.from_states(states, reporter.kind).results(empty=reporter.empty)
 
     def reset(self) -> None:
         """Drop the open window without reporting it (no collective)."""
