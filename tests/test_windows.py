@@ -259,6 +259,56 @@ def test_rejected_call_is_reported_at_the_window_and_the_rest_flushes() -> None:
     assert window.flush() == {"m": 3.0}
 
 
+def log_changed_in_place(tracker: Tracker, how: str) -> None:
+    """A call of ``tracker``'s step that its fold drops, ``how``: a tensor changed in
+    place after the call (found at the step's end, or by an early fold inside a later
+    call), the same with ``by=``, or a ``by=`` label missing from ``labels=``."""
+    if how == "early":
+        tracker.record_limit = 3  # x's call stays below it, n's passes it: n's call folds
+    x = torch.tensor([1.0, 2.0])
+    if how == "by_label":
+        tracker.mean("x", x, by=torch.tensor([0, 5]), labels={0: "a"})
+    elif how == "by":
+        tracker.mean("x", x, by=torch.tensor([0, 0]), labels={0: "a"})
+    else:
+        tracker.mean("x", x)
+    if how != "by_label":
+        x.add_(10)
+    tracker.sum("n", 1.0)
+
+
+@pytest.mark.parametrize("how", ["in_place", "early", "by", "by_label"])
+def test_a_call_dropped_at_the_fold_counts_the_step_and_raises_at_the_report(how: str) -> None:
+    """A step whose fold drops a call (``ModifiedInputError``, a ``by=`` call) is counted
+    like any other: ``step()`` does not raise (on one rank of a sync, raising there
+    closed that rank's windows a step later than its peers'), the report raises naming
+    the metric, as for a rejected call, and ``flush()`` reports the rest."""
+    tracker = Tracker()
+    window = Window(tracker, every=2)
+    log_changed_in_place(tracker, how)
+    assert window.step() is None
+    assert (window.num_steps, len(window)) == (1, 1)
+    tracker.record_limit = Tracker.record_limit
+    tracker.mean("x", torch.tensor([4.0]))
+    tracker.sum("n", 1.0)
+    name = "'x'" if how != "by_label" else "metric 'x': label 5 is not in labels="
+    with pytest.raises(RejectedInputError, match=f"1 step\\(s\\) .*{name}"):
+        window.step()
+    assert (window.num_steps, len(window)) == (2, 2)
+    assert window.flush() == {"n": 2.0, "x": 4.0}
+    assert tracker.compute() == {}
+
+
+def test_dropped_and_rejected_calls_of_one_step_are_both_named() -> None:
+    tracker = Tracker()
+    window = Window(tracker, every=1)
+    log_changed_in_place(tracker, "in_place")
+    tracker.mean("bad", torch.tensor([1.0]), weight=torch.tensor([-1.0]))  # rejected
+    with pytest.raises(RejectedInputError, match=r"changed in place.*'x'.* Then: .*'bad'"):
+        window.step()
+    assert window.num_steps == 1 and window.flush() == {"n": 1.0}
+
+
 @pytest.mark.parametrize("empty", ["omit", "nan"])
 @pytest.mark.parametrize("per_step", [False, True])
 def test_keys_two_metrics_report_raise_as_in_compute(empty: str, per_step: bool) -> None:
@@ -493,6 +543,27 @@ def gloo_disagree(rank: int, world: int) -> tuple[list, list[str]]:
     return reports, [str(w.message) for w in caught if w.category is RuntimeWarning]
 
 
+def gloo_modified(rank: int, world: int) -> list[object]:
+    """Rank 0 changes a logged tensor in place in the first step of windows of two
+    steps: per step, the step()'s report, error (type, message) or the flush() after
+    it, then the window's step count."""
+    tracker = Tracker()
+    window = Window(tracker, every=2, timeout=20)
+    out: list[object] = []
+    for step in range(6):
+        x = torch.tensor([float(rank + 1)])
+        tracker.mean("x", x)
+        tracker.sum("n", 1.0)
+        if rank == 0 and step == 0:
+            x.add_(10)
+        try:
+            out.append(window.step())
+        except ValueError as error:
+            out.append((type(error).__name__, str(error)))
+            out.append(window.flush())
+    return [*out, window.num_steps]
+
+
 ASYNC_LENGTHS = (2, 3, 1, 4, 2)  # iterations per logged step
 
 
@@ -551,6 +622,7 @@ def gloo_outcome(request: pytest.FixtureRequest) -> tuple[int, dict]:
         "async": (gloo_async, ()),
         "collision": (gloo_collision, ()),
         "disagree": (gloo_disagree, ()),
+        "modified": (gloo_modified, ()),  # last: before the fix, it left ranks out of step
     }
     return world, run_together(calls, world, timeout=600)
 
@@ -591,7 +663,7 @@ def test_gloo_rejected_call_raises_on_every_rank_at_the_report(gloo_outcome: tup
     mean = (sum(range(world)) + sum(range(10, 10 + world))) / (2 * world)
     for rank, out in enumerate(per_rank):
         assert out["first"] is None
-        assert "1 step(s) of the window had rejected calls" in out["error"]
+        assert "1 step(s) of the window had rejected or dropped calls" in out["error"]
         assert ("'bad'" in out["error"]) == (rank == 1), out["error"]
         assert out["flush"] == {"m": mean}
 
@@ -636,3 +708,23 @@ def test_gloo_last_disagreement_names_the_metric_and_warns_again(gloo_outcome: t
         for number, message in enumerate(messages, 1):
             assert message.startswith("metric 'actor/lr' (kind 'last'): merged values disagree")
             assert f"Disagreement {number} of this metric" in message
+
+
+@pytest.mark.slow
+def test_gloo_tensor_changed_in_place_on_one_rank_keeps_the_windows_paired(
+    gloo_outcome: tuple,
+) -> None:
+    """Rank 0's step() counts the step with its changed tensor's call dropped, as every
+    rank counts it: the first window's report raises on every rank (rank 0 naming the
+    metric), flush() reports the rest, and the later windows pair the same steps."""
+    world, outcome = gloo_outcome
+    ranks = range(1, world + 1)  # rank r logs x = r + 1
+    rest = (2 * sum(ranks) - 1) / (2 * world - 1)  # both steps but rank 0's first x
+    for rank, out in enumerate(ok_results(outcome["modified"])):
+        assert out[0] is None
+        error_type, message = out[1]  # type: ignore[misc]
+        assert error_type == "RejectedInputError", message
+        assert ("changed in place" in message and "'x'" in message) == (rank == 0), message
+        assert out[2] == {"n": 2.0 * world, "x": pytest.approx(rest, rel=1e-15)}
+        paired = {"n": 2.0 * world, "x": pytest.approx(np.mean(ranks), rel=1e-15)}
+        assert out[3:] == [None, paired, None, paired, 6], out

@@ -117,25 +117,42 @@ class Window:
             None.
 
         Raises:
-            RejectedInputError: at the report, on every rank, when a tensor log call of
-                the window was rejected on any rank (see ``Tracker.compute``); the
-                rejected calls were dropped and the window is kept: ``flush()`` then
-                reports everything else.
+            RejectedInputError: at the report, on every rank, when a log call of the
+                window was rejected (see ``Tracker.compute``) or dropped at the fold (a
+                logged tensor changed in place, a call with ``by=`` that could not be
+                split) on any rank. ``step()`` itself raises neither, so every rank counts
+                the step and the ranks' windows close together; those calls were dropped
+                and the window is kept: ``flush()`` then reports everything else.
             ValueError: a metric's kind differs from the one it had earlier in the
                 window (the tracker is left as it was).
         """
-        try:
-            state = self.tracker.state()
-        except RejectedInputError as error:  # reported at the window's sync, on every rank
-            self._num_rejected += 1
-            self._rejected_message = str(error)
-            state = self.tracker.state()  # everything else
+        state = self._step_state()
         self._add(state)
         self.tracker.reset()
         self.num_steps += 1
         if self.every is not None and self._num_open >= self.every:
             return self.flush()
         return None
+
+    def _step_state(self) -> TrackerState:
+        """The tracker's step, without the calls its fold dropped (``ModifiedInputError``,
+        ``by=`` calls) or its state rejected: those are counted and their reasons kept
+        for the report, which raises on every rank (see ``step``). Raising here instead
+        would skip the step on this rank only: its window would close a step later than
+        its peers', and their reports would pair different steps."""
+        reasons: list[str] = []
+        for attempt in range(3):  # the fold's errors, then the rejected calls, then the rest
+            try:
+                state = self.tracker.state()
+                break
+            except ValueError as error:
+                if attempt == 2:  # neither: not about this step's inputs
+                    raise
+                reasons.append(str(error))
+        if reasons:
+            self._num_rejected += 1
+            self._rejected_message = " Then: ".join(reasons)
+        return state
 
     def _add(self, state: TrackerState) -> None:
         """Merge one step's state into the open window (nothing changes if it raises)."""
@@ -230,12 +247,12 @@ class Window:
     def _report_rejected(self, decoded: Decoded) -> None:
         """Raise on every rank; the window stays open without the rejected calls."""
         message = self._rejected_message or (
-            "tensor log calls were rejected on another rank and dropped"
+            "log calls were rejected or dropped on another rank (its error names them)"
         )
         self._num_rejected, self._rejected_message = 0, ""
         raise RejectedInputError(
-            f"Window: {decoded.num_rejected:g} step(s) of the window had rejected calls "
-            f"(this rank: {message}); flush() reports the rest of the window"
+            f"Window: {decoded.num_rejected:g} step(s) of the window had rejected or dropped "
+            f"calls (this rank: {message}); flush() reports the rest of the window"
         )
 
     def _encoded(self) -> TrackerState:

@@ -5,9 +5,9 @@ A ``Window`` report syncs one tracker whose metric names say which part of the r
 each is: ``w/<name>`` the window's merged state, ``l<a>/<name>`` a replacing metric's
 (``last``'s) value as of ``a`` steps before the window's last, ``s<i>/<name>`` step
 ``i``'s own state (per-step values), ``r/rejected`` the count of steps with rejected
-calls. Every name gets a tag, so a user's name can never be read as another part. The
-synced states are sorted out by part (``decode``) before any result is computed, so
-results, their checks and warnings see the user's names, never the tags.
+or dropped calls. Every name gets a tag, so a user's name can never be read as another
+part. The synced states are sorted out by part (``decode``) before any result is
+computed, so results, their checks and warnings see the user's names, never the tags.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Decoded:
         window: the window's state per metric (a replacing kind's: its latest value,
             with the window's non-finite count).
         per_step: one state per step of the window, for the per-step metrics.
-        num_rejected: steps (summed over ranks) with rejected tensor log calls.
+        num_rejected: steps (summed over ranks) with rejected or dropped log calls.
     """
 
     window: dict[str, MetricState] = field(default_factory=dict)
