@@ -376,7 +376,7 @@ def test_last_keeps_the_latest_on_a_rank() -> None:
 
 
 def test_last_across_sources_must_agree_or_warns_once(log_path: str) -> None:
-    name = f"lr_disagree_{log_path}"  # warned once per process: a name per run
+    name = f"lr_disagree_{log_path}"  # warned once until it agrees: a name per run
     a, b = Tracker(), Tracker()
     a.last(name, 1.0)
     b.last(name, torch.tensor(3.0))
@@ -864,7 +864,7 @@ def test_packed_results_equal_the_state_results() -> None:
             t.last("replica/disagrees", 1.0)
             t.max("empty", [1.0], mask=[False])
             t.merge(other.state())
-            with warnings.catch_warnings():  # the disagreement warns once per name
+            with warnings.catch_warnings():  # the disagreement warns (once while it lasts)
                 warnings.simplefilter("ignore", RuntimeWarning)
                 expected = t.state().compute(empty=empty)
                 got = t.compute()

@@ -178,7 +178,7 @@ def test_last_is_the_latest_step_that_logged_it() -> None:
             states.append(tracker.state())
             out = window.step()
     assert out == {"lr": 2.0, "x": 9.0}
-    with warnings.catch_warnings():  # it warns once per name ("values disagree")
+    with warnings.catch_warnings():  # it warns ("values disagree")
         warnings.simplefilter("ignore")
         # why the window keeps time order: merged as ranks, two steps' values disagree
         assert TrackerState.merge_all(states).compute()["lr"] == 1.5
