@@ -21,8 +21,10 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
 from rlmetrics.kinds import Kind, MetricState
 from rlmetrics.packing import RejectedInputError
+from rlmetrics.results import Reduced
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
 from rlmetrics.window_keys import Decoded, decode, empty_state, latest_of, window_key
@@ -115,25 +117,42 @@ class Window:
             None.
 
         Raises:
-            RejectedInputError: at the report, on every rank, when a tensor log call of
-                the window was rejected on any rank (see ``Tracker.compute``); the
-                rejected calls were dropped and the window is kept: ``flush()`` then
-                reports everything else.
+            RejectedInputError: at the report, on every rank, when a log call of the
+                window was rejected (see ``Tracker.compute``) or dropped at the fold (a
+                logged tensor changed in place, a call with ``by=`` that could not be
+                split) on any rank. ``step()`` itself raises neither, so every rank counts
+                the step and the ranks' windows close together; those calls were dropped
+                and the window is kept: ``flush()`` then reports everything else.
             ValueError: a metric's kind differs from the one it had earlier in the
                 window (the tracker is left as it was).
         """
-        try:
-            state = self.tracker.state()
-        except RejectedInputError as error:  # reported at the window's sync, on every rank
-            self._num_rejected += 1
-            self._rejected_message = str(error)
-            state = self.tracker.state()  # everything else
+        state = self._step_state()
         self._add(state)
         self.tracker.reset()
         self.num_steps += 1
         if self.every is not None and self._num_open >= self.every:
             return self.flush()
         return None
+
+    def _step_state(self) -> TrackerState:
+        """The tracker's step, without the calls its fold dropped (``ModifiedInputError``,
+        ``by=`` calls) or its state rejected: those are counted and their reasons kept
+        for the report, which raises on every rank (see ``step``). Raising here instead
+        would skip the step on this rank only: its window would close a step later than
+        its peers', and their reports would pair different steps."""
+        reasons: list[str] = []
+        for attempt in range(3):  # the fold's errors, then the rejected calls, then the rest
+            try:
+                state = self.tracker.state()
+                break
+            except ValueError as error:
+                if attempt == 2:  # neither: not about this step's inputs
+                    raise
+                reasons.append(str(error))
+        if reasons:
+            self._num_rejected += 1
+            self._rejected_message = " Then: ".join(reasons)
+        return state
 
     def _add(self, state: TrackerState) -> None:
         """Merge one step's state into the open window (nothing changes if it raises)."""
@@ -175,18 +194,41 @@ class Window:
         Raises:
             RejectedInputError: as in ``step()``.
         """
-        reporter = self._reporter
-        reporter.reset()
-        reporter.merge(self._encoded())
-        reporter.sum(window_key("r", "rejected"), float(self._num_rejected))
-        out = reporter.compute(group=self.group, timeout=self.timeout, sync=self.sync)
-        decoded = decode(out, self._num_open)
+        decoded = decode(self._synced(), self._num_open)
         if decoded.num_rejected:
             self._report_rejected(decoded)
-        self.per_step_values = decoded.per_step if self._selected is not None else []
+        window = self._results(decoded.window)
+        per_step = [self._results(states) for states in decoded.per_step]
+        self.per_step_values = per_step if self._selected is not None else []
         if reset:
             self._clear()
-        return decoded.window
+        return window
+
+    def _synced(self) -> dict[str, MetricState]:
+        """The open window's parts (``_encoded``) merged over the group by the sync that
+        ``Tracker.compute`` runs (one collective in a steady state), as states: their
+        results are computed under the user's names (``_results``), not the parts'."""
+        as_timeout(self.timeout)  # a bad timeout raises even where nothing syncs
+        reporter = self._reporter
+        reporter.reset()
+        reporter.sum(window_key("r", "rejected"), float(self._num_rejected))
+        reporter.merge(self._encoded())  # folds the count too: the reporter holds no records
+        if self.sync and should_sync(self.group):
+            return sync_reduce(reporter, group=self.group, timeout=self.timeout).states()
+        return dict(reporter.state().metrics)
+
+    def _results(self, states: Mapping[str, MetricState]) -> dict[str, float]:
+        """The values of states under the user's names, as ``Tracker.compute`` reports
+        them: with its check that two metrics report different keys (``x`` as dist
+        reports ``x/p50``), and ``last``'s disagreement warning naming the metric.
+
+        Raises:
+            ValueError: two metrics report the same key.
+        """
+        if not states:
+            return {}
+        reporter = self._reporter
+        return Reduced.from_states(states, reporter.kind).results(empty=reporter.empty)
 
     def reset(self) -> None:
         """Drop the open window without reporting it (no collective)."""
@@ -205,12 +247,12 @@ class Window:
     def _report_rejected(self, decoded: Decoded) -> None:
         """Raise on every rank; the window stays open without the rejected calls."""
         message = self._rejected_message or (
-            "tensor log calls were rejected on another rank and dropped"
+            "log calls were rejected or dropped on another rank (its error names them)"
         )
         self._num_rejected, self._rejected_message = 0, ""
         raise RejectedInputError(
-            f"Window: {decoded.num_rejected:g} step(s) of the window had rejected calls "
-            f"(this rank: {message}); flush() reports the rest of the window"
+            f"Window: {decoded.num_rejected:g} step(s) of the window had rejected or dropped "
+            f"calls (this rank: {message}); flush() reports the rest of the window"
         )
 
     def _encoded(self) -> TrackerState:
