@@ -468,7 +468,7 @@ class Tracker(LogMethods):
                 kind = self.kind(acc.kind.name)
             except ValueError:  # a user kind not registered in this process: keep the copy
                 continue
-            if kind is not acc.kind and kind.fingerprint() == acc.kind.fingerprint():
+            if kind is not acc.kind and kind.settings() == acc.kind.settings():
                 acc.kind = kind
 
     @_locked
