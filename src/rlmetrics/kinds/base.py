@@ -158,8 +158,10 @@ class Kind:
         """Everything ranks must configure alike for one ``compute()`` to report the same
         keys and values everywhere: the ``fingerprint()`` (what the slots mean) and, for a
         kind that overrides ``config()``, its parameters (quantiles, a histogram's bins).
-        The sync's schema agreement compares it; a merge of states compares only the
-        fingerprint, since the process that merges reports with its own kind."""
+        The sync's schema agreement compares it across processes, so ``config()`` must
+        hold values whose ``repr`` reads the same in each (numbers, strings, tuples); a
+        merge of states compares only the fingerprint, since the process that merges
+        reports with its own kind."""
         if type(self).config is Kind.config:  # identity: no parameters to compare
             return self.fingerprint()
         return f"{self.fingerprint()} config={self.config()!r}"
