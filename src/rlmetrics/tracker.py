@@ -187,7 +187,7 @@ class Tracker(LogMethods):
         self._fold_errors: list[ValueError] = []  # of early folds, raised by the next
         self._checked_weight = CheckedWeight()  # the last tensor weight logged
         self._recorded = 0  # elements and calls recorded since the last fold
-        self.pending_timers: list[Any] = []  # device timers not read yet (rlmetrics.timing)
+        self.pending_timers: list[Any] = []  # device timers, tensor token counts not read yet
         self._groups = Groups()  # calls with by= waiting for the fold
         self.record_limit = type(self).record_limit  # read by every log call: faster here
 
@@ -282,9 +282,12 @@ class Tracker(LogMethods):
         and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``).
         Raises the fold's errors, those of the step's early folds included."""
         errors, self._fold_errors = self._fold_errors, []
-        try:
-            if self.pending_timers:
+        if self.pending_timers:
+            try:
                 read_device_timers(self, wait)
+            except ValueError as error:  # a bad tensor token count: its call dropped
+                errors.append(error)
+        try:
             self._checked_weight.clear()  # the records no longer keep the weight alive
             if self._recorded and not self._groups.resolving:
                 # every call recorded one flat number: no metric holds records of its own
