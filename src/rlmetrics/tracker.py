@@ -403,19 +403,23 @@ class Tracker(LogMethods):
                 acc.kept_call = True  # a checked call was taken
         table.forget_rejected()
 
-    @_locked
     def merge(self, other: Tracker | TrackerState) -> Tracker:
         """Merge another tracker's metrics (or a state) into this one; returns self.
 
         The merge is the same associative, commutative one used between micro-batches,
         ranks and workers. Every metric is checked first (names, kinds, slot counts,
         kind configuration): a merge that fails leaves this tracker as it was.
+
+        Another tracker's ``state()`` is taken before this tracker's lock, never under
+        it, so ``a.merge(b)`` and ``b.merge(a)`` in two threads at once cannot deadlock;
+        each merges a snapshot of the other (which may hold the other's own merge).
         """
         state = other.state() if isinstance(other, Tracker) else other
         if not isinstance(state, TrackerState):
             raise TypeError(f"merge expects a Tracker or TrackerState, got {type(other).__name__}")
-        self._fold()  # this tracker's own calls come first: a merged state is another source
-        self._merge_checked(state, self._checked_kinds(state, self._accumulators))
+        with self._lock:
+            self._fold()  # this tracker's own calls come first: a merged state is another source
+            self._merge_checked(state, self._checked_kinds(state, self._accumulators))
         return self
 
     def _checked_kinds(
