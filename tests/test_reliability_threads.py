@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from rlmetrics import Tracker
+from rlmetrics import Tracker, TrackerState, Window
 
 JOIN_TIMEOUT = 10.0
 
@@ -110,3 +110,138 @@ def test_trackers_merging_each_other_at_once_never_hang(size: int) -> None:
                 assert got in outcomes, (iteration, index, got, outcomes)
                 plain.append(got == outcomes[0])
             assert any(plain), (iteration, "every tracker holds a longer chain: impossible")
+
+
+# -- taking a step: no call lost --------------------------------------------------------
+CALLS, ROUNDS = 20_000, 5
+
+
+def take_with_tracker(tracker: Tracker) -> tuple[Callable[[], None], Callable[[], float]]:
+    """Steps taken with ``Tracker.take_state()``; the totals from the merged states."""
+    states: list[TrackerState] = []
+
+    def step() -> None:
+        states.append(tracker.take_state())
+
+    def totals() -> dict[str, float]:
+        states.append(tracker.take_state())
+        return TrackerState.merge_all(states).compute()
+
+    return step, totals
+
+
+def take_with_window(tracker: Tracker) -> tuple[Callable[[], None], Callable[[], float]]:
+    """Steps taken with ``Window.step()`` (a report every 3 steps); the totals over the
+    reports."""
+    window = Window(tracker, every=3)
+    reports: list[dict[str, float]] = []
+
+    def step() -> None:
+        report = window.step()
+        if report is not None:
+            reports.append(report)
+
+    def totals() -> dict[str, float]:
+        step()
+        reports.append(window.flush())
+        names = {name for report in reports for name in report}
+        return {name: sum(report.get(name, 0.0) for report in reports) for name in names}
+
+    return step, totals
+
+
+def take_with_ray(tracker: Tracker) -> tuple[Callable[[], None], Callable[[], float]]:
+    """Steps taken with ``rlmetrics.ray.with_metrics`` (a worker's return; Ray is not
+    started: the function runs in the worker's process); the driver's merge."""
+    ray = pytest.importorskip("rlmetrics.ray", exc_type=ImportError)
+    states: list[TrackerState] = []
+
+    def step() -> None:
+        result, state = ray.with_metrics("result", tracker)
+        assert result == "result"
+        states.append(state)
+
+    def totals() -> dict[str, float]:
+        step()
+        return ray.compute_states(states)
+
+    return step, totals
+
+
+TAKERS = {"Tracker.take_state": take_with_tracker, "Window.step": take_with_window}
+TAKERS["ray.with_metrics"] = take_with_ray
+
+
+def log_while_taking_steps(log: Callable[[int], None], calls: int, step: Callable[[], None]) -> int:
+    """One thread makes ``calls`` calls ``log(j)`` once steps are being taken; another
+    takes steps (``step()``) until it is done. Returns the number of steps taken."""
+    started, done = threading.Event(), threading.Event()
+    num_steps = 0
+
+    def logs() -> None:
+        started.wait()
+        try:
+            for j in range(calls):
+                log(j)
+        finally:
+            done.set()
+
+    def take() -> None:
+        nonlocal num_steps
+        while not done.is_set():
+            step()
+            num_steps += 1
+            started.set()
+
+    with tiny_switch_interval():
+        run_threads(logs, take)
+    return num_steps
+
+
+@pytest.mark.parametrize("taker", list(TAKERS))
+def test_steps_taken_while_a_thread_logs_lose_no_call(taker: str) -> None:
+    """A thread logs ``CALLS`` calls while another takes steps as fast as it can: the
+    steps together hold every call exactly once (count and value sum). Several rounds,
+    since a call is lost only when a thread switch falls between two calls."""
+    for round_ in range(ROUNDS):
+        tracker = Tracker()
+        step, totals = TAKERS[taker](tracker)
+
+        def log(j: int, tracker: Tracker = tracker) -> None:
+            tracker.sum("calls", 1.0)
+            tracker.sum("values", float(j))
+
+        num_steps = log_while_taking_steps(log, CALLS, step)
+        got = totals()
+        assert num_steps > 10  # steps were taken while the thread logged
+        assert got == {"calls": float(CALLS), "values": float(np.arange(CALLS).sum())}, round_
+
+
+def test_take_state_raising_resets_nothing_and_the_next_take_returns_the_rest() -> None:
+    """A rejected tensor call makes ``take_state()`` raise as ``state()`` does: nothing
+    is reset, and the next one returns everything else and starts the next step."""
+    torch = pytest.importorskip("torch")
+    tracker = Tracker()
+    tracker.mean("m", [1.0, 3.0])
+    tracker.mean("bad", torch.tensor([1.0]), weight=torch.tensor([-1.0]))
+    with pytest.raises(ValueError, match="'bad'"):
+        tracker.take_state()
+    assert tracker.take_state().compute() == {"m": 2.0}
+    assert len(tracker) == 0 and tracker.compute() == {}
+
+
+def test_a_window_step_that_raises_leaves_the_tracker_as_it_was() -> None:
+    """A kind change inside a window raises from ``Window.step()``; the step taken from
+    the tracker is not lost: the tracker still holds it."""
+    tracker = Tracker()
+    window = Window(tracker, every=3)
+    tracker.mean("x", 1.0)
+    window.step()
+    tracker.max("x", 4.0)
+    tracker.dist("d", [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"metric 'x' is kind 'max'"):
+        window.step()
+    same = Tracker()  # the step logged alone
+    same.max("x", 4.0)
+    same.dist("d", [1.0, 2.0])
+    assert tracker.compute() == same.compute()

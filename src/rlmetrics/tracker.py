@@ -372,6 +372,31 @@ class Tracker(LogMethods):
         """
         return TrackerState(self._local_reduce().states())
 
+    def take_state(self) -> TrackerState:
+        """End this process's step without a sync: its ``state()``, and the tracker reset
+        for the next step, in one hold of the lock. A call another thread makes lands
+        whole in the step taken or in the next, never in neither (``state()`` then
+        ``reset()`` drops the calls made between them). A worker's step for a driver to
+        merge: ``Window.step()`` and ``rlmetrics.ray.with_metrics`` take their steps
+        with it, and so should a collect loop of your own.
+
+        Raises:
+            ValueError: as ``state()`` (a rejected tensor call; a tensor changed in
+                place): nothing is reset, and the next call returns everything else.
+        """
+        return self._take_state(None)
+
+    @_locked
+    def _take_state(self, accept: Callable[[TrackerState], None] | None) -> TrackerState:
+        """``take_state()``; ``accept`` (``Window.step()``'s merge into its window) is
+        called with the state before the reset, under the same hold of the lock, and
+        when it raises, nothing is reset."""
+        state = self.state()
+        if accept is not None:
+            accept(state)
+        self.reset()
+        return state
+
     def _local_reduce(self) -> Reduced:
         """This process's step in packed form (one host transfer)."""
         self._fold()
