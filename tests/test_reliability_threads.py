@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from rlmetrics import Tracker, TrackerState, Window
+from rlmetrics.rl import MetricUpdate, log_updates
 
 JOIN_TIMEOUT = 10.0
 
@@ -245,3 +246,55 @@ def test_a_window_step_that_raises_leaves_the_tracker_as_it_was() -> None:
     same.max("x", 4.0)
     same.dist("d", [1.0, 2.0])
     assert tracker.compute() == same.compute()
+
+
+# -- a grouped call: whole in one step --------------------------------------------------
+GROUP_CALLS = 3_000
+GROUP = [("g/a", "sum"), ("g/b", "sum"), ("g/c", "sum"), ("g/d", "sum")]
+
+
+def grouped_log_shared(tracker: Tracker) -> None:
+    tracker.log_shared(GROUP, 1.0)
+
+
+def grouped_prefixed(tracker: Tracker) -> None:
+    tracker.prefixed("g/").log_shared([(name[2:], kind) for name, kind in GROUP], [1.0])
+
+
+def grouped_log_updates(tracker: Tracker) -> None:
+    """Two groups of updates (the value objects differ), so two log_shared calls,
+    through a prefixed view."""
+    one, other = [1.0], [1.0]
+    updates = [MetricUpdate(name[2:], kind, one if i < 2 else other) for i, (name, kind) in
+               enumerate(GROUP)]  # fmt: skip
+    log_updates(tracker.prefixed("g/"), updates)
+
+
+GROUPED = {
+    "log_shared": grouped_log_shared,
+    "prefixed log_shared": grouped_prefixed,
+    "rl.log_updates": grouped_log_updates,
+}
+
+
+@pytest.mark.parametrize("call", list(GROUPED))
+def test_a_grouped_call_lands_whole_in_one_step(call: str) -> None:
+    """A thread repeats one call that logs 1 into four metrics while another computes
+    steps: every step holds the four with equal counts, and the steps hold them all."""
+    names = [name for name, _ in GROUP]
+    for round_ in range(ROUNDS):
+        tracker = Tracker()
+        steps: list[dict[str, float]] = []
+
+        def log(j: int, tracker: Tracker = tracker) -> None:
+            GROUPED[call](tracker)
+
+        def step(tracker: Tracker = tracker, steps: list = steps) -> None:
+            steps.append(tracker.compute())
+
+        num_steps = log_while_taking_steps(log, GROUP_CALLS, step)
+        steps.append(tracker.compute())
+        assert num_steps > 10
+        split = [step for step in steps if len({step.get(name, 0.0) for name in names}) > 1]
+        assert not split, (round_, f"{len(split)} of {len(steps)} steps split a call", split)
+        assert sum(step.get("g/a", 0.0) for step in steps) == GROUP_CALLS

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from operator import attrgetter
 from typing import Any, TypeVar
@@ -141,11 +142,15 @@ class Tracker(LogMethods):
             log call that passed the bound.
 
     Threads: a tracker may be shared by threads. Each log call holds the tracker's lock
-    (uncontended, a fraction of the call's cost), and ``compute()``, ``state()``,
-    ``merge()`` and ``reset()`` hold it throughout: every call lands whole in one step,
-    and a call made while ``compute()`` runs waits and lands in the next step. Several
-    threads then contend for one lock; a tracker per thread, merged at step end
-    (``merge``), avoids that.
+    (uncontended, a fraction of the call's cost; ``log_shared`` and
+    ``rl.log_updates`` hold it over all their metrics), and ``compute()``, ``state()``,
+    ``take_state()``, ``merge()`` and ``reset()`` hold it throughout: every call lands
+    whole in one step, and a call made while ``compute()`` runs waits and lands in the
+    next step. To end a step without a sync, use ``take_state()``, not ``state()`` then
+    ``reset()`` (which drops the calls made between the two). Several threads then
+    contend for one lock; a tracker per thread, merged at step end (``merge``, which
+    takes the other tracker's state before its own lock, so merges never deadlock),
+    avoids that.
 
     Example:
         >>> t = Tracker()
@@ -264,8 +269,13 @@ class Tracker(LogMethods):
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
             prepared = prepare(metrics[0][0], value, weight, host_arrays=self.host_arrays)
-            for name, kind_name in metrics:
-                self._log(name, kind_name, prepared, None)
+            with self._lock:  # the call's metrics land in one step
+                for name, kind_name in metrics:
+                    self._log(name, kind_name, prepared, None)
+
+    def _holding(self) -> AbstractContextManager[Any]:
+        """The lock that makes several log calls land in one step together."""
+        return self._lock
 
     def _log_by(
         self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
