@@ -59,7 +59,7 @@ def run_threads(*targets: Callable[[], None]) -> None:
 
 
 # -- merge: no deadlock ----------------------------------------------------------------
-MERGE_ITERATIONS = 300
+MERGE_ITERATIONS = 1000
 
 
 def merge_in_a_cycle(trackers: list[Tracker]) -> None:
@@ -189,10 +189,13 @@ def log_while_taking_steps(log: Callable[[int], None], calls: int, step: Callabl
 
     def take() -> None:
         nonlocal num_steps
-        while not done.is_set():
-            step()
-            num_steps += 1
-            started.set()
+        try:
+            while not done.is_set():
+                step()
+                num_steps += 1
+                started.set()
+        finally:
+            started.set()  # a step that raised: the logger still runs, and the error shows
 
     with tiny_switch_interval():
         run_threads(logs, take)
