@@ -129,7 +129,8 @@ class LogMethods:
     ) -> None:
         """Log one value (and weight) into several metrics, given as (name, kind) pairs,
         converting and checking the input once: the same as one ``log`` call per metric,
-        in order, for less (with ``by=``, the labels are grouped once too).
+        in order, for less (with ``by=``, the labels are grouped once too), all landing
+        in one step (a ``compute()`` in another thread comes before or after them all).
 
         Example:
             >>> t = Tracker()
@@ -147,6 +148,11 @@ class LogMethods:
         self._log_shared(metrics, value, weight)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
+        raise NotImplementedError
+
+    def _holding(self) -> AbstractContextManager[Any]:
+        """A context in which several log calls land in one step together (the
+        tracker's lock; ``rl.log_updates`` applies its updates in it)."""
         raise NotImplementedError
 
     def _grouped(
@@ -224,6 +230,9 @@ class PrefixedTracker(LogMethods):
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
         self.tracker._log_shared(named, value, weight)
+
+    def _holding(self) -> AbstractContextManager[Any]:
+        return self.tracker._holding()
 
     def _log_by(
         self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any

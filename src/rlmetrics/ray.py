@@ -109,7 +109,10 @@ def compute_states(
 
 # -- worker side ----------------------------------------------------------------------
 def with_metrics(result: Any, tracker: Tracker, *, reset: bool = True) -> tuple[Any, TrackerState]:
-    """What a worker method returns: ``(result, tracker.state())``, then a fresh step.
+    """What a worker method returns: ``(result, tracker.take_state())``: the step's
+    state, and the tracker reset for the next step at once (``reset=False``:
+    ``tracker.state()``, the tracker kept), so a call another thread logs meanwhile
+    lands in this step or the next.
 
     Example (inside a Ray actor)::
 
@@ -121,10 +124,7 @@ def with_metrics(result: Any, tracker: Tracker, *, reset: bool = True) -> tuple[
         ValueError: a tensor log call was rejected (see ``Tracker.state``); the tracker
             is not reset.
     """
-    state = tracker.state()
-    if reset:
-        tracker.reset()
-    return result, state
+    return result, tracker.take_state() if reset else tracker.state()
 
 
 # -- driver side: worker groups -------------------------------------------------------

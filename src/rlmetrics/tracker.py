@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from operator import attrgetter
 from typing import Any, TypeVar
@@ -141,11 +142,15 @@ class Tracker(LogMethods):
             log call that passed the bound.
 
     Threads: a tracker may be shared by threads. Each log call holds the tracker's lock
-    (uncontended, a fraction of the call's cost), and ``compute()``, ``state()``,
-    ``merge()`` and ``reset()`` hold it throughout: every call lands whole in one step,
-    and a call made while ``compute()`` runs waits and lands in the next step. Several
-    threads then contend for one lock; a tracker per thread, merged at step end
-    (``merge``), avoids that.
+    (uncontended, a fraction of the call's cost; ``log_shared`` and
+    ``rl.log_updates`` hold it over all their metrics), and ``compute()``, ``state()``,
+    ``take_state()``, ``merge()`` and ``reset()`` hold it throughout: every call lands
+    whole in one step, and a call made while ``compute()`` runs waits and lands in the
+    next step. To end a step without a sync, use ``take_state()``, not ``state()`` then
+    ``reset()`` (which drops the calls made between the two). Several threads then
+    contend for one lock; a tracker per thread, merged at step end (``merge``, which
+    takes the other tracker's state before its own lock, so merges never deadlock),
+    avoids that.
 
     Example:
         >>> t = Tracker()
@@ -264,8 +269,13 @@ class Tracker(LogMethods):
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
             prepared = prepare(metrics[0][0], value, weight, host_arrays=self.host_arrays)
-            for name, kind_name in metrics:
-                self._log(name, kind_name, prepared, None)
+            with self._lock:  # the call's metrics land in one step
+                for name, kind_name in metrics:
+                    self._log(name, kind_name, prepared, None)
+
+    def _holding(self) -> AbstractContextManager[Any]:
+        """The lock that makes several log calls land in one step together."""
+        return self._lock
 
     def _log_by(
         self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
@@ -375,6 +385,31 @@ class Tracker(LogMethods):
         """
         return TrackerState(self._local_reduce().states())
 
+    def take_state(self) -> TrackerState:
+        """End this process's step without a sync: its ``state()``, and the tracker reset
+        for the next step, in one hold of the lock. A call another thread makes lands
+        whole in the step taken or in the next, never in neither (``state()`` then
+        ``reset()`` drops the calls made between them). A worker's step for a driver to
+        merge: ``Window.step()`` and ``rlmetrics.ray.with_metrics`` take their steps
+        with it, and so should a collect loop of your own.
+
+        Raises:
+            ValueError: as ``state()`` (a rejected tensor call; a tensor changed in
+                place): nothing is reset, and the next call returns everything else.
+        """
+        return self._take_state(None)
+
+    @_locked
+    def _take_state(self, accept: Callable[[TrackerState], None] | None) -> TrackerState:
+        """``take_state()``; ``accept`` (``Window.step()``'s merge into its window) is
+        called with the state before the reset, under the same hold of the lock, and
+        when it raises, nothing is reset."""
+        state = self.state()
+        if accept is not None:
+            accept(state)
+        self.reset()
+        return state
+
     def _local_reduce(self) -> Reduced:
         """This process's step in packed form (one host transfer)."""
         self._fold()
@@ -406,19 +441,23 @@ class Tracker(LogMethods):
                 acc.kept_call = True  # a checked call was taken
         table.forget_rejected()
 
-    @_locked
     def merge(self, other: Tracker | TrackerState) -> Tracker:
         """Merge another tracker's metrics (or a state) into this one; returns self.
 
         The merge is the same associative, commutative one used between micro-batches,
         ranks and workers. Every metric is checked first (names, kinds, slot counts,
         kind configuration): a merge that fails leaves this tracker as it was.
+
+        Another tracker's ``state()`` is taken before this tracker's lock, never under
+        it, so ``a.merge(b)`` and ``b.merge(a)`` in two threads at once cannot deadlock;
+        each merges a snapshot of the other (which may hold the other's own merge).
         """
         state = other.state() if isinstance(other, Tracker) else other
         if not isinstance(state, TrackerState):
             raise TypeError(f"merge expects a Tracker or TrackerState, got {type(other).__name__}")
-        self._fold()  # this tracker's own calls come first: a merged state is another source
-        self._merge_checked(state, self._checked_kinds(state, self._accumulators))
+        with self._lock:
+            self._fold()  # this tracker's own calls come first: a merged state is another source
+            self._merge_checked(state, self._checked_kinds(state, self._accumulators))
         return self
 
     def _checked_kinds(

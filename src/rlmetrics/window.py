@@ -126,33 +126,41 @@ class Window:
             ValueError: a metric's kind differs from the one it had earlier in the
                 window (the tracker is left as it was).
         """
-        state = self._step_state()
-        self._add(state)
-        self.tracker.reset()
+        # the step is added and the tracker reset in one hold of the tracker's lock
+        # (Tracker.take_state), so a call another thread makes is in this step or the next
+        self._take_step()
         self.num_steps += 1
         if self.every is not None and self._num_open >= self.every:
             return self.flush()
         return None
 
-    def _step_state(self) -> TrackerState:
-        """The tracker's step, without the calls its fold dropped (``ModifiedInputError``,
-        ``by=`` calls) or its state rejected: those are counted and their reasons kept
-        for the report, which raises on every rank (see ``step``). Raising here instead
-        would skip the step on this rank only: its window would close a step later than
-        its peers', and their reports would pair different steps."""
+    def _take_step(self) -> None:
+        """Add the tracker's step to the window and reset the tracker, in one hold of its
+        lock (``Tracker.take_state``), without the calls its fold dropped
+        (``ModifiedInputError``, ``by=`` calls) or its state rejected: those are counted
+        and their reasons kept for the report, which raises on every rank (see
+        ``step``). Raising here instead would skip the step on this rank only: its window
+        would close a step later than its peers', and their reports would pair different
+        steps. A kind changed in the window raises, the tracker left as it was."""
         reasons: list[str] = []
+        added = False
+
+        def add(state: TrackerState) -> None:
+            nonlocal added
+            added = True
+            if reasons:
+                self._num_rejected += 1
+                self._rejected_message = " Then: ".join(reasons)
+            self._add(state)
+
         for attempt in range(3):  # the fold's errors, then the rejected calls, then the rest
             try:
-                state = self.tracker.state()
-                break
+                self.tracker._take_state(add)
+                return
             except ValueError as error:
-                if attempt == 2:  # neither: not about this step's inputs
+                if added or attempt == 2:  # the window's kind check; or not this step's inputs
                     raise
                 reasons.append(str(error))
-        if reasons:
-            self._num_rejected += 1
-            self._rejected_message = " Then: ".join(reasons)
-        return state
 
     def _add(self, state: TrackerState) -> None:
         """Merge one step's state into the open window (nothing changes if it raises)."""

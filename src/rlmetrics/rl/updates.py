@@ -33,16 +33,21 @@ def log_updates(tracker: LogMethods, updates: Iterable[MetricUpdate]) -> None:
     """Apply ``updates`` to ``tracker`` (a Tracker or a prefixed view); no host sync.
 
     Consecutive updates of the same value and weight objects (``extremes``' mean, max
-    and min) go through one ``log_shared`` call, which converts their input once.
+    and min) go through one ``log_shared`` call, which converts their input once. The
+    updates land in one step together: a ``compute()`` in another thread comes before
+    or after all of them.
     """
     group: list[MetricUpdate] = []
-    for update in updates:
-        if group and (update.value is not group[0].value or update.weight is not group[0].weight):
+    with tracker._holding():
+        for update in updates:
+            if group and (
+                update.value is not group[0].value or update.weight is not group[0].weight
+            ):
+                _log_group(tracker, group)
+                group = []
+            group.append(update)
+        if group:
             _log_group(tracker, group)
-            group = []
-        group.append(update)
-    if group:
-        _log_group(tracker, group)
 
 
 def _log_group(tracker: LogMethods, group: list[MetricUpdate]) -> None:
