@@ -41,6 +41,7 @@ CALLS = {  # (method, inputs made before counting, keyword arguments)
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_tensor_log_call_dispatches_no_torch_op(call: tuple, host_arrays: bool) -> None:
+    """A tensor recorded by reference (a device tensor's record) costs no torch op."""
     method, make, kwargs = call
     t = Tracker()
     t.host_arrays = host_arrays
@@ -53,6 +54,30 @@ def test_a_tensor_log_call_dispatches_no_torch_op(call: tuple, host_arrays: bool
         t.log_shared([("a", "mean"), ("b", method)], *inputs[1], **kwargs)
     assert counter.ops == []
     assert t.compute()  # and the records reduce
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+def test_a_cpu_tensor_log_call_dispatches_one_clone_per_tensor_at_most(
+    call: tuple, host_arrays: bool
+) -> None:
+    """A CPU tensor is recorded as a copy: a 0-d one read as a number (no torch op), any
+    other cloned (one ``aten.clone`` per tensor argument, nothing else)."""
+    method, make, kwargs = call
+    t = Tracker()
+    t.host_arrays = host_arrays
+    inputs = [make() for _ in range(4)]
+    log = getattr(t, method)
+    log("x", *inputs[0], **kwargs)
+    with OpCounter() as counter:
+        for args in inputs[1:]:
+            log("x", *args, **kwargs)
+        t.log_shared([("a", "mean"), ("b", method)], *inputs[1], **kwargs)
+    clones = sum(a.dim() > 0 for args in inputs[1:] for a in args) + sum(
+        a.dim() > 0 for a in inputs[1]
+    )
+    assert counter.ops == (["aten.clone.default"] * clones if clones else [])
+    assert t.compute()
 
 
 def log_step(t: Tracker, calls: int, rng: np.random.Generator) -> None:

@@ -321,9 +321,13 @@ def record_tensor(
             )
         if device is None:
             if copy:  # its values now (its checks may be kept: they read no data)
-                if shape:
-                    weight = host_copy(weight)
-                    version = weight._version
+                if shape:  # a clone (detached: the recorded weight is), as host_copy
+                    weight = weight.clone()
+                    try:
+                        version = weight._version
+                    except RuntimeError:  # cloned under inference mode
+                        weight = tracked(weight)
+                        version = weight._version
                 else:
                     weight, version = float(weight.tolist()), None
         elif on_host:  # a CPU value with a device weight
@@ -345,13 +349,15 @@ def record_tensor(
         value, value_version = float(value.tolist()), None
         if weight is None:
             weight = 1.0
-    elif cpu and copy:  # its values now (a 0-d one with a device weight: an array)
-        value = host_copy(value)
-        value_version = value._version if shape else None
+    elif cpu and copy and not shape:  # a 0-d one with a device weight: an array
+        value, value_version = host_copy(value), None
     else:
+        if cpu and copy:  # its values now: a clone, as host_copy (detached below)
+            value = value.clone()
         try:
             value_version = value._version
-        except RuntimeError:  # an inference tensor: recorded as a copy
+        except RuntimeError:  # an inference tensor (or a clone made under inference
+            # mode): recorded as a copy
             value = tracked(value)
             value_version = value._version
         if value.requires_grad:

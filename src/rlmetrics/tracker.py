@@ -146,8 +146,9 @@ class Tracker(LogMethods):
             through ``.data``, so a later change could reach a record unseen. Device
             tensors are recorded by reference (a copy would cost a device operation per
             call), their version counter checked at the fold (docs/concepts.md). False
-            records CPU tensors by reference too (tests use it to run the device
-            tensors' checks on the CPU).
+            records CPU tensors by reference too, with the same checks: a caller that
+            never changes a logged CPU tensor before the step's end saves a clone per
+            tensor; tests use it to run the device tensors' checks on the CPU.
         record_limit: the elements and calls (a python number counts once, an array or
             tensor its size plus one) a tracker records before it folds them into its
             states mid-step, which bounds the memory its records keep alive (the
