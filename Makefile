@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS := requirements/constraints.txt
 PIP_INSTALL = -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-trl lint format bench clean
+.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-trl lint format bench gpu-check clean
 
 $(VENV)/.core: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,15 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/log_bench.py
 	$(PY) benchmarks/step_bench.py
 	$(PY) benchmarks/sync_bench.py
+
+# The GPU check (benchmarks/gpu_check.py): the CUDA tests, the demo on the GPU with every
+# log call under the sync guard, kernels per log call, compute() and the fold's ns per
+# element, into $(GPU_CHECK_OUT)/gpu_check.json. No venv: GPU_PYTHON's own torch, nothing
+# installed. Without CUDA it is the CPU dry run (tests/test_gpu_check.py runs that one).
+GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= gpu-check-results
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .venv-verl .venv-trl .venv-plain build *.egg-info src/*.egg-info

@@ -7,14 +7,18 @@ None in ``sys.modules``, which makes their import fail as if they were not insta
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from rlmetrics import audit_report
 from rlmetrics.cli import NEXT_STEP, build_parser, config_from_args, main
 from rlmetrics.trainer.config import AlgoConfig, RunConfig, TaskConfig
+from rlmetrics.trainer.launch import rank_device
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-prompts", "2",
         "--samples-per-prompt", "2", "--num-symbols", "3", "--max-prompt-len", "2"]  # fmt: skip
@@ -56,6 +60,98 @@ def test_demo_rejects_non_finite_and_out_of_range_values(flag, value, message, c
         config_from_args(args)
     with pytest.raises(SystemExit) as exit_info:  # the command line: a usage error, exit 2
         main(["demo", f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"argument {flag}: {message}" in err
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any subcommand that gets past its flags fails the test at once (no ranks start)."""
+    import rlmetrics.audit as audit
+    from rlmetrics.trainer import launch
+
+    def work(*args, **kwargs):
+        raise AssertionError("the command started with a bad flag")
+
+    for owner, name in ((audit, "run_partitions"), (audit, "run_fn_audit"),
+                        (launch, "spawn"), (launch, "from_env")):  # fmt: skip
+        monkeypatch.setattr(owner, name, work)
+
+
+def numeric_flags() -> list[tuple[str, str]]:
+    """(subcommand, flag) of every numeric flag of every subcommand."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, type(parser._subparsers._actions[-1]))]
+    out = []
+    for command, subparser in sub.choices.items():
+        for action in subparser._actions:
+            kind = getattr(action.type, "__name__", None)
+            if kind in ("int", "float", "int list", "float list"):
+                out.append((command, action.option_strings[0]))
+    return out
+
+
+def test_every_subcommand_has_numeric_flags_to_check() -> None:
+    flags = numeric_flags()
+    for command in ("demo", "train", "audit"):
+        assert sum(c == command for c, _ in flags) >= 6, command
+    assert ("audit", "--tol") in flags and ("audit", "--ranks") in flags
+
+
+@pytest.mark.parametrize(("command", "flag"), numeric_flags())
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_every_numeric_flag_refuses_non_finite_and_negative_values(
+    command, flag, value, no_work, capsys
+) -> None:
+    """NaN, infinity, a negative value: a usage error naming the flag, exit 2, before any
+    work (every numeric flag here is >= 0)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"argument {flag}: " in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tol", "nan"], "argument --tol: must be a finite number >= 0, got 'nan'"),
+        (["--tol=-1e-9"], "argument --tol: must be a finite number >= 0, got '-1e-9'"),
+        (["--tol", "inf"], "argument --tol: must be a finite number >= 0, got 'inf'"),
+        (["--num-prompts", "0"], "argument --num-prompts: must be an integer >= 1, got '0'"),
+        (["--samples-per-prompt", "1"], "argument --samples-per-prompt: samples_per_prompt "
+                                        "must be >= 2 with grpo, got 1"),
+        (["--mini-batches", "0"], "argument --mini-batches: must be an integer >= 1"),
+        (["--epochs", "1.5"], "argument --epochs: must be an integer >= 1, got '1.5'"),
+        (["--seed", "-1"], "argument --seed: must be an integer >= 0 and <= 4294967295"),
+        (["--seed", str(2**32)], "argument --seed: must be an integer >= 0 and <= 4294967295"),
+        (["--ranks", "1,0"], "argument --ranks: each item must be an integer >= 1, got '0'"),
+        (["--micro-batch-sizes", "2,nan"], "argument --micro-batch-sizes: each item must be"),
+        (["--partitions", "0,1"], "--partitions: '0' is not DP"),
+    ],
+)  # fmt: skip
+def test_audit_refuses_bad_numbers_as_a_usage_error_naming_the_flag(
+    args, message, no_work, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["audit", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--n-embd", "0"], "argument --n-embd: n_embd must be >= 1, got 0"),
+        (["--n-embd", "-4"], "argument --n-embd: n_embd must be >= 1, got -4"),
+        (["--seed", "-1"], "argument --seed: seed must be an integer >= 0 and <= 4294967295"),
+        (["--seed", str(2**70)], "argument --seed: seed must be an integer >= 0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["demo", "train"])
+def test_trainer_refuses_bad_numbers_as_a_usage_error_naming_the_flag(
+    command, args, message, no_work, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *args])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -69,6 +165,57 @@ def test_config_dataclasses_validate_in_post_init() -> None:
     with pytest.raises(ValueError, match="timeout"):
         RunConfig(timeout=math.nan)
     assert AlgoConfig(kl_coef=0.0, gamma=0.0, lam=1.0).kl_coef == 0.0  # bounds included
+
+
+# -- --device ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "CPU", "cuda:", "", 0])
+def test_device_values_other_than_cpu_cuda_or_cuda_n_are_named(bad) -> None:
+    with pytest.raises(ValueError, match=f"device must be cpu, cuda or cuda:N, got {bad!r}"):
+        RunConfig(device=bad)
+
+
+def test_device_flag_reaches_the_config_and_picks_each_ranks_device() -> None:
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["demo", "--device", "cuda:1"])).run.device == "cuda:1"
+    assert config_from_args(parse(["train", "--device", "cpu"])).run.device == "cpu"
+    assert config_from_args(parse(["demo"])).run.device is None
+    assert rank_device(None, 3) == rank_device("cpu", 0) == torch.device("cpu")
+
+
+def memory_metrics(jsonl: Path) -> set[str]:
+    """The GPU memory metrics in the run's rows (reported only for a model on a GPU)."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    return {key for row in rows for key in row if "max_memory_allocated" in key}
+
+
+def test_demo_on_the_cpu_device_trains_there(tmp_path, capsys) -> None:
+    jsonl = tmp_path / "m.jsonl"
+    flags = ["--dp", "1", "--steps", "1", "--device", "cpu", "--metrics-jsonl", str(jsonl)]
+    assert main(["demo", *TINY, *flags]) == 0
+    assert jsonl.exists() and memory_metrics(jsonl) == set()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_demo_on_cuda_without_cuda_is_a_usage_error_before_spawning(device, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *TINY, "--device", device])
+    assert exit_info.value.code == 2
+    assert f"--device {device}: CUDA is not available on this machine" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"--device {device}: CUDA is not available"):
+        rank_device(device, 0)
+
+
+def test_demo_on_a_missing_gpu_or_through_ray_on_a_gpu_is_a_usage_error(capsys) -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for argv, message in [
+        (["--device", f"cuda:{max(count, 1)}"], f"--device cuda:{max(count, 1)}: "),
+        (["--launcher", "ray", "--device", "cuda"], "the ray launcher trains on the CPU only"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["demo", *TINY, *argv])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 # -- a plain install: no rich, no matplotlib ------------------------------------------------

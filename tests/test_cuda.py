@@ -7,7 +7,9 @@ device path for real: log calls under ``torch.cuda.set_sync_debug_mode("error")`
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,8 @@ import torch.distributed as dist
 
 import rlmetrics.distributed as rd
 from rlmetrics import Tracker
-from rlmetrics.trainer.launch import free_port
+from rlmetrics.cli import main
+from rlmetrics.trainer.launch import free_port, rank_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -119,3 +122,18 @@ def test_nccl_compute_equals_local(
         synced = t.compute()
     assert rd.comm_device(dist.group.WORLD).type == "cuda"
     assert_close(synced, expected("propagate"))
+
+
+def test_demo_trains_on_the_gpu_given_by_device(tmp_path: Path) -> None:
+    """``--device cuda`` puts the models on the GPU (its memory metrics are reported);
+    ``rank_device`` gives local rank r GPU r mod the GPU count."""
+    jsonl = tmp_path / "m.jsonl"
+    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-prompts", "2",
+            "--samples-per-prompt", "2", "--dp", "1", "--steps", "2", "--loggers", "jsonl",
+            "--run-dir", str(tmp_path), "--metrics-jsonl", str(jsonl)]  # fmt: skip
+    assert main(["demo", *tiny, "--device", "cuda"]) == 0
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(rows) == 2 and all(row["actor/perf/max_memory_allocated_gb"] > 0 for row in rows)
+    count = torch.cuda.device_count()
+    assert rank_device("cuda", count + 1) == torch.device("cuda", (count + 1) % count)
+    assert rank_device("cuda:0", 5) == torch.device("cuda", 0)

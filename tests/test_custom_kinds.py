@@ -144,6 +144,68 @@ def test_histogram_is_partition_invariant() -> None:
     assert TrackerState.merge_all(pieces[::-1]).compute() == whole.compute()
 
 
+NONFINITE_X = np.array([-0.5, np.nan, 3.0, np.inf, -np.inf, 1.5, np.nan, 7.0])
+NONFINITE_W = np.array([1.0, 1.0, 2.0, 1.0, 3.0, 0.0, 0.0, 1.0])  # a masked NaN: no effect
+
+
+def log_nonfinite(tracker: Tracker, as_numbers: bool) -> None:
+    if as_numbers:  # the flat path of python numbers (masked ones are not logged)
+        for x, w in zip(NONFINITE_X, NONFINITE_W, strict=True):
+            if w > 0:
+                tracker.log("h", float(x), float(w), kind=HIST.name)
+    else:
+        x, w = torch.from_numpy(NONFINITE_X), torch.from_numpy(NONFINITE_W)
+        tracker.log("h", x[:4], weight=w[:4], kind=HIST.name)
+        tracker.log("h", x[4:], weight=w[4:], kind=HIST.name)
+
+
+@pytest.mark.parametrize("as_numbers", [False, True])
+def test_histogram_nan_is_in_no_bin_and_infinities_are_under_and_over(as_numbers) -> None:
+    """Under "propagate" a selected NaN makes every result NaN (it is in no bin), also
+    after a merge with a NaN-free state; ±inf count as under and over."""
+    tracker = Tracker()
+    log_nonfinite(tracker, as_numbers)
+    with_nan = tracker.state()
+    out = with_nan.compute()
+    assert out.keys() == {f"h/{s}" for s in HIST.result_names()}
+    assert all(math.isnan(v) for v in out.values()), out
+    finite = Tracker()
+    finite.log("h", torch.tensor([0.75, 3.0]), kind=HIST.name)
+    merged = TrackerState.merge_all([finite.state(), with_nan]).compute()
+    assert all(math.isnan(v) for v in merged.values()), merged
+
+    keep = ~np.isnan(NONFINITE_X)
+    x, w = NONFINITE_X[keep], NONFINITE_W[keep]
+    infinite = Tracker()
+    for value, weight in zip(x, w, strict=True):
+        infinite.log("h", float(value), float(weight), kind=HIST.name)
+    infinite.log("h", torch.from_numpy(x), weight=torch.from_numpy(w), kind=HIST.name)
+    out = infinite.compute()
+    counts, _ = np.histogram(x, bins=[-np.inf, *EDGES, np.inf], weights=w)
+    assert out["h/count"] == 2 * counts.sum() == 2 * 8
+    assert out["h/under"] == counts[0] / 8 == 4 / 8  # -0.5 and -inf (weight 3)
+    assert out["h/over"] == counts[-1] / 8 == 2 / 8  # 7.0 and inf
+    assert out["h/p0"] == -np.inf and out["h/p100"] == np.inf  # the observed range, exactly
+
+
+@pytest.mark.parametrize("as_numbers", [False, True])
+def test_histogram_skips_or_rejects_non_finite_values_by_the_policy(as_numbers) -> None:
+    skip = Tracker(nonfinite="skip")
+    log_nonfinite(skip, as_numbers)
+    out = skip.compute()
+    finite = np.isfinite(NONFINITE_X) & (NONFINITE_W > 0)
+    expected = numpy_histogram(NONFINITE_X[finite], NONFINITE_W[finite], HIST.quantiles)
+    assert out.pop("h/nonfinite_count") == 3  # a NaN and two infinities with weight > 0
+    assert out.keys() == expected.keys()
+    for key, value in expected.items():
+        assert out[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+    error = Tracker(nonfinite="error")
+    with pytest.raises(ValueError, match="'h'"):
+        log_nonfinite(error, as_numbers)  # a python number raises at the call
+        error.compute()  # a tensor call is rejected at the step's end
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -178,6 +178,100 @@ def test_kind_conflict_raises_on_every_rank(two_ranks: Session) -> None:
         assert "'clash'" in message and "'mean'" in message and "'max'" in message
 
 
+def configured_differently(rank: int, world: int) -> dict[str, Any]:
+    """Per case, what ``compute()`` gave on this rank: the error's message, or the keys.
+
+    The ranks configure a kind two ways (quantiles, a histogram's bins; a kind one rank
+    has not registered); ``same`` configures both alike and returns its values."""
+    from rlmetrics import Window, register_kind, unregister_kind
+    from rlmetrics.kinds.histogram import Histogram
+
+    values = [float(v) for v in range(4 * rank, 4 * rank + 4)]
+    quantiles = (0.5,) if rank == 0 else (0.9,)
+
+    def dist(t: Tracker) -> None:
+        t.dist("d", values)
+
+    def one_rank_logs(t: Tracker) -> None:
+        if rank == 0:
+            t.dist("d", values)
+        t.mean("m", 1.0)
+
+    def sketch(t: Tracker) -> None:
+        t.log("q", values, kind="quantile")
+
+    def histogram(**config: Any) -> Any:
+        def log(t: Tracker) -> None:
+            register_kind(Histogram(name="cfg_hist", edges=(0.0, 4.0, 8.0), **config))
+            t.log("h", values, kind="cfg_hist")
+
+        return log
+
+    def only_rank_0_registers(t: Tracker) -> None:
+        if rank == 0:
+            register_kind(Histogram(name="cfg_hist", edges=(0.0, 4.0, 8.0)))
+            t.log("h", values, kind="cfg_hist")
+        t.mean("m", 1.0)
+
+    cases = {
+        "dist": (dist, quantiles),
+        "dist/one_rank_logs": (one_rank_logs, quantiles),
+        "quantile": (sketch, quantiles),
+        "histogram/quantiles": (histogram(quantiles=quantiles), (0.5,)),
+        "histogram/report_bins": (histogram(report_bins=rank == 0), (0.5,)),
+        "window": (dist, quantiles),
+        "same": (dist, (0.25, 0.75)),
+        "unregistered": (only_rank_0_registers, (0.5,)),  # last: on main, rank 0 waits
+    }
+    out = {}
+    for case, (log, tracker_quantiles) in cases.items():
+        tracker = Tracker(quantiles=tracker_quantiles)
+        try:
+            log(tracker)
+            if case == "window":
+                window = Window(tracker, every=None, timeout=30)
+                window.step()
+                result = window.flush()
+            else:
+                result = tracker.compute(timeout=30)
+            out[case] = result
+        except ValueError as error:
+            out[case] = f"ValueError: {error}"
+        finally:
+            unregister_kind("cfg_hist")
+    return out
+
+
+def test_a_kind_configured_two_ways_on_the_ranks_raises_on_every_rank(two_ranks: Session) -> None:
+    """Other quantiles (dist, quantile, a histogram's), a histogram with and without its
+    bins, through a Window too, and a kind one rank has not registered: every rank raises
+    naming the metric and both settings, rather than reporting other keys per rank."""
+    per_rank = ok_results(two_ranks["configured_differently"])
+    for case, wanted in {
+        "dist": ["'d'", "(0.5,)", "(0.9,)"],
+        "dist/one_rank_logs": ["'d'", "(0.5,)", "(0.9,)"],
+        "quantile": ["'q'", "(0.5,)", "(0.9,)"],
+        "histogram/quantiles": ["'h'", "(0.5,)", "(0.9,)"],
+        "histogram/report_bins": ["'h'", "True)", "False)"],
+        "window": ["d'", "(0.5,)", "(0.9,)"],
+        "unregistered": ["'h'", "'cfg_hist'", "rank 1 has not registered"],
+    }.items():
+        for rank, out in enumerate(per_rank):
+            message = out[case]
+            assert str(message).startswith("ValueError: ranks disagree on metric kinds"), (
+                case,
+                rank,
+                message,
+            )
+            assert all(part in message for part in wanted), (case, rank, message)
+            if case != "unregistered":
+                assert "on rank 0" in message and "on rank 1" in message, message
+    values = np.arange(8.0)
+    want = {"d/mean": values.mean(), "d/std": values.std(), "d/min": 0.0, "d/max": 7.0}
+    want |= {"d/p25": np.quantile(values, 0.25), "d/p75": np.quantile(values, 0.75)}
+    assert per_rank[0]["same"] == per_rank[1]["same"] == {k: float(v) for k, v in want.items()}
+
+
 def killed_rank(rank: int, world: int) -> float:
     tracker = Tracker()
     tracker.mean("x", 1.0)
@@ -465,6 +559,7 @@ def two_ranks() -> Session:
         **collectives,
         "partitions": (run_many_partitions, ()),
         "kind_conflict": (kind_conflict, ()),
+        "configured_differently": (configured_differently, ()),
         "nan_in_max": (nan_in_max, ()),
         "both_paths": (both_paths, ()),
         "changing_steps": (changing_steps, ()),

@@ -240,6 +240,16 @@ BAD_CALLS = {  # (by, labels, value, error, message)
     "float labels": ([0.5, 1.5], None, [1.0, 2.0], TypeError, "strings or integers"),
     "bool labels": ([True, False], None, [1.0, 2.0], TypeError, "strings or integers"),
     "None label": (np.array(["a", None], dtype=object), None, [1, 2], TypeError, "or integers"),
+    # mixed python labels, which numpy would turn into strings ("2.5", "True") or ints
+    "str and int": (["gsm8k", 1], None, [1, 2], TypeError, "got str 'gsm8k' and int 1"),
+    "str and float": (["gsm8k", 2.5], None, [1, 2], TypeError, "one type.*got float 2.5"),
+    "int and float": ((0, 2.5), None, [1, 2], TypeError, "got float 2.5"),
+    "str and bool": (("gsm8k", True), None, [1, 2], TypeError, "got bool True"),
+    "int and bool": ([1, True], None, [1, 2], TypeError, "got bool True"),
+    "np bools": ([np.bool_(True)], None, [1], TypeError, "got bool"),
+    "nested mixed": ([["a", "b"], ["c", 1]], None, np.ones((2, 2)), TypeError, "int 1"),
+    "object int and bool": (np.array([1, True], dtype=object), None, [1, 2], TypeError, "bool"),
+    "mixed with labels=": (["a", 1], {"a": "x", 1: "y"}, [1, 2], TypeError, "int 1"),
     "float tensor": (torch.tensor([0.0, 1.0]), None, [1.0, 2.0], TypeError, "integer tensor"),
     "bool tensor": (torch.tensor([True, False]), None, [1.0, 2.0], TypeError, "integer tensor"),
     "meta tensor": (torch.ones(2, dtype=torch.long, device="meta"), None, [1], TypeError, "data"),
@@ -249,6 +259,28 @@ BAD_CALLS = {  # (by, labels, value, error, message)
     "labels= not a map": ([0], ["a"], [1.0], TypeError, "labels= must be a mapping"),
     "labels= alone": (None, {0: "a"}, [1.0], TypeError, "pass by= too"),
 }
+
+
+GOOD_LABELS = {  # label forms docs/groups.md promises, each giving groups a and b (or 0 and 1)
+    "str list": ["a", "b", "a"],
+    "int tuple": (0, 1, 0),
+    "numpy scalars in a list": [np.int64(0), 1, np.int32(0)],
+    "numpy strings in a list": [np.str_("a"), "b", "a"],
+    "object array": np.array(["a", "b", "a"], dtype=object),
+    "str array": np.array(["a", "b", "a"]),
+    "uint8 array": np.array([0, 1, 0], dtype=np.uint8),
+    "int tensor": torch.tensor([0, 1, 0], dtype=torch.int16),
+}
+
+
+@pytest.mark.parametrize("by", GOOD_LABELS.values(), ids=GOOD_LABELS.keys())
+def test_label_forms_of_one_type_are_accepted(by) -> None:
+    values = np.array([1.0, 2.0, 4.0])
+    t = Tracker()
+    t.mean("x", values, by=by)
+    out = t.compute()
+    first, second = sorted(out)  # x/a and x/b, or x/0 and x/1
+    assert out == {first: values[[0, 2]].mean(), second: values[1]}
 
 
 @pytest.mark.parametrize("case", BAD_CALLS.values(), ids=BAD_CALLS.keys())

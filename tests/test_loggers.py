@@ -389,7 +389,9 @@ def test_mlflow_one_refused_name_never_costs_the_others(tmp_path):
     MLflow sees '..x'), the other metrics of the batch are logged every step."""
     pytest.importorskip("mlflow")
 
-    class Unchanged:
+    from rlmetrics.loggers.mlflow import NameMap
+
+    class Unchanged(NameMap):
         def map_all(self, names):
             return {name: name for name in names}
 
@@ -402,6 +404,146 @@ def test_mlflow_one_refused_name_never_costs_the_others(tmp_path):
     assert len(record) == 1
     assert mlflow_history(logger, "a") == [(1, 1.0), (2, 2.0), (3, 3.0)]
     assert mlflow_history(logger, "b") == [(1, 2.0), (2, 2.0), (3, 2.0)]
+
+
+def mlflow_run_metrics(logger: MlflowLogger) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of the logger's run, read back by a new MlflowClient: its history."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=logger.tracking_uri)
+    keys = client.get_run(logger.run_id).data.metrics
+    return {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(logger.run_id, key))
+        for key in keys
+    }
+
+
+PREFIXED = {  # names that are path prefixes of others: a timer, throughput, group keys
+    "timing_s/gen": 1.5,
+    "timing_s/gen/mean": 0.75,
+    "timing_s/gen/slowest_rank": 1.0,
+    "perf/throughput": 10.0,
+    "perf/throughput/total": 20.0,
+    "critic/score/mean": 0.3,
+    "critic/score/mean/short": 0.2,
+    "critic/score/mean/long": 0.4,
+    "lr": 1e-3,
+}
+
+
+def test_mlflow_names_that_are_path_prefixes_of_others_all_arrive(tmp_path):
+    """In the file store a metric's file cannot also be a folder: a name that is a path
+    prefix of another is logged as <name>/value, every metric every step, each renaming
+    warned about once."""
+    pytest.importorskip("mlflow")
+    logger = MlflowLogger(run_dir=tmp_path / "run")
+    with pytest.warns(LoggerWarning) as record:
+        logger.log(1, PREFIXED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logger.log(2, {k: 2 * v for k, v in PREFIXED.items()})
+    logger.close()
+    renamed = {"timing_s/gen", "perf/throughput", "critic/score/mean"}
+    assert sorted(str(w.message).split("'")[1] for w in record) == sorted(renamed)
+    expected = {
+        (f"{k}/value" if k in renamed else k): [(1, v), (2, 2 * v)] for k, v in PREFIXED.items()
+    }
+    assert mlflow_run_metrics(logger) == expected
+
+
+def test_mlflow_name_under_an_earlier_metric_file_arrives_and_resumes_alike(tmp_path):
+    """a/b logged alone, then a/b/c: a/b is already a file, so a/b/c is logged as a/b.c;
+    a resumed logger (the run's names read back) maps both names as before."""
+    pytest.importorskip("mlflow")
+    first = MlflowLogger(run_dir=tmp_path)
+    first.log(1, {"a/b": 1.0})
+    with pytest.warns(LoggerWarning, match=r"'a/b/c' is logged as 'a/b\.c'"):
+        first.log(2, {"a/b": 2.0, "a/b/c": 3.0})
+    state = first.state_dict()
+    first.close()
+    second = MlflowLogger(run_dir=tmp_path)
+    second.load_state_dict(state)
+    with pytest.warns(LoggerWarning, match=r"'a/b/c' is logged as 'a/b\.c'"):
+        second.log(3, {"a/b/c": 4.0, "a/b": 5.0, "a/b/d": 6.0})
+    second.close()
+    assert mlflow_run_metrics(second) == {
+        "a/b": [(1, 1.0), (2, 2.0), (3, 5.0)],
+        "a/b.c": [(2, 3.0), (3, 4.0)],
+        "a/b.d": [(3, 6.0)],
+    }
+
+
+def test_mlflow_any_refusal_of_a_batch_costs_only_the_refused_metric(tmp_path):
+    """A batch the store refuses with any error (here the real file store's 'Not a
+    directory', names passed through unchanged) goes metric by metric: the refused one
+    is named once in a warning, every other metric is logged every step."""
+    pytest.importorskip("mlflow")
+    from rlmetrics.loggers.mlflow import NameMap
+
+    class Unchanged(NameMap):
+        def map_all(self, names):
+            return {name: name for name in names}
+
+    logger = MlflowLogger(run_dir=tmp_path / "run")
+    logger.names = Unchanged()
+    with pytest.warns(LoggerWarning) as record:
+        for step in (1, 2, 3):
+            logger.log(step, {"a": float(step), "a/b": 1.0, "z": 2.0})
+    logger.close()
+    (warned,) = [str(w.message) for w in record]
+    assert "MLflow rejected the metric 'a/b'" in warned and "Not a directory" in warned
+    history = {k: sorted(set(v)) for k, v in mlflow_run_metrics(logger).items()}
+    assert history == {"a": [(1, 1.0), (2, 2.0), (3, 3.0)], "z": [(1, 2.0), (2, 2.0), (3, 2.0)]}
+
+
+def test_mlflow_a_failing_store_refuses_no_metric(tmp_path):
+    """When every metric fails alone too (the store itself fails: here its folder is a
+    file), no metric is refused: the failure is reported once and, once the store
+    works again, every metric is logged."""
+    pytest.importorskip("mlflow")
+    logger = MlflowLogger(run_dir=tmp_path / "run")
+    logger.log(1, {"a": 1.0, "b": 2.0, "c": 3.0})
+    metrics_dir = next((tmp_path / "run" / "mlruns").glob("*/*/metrics"))
+    os.rename(metrics_dir, metrics_dir.with_name("moved"))
+    metrics_dir.write_text("")
+    with pytest.warns(LoggerWarning, match="failed to write") as record:
+        logger.log(2, {"a": 1.0, "b": 2.0, "c": 3.0})
+        logger.log(3, {"a": 1.0, "b": 2.0, "c": 3.0})
+    assert len(record) == 1 and "rejected" not in str(record[0].message)
+    metrics_dir.unlink()
+    os.rename(metrics_dir.with_name("moved"), metrics_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logger.log(4, {"a": 1.0, "b": 2.0, "c": 3.0})
+    logger.close()
+    assert mlflow_run_metrics(logger) == {
+        k: [(1, v), (4, v)] for k, v in zip("abc", (1.0, 2.0, 3.0), strict=True)
+    }
+
+
+@pytest.mark.slow
+def test_mlflow_gets_every_metric_of_the_demo(tmp_path, monkeypatch):
+    """`rlmetrics demo --loggers jsonl,mlflow`: every key of the JSONL reaches MLflow,
+    under its name or its documented file-store mapping, with the same value."""
+    pytest.importorskip("mlflow")
+    from rlmetrics.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    args = ["demo", "--steps", "2", "--loggers", "jsonl,mlflow", "--run-dir", str(run_dir)]
+    assert main([*args, "--no-progress", "--log-every", "0"]) == 0
+    rows = read_lines(run_dir / "metrics.jsonl")
+    (experiment,) = [p for p in (run_dir / "mlruns").iterdir() if p.name not in ("0", ".trash")]
+    (run,) = [p for p in experiment.iterdir() if p.is_dir()]
+    logger = MlflowLogger(run_dir=run_dir, run_id=run.name)
+    got = mlflow_run_metrics(logger)
+    names = {k for k in rows[0] if k != "step"}
+    assert len(names) >= 80 and len(got) == len(names)
+    for name in names:
+        mapped = name if name in got else f"{name}/value"
+        assert [step for step, _ in got[mapped]] == [row["step"] for row in rows], name
+        assert [v for _, v in got[mapped]] == pytest.approx([row[name] for row in rows]), name
 
 
 def test_mlflow_resume_continues_the_checkpointed_run(tmp_path):

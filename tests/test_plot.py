@@ -193,3 +193,69 @@ def test_plot_without_matplotlib_names_the_extra_before_reading(tmp_path, monkey
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main([str(tmp_path / "absent.jsonl")]) == 2  # the extra, not the missing file
     assert "pip install 'rlmetrics[plot]'" in capsys.readouterr().err
+
+
+# -- values matplotlib refuses cost only their own metric ------------------------------
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_cli_plots_the_rest_beside_a_metric_near_float_max(tmp_path, capsys):
+    """A diverging grad norm (finite values near ±1.7e308) is drawn divided by 1e308,
+    named on stderr; the other metrics are drawn, the PNG written, exit 0."""
+    rows = [
+        {"step": s, "loss": 1.0 / s, "grad_norm": (-1) ** s * 1.7e308, "lr": 1e-3}
+        for s in range(1, 6)
+    ]
+    path = write_rows(tmp_path / "run.jsonl", rows)
+    out = tmp_path / "fig.png"
+    assert main([str(path), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    err = capsys.readouterr().err
+    assert "metric 'grad_norm'" in err and "divided by 1e308" in err
+    assert "'loss'" not in err and "'lr'" not in err
+    from rlmetrics.plot import panel
+
+    drawn = panel("grad_norm", [r["step"] for r in rows], [r["grad_norm"] for r in rows])
+    assert drawn.title == "grad_norm (×1e308)"
+    assert drawn.values == pytest.approx([(-1) ** s * 1.7 for s in range(1, 6)])
+
+
+def test_cli_plots_the_rest_beside_other_values_matplotlib_refuses(tmp_path, capsys):
+    """Only null (NaN) values, infinities, a single point, a step beyond the float
+    range, huge ranges: every metric with a finite value is drawn, each one not drawn
+    as it is named on stderr with the reason, exit 0."""
+    rows = [
+        {"step": s, "ok": float(s), "nulls": None, "one": 2.0 if s == 3 else None,
+         "infs": float("inf") if s == 2 else float(-s), "wide": (-1) ** s * 1e299 * s,
+         "max": 1.7976931348623157e308 if s == 4 else 1.0}
+        for s in range(1, 6)
+    ]  # fmt: skip
+    text = (
+        "".join(json.dumps(row) + "\n" for row in rows) + '{"step": 1' + "0" * 400 + ', "ok": 1}\n'
+    )
+    path = tmp_path / "run.jsonl"
+    path.write_text(text)
+    out = tmp_path / "fig.png"
+    assert main([str(path), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    err = capsys.readouterr().err
+    assert "metric 'nulls': not drawn: no finite value in 5 point(s)" in err
+    assert "metric 'infs': 1 infinite value(s) drawn as gaps" in err
+    assert "metric 'max': values reach 1.8e+308: drawn divided by 1e308" in err
+    assert "metric 'ok': 1 point(s) at steps beyond" in err
+    assert "'one'" not in err and "'wide'" not in err
+    from rlmetrics.plot import panel
+
+    assert panel("one", [1, 2], [math.nan, 2.0]).drawn
+    assert not panel("nulls", [1], [math.nan]).drawn
+
+
+def test_plot_with_nothing_to_draw_is_an_error_naming_each_metric(tmp_path, capsys):
+    path = write_rows(tmp_path / "run.jsonl", [{"step": 1, "a": None, "b": None}])
+    out = tmp_path / "fig.png"
+    assert main([str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to draw" in err and "'a': not drawn: no finite value" in err and "'b'" in err
+    assert not out.exists()

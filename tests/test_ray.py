@@ -212,7 +212,7 @@ def test_edge_cases_match_collective(
     from rlmetrics.kinds import last
     from rlmetrics.ray import compute_states
 
-    monkeypatch.setattr(last, "_warned", set())  # `last` warns once per name and process
+    monkeypatch.setattr(last, "_warned", set())  # a disagreement warns once until it ends
     with pytest.warns(RuntimeWarning, match="last/disagree"):
         collective, states, _ = both_paths(actors, "edges", 3, **options)
         kwargs = {k: v for k, v in options.items() if k != "nonfinite"}

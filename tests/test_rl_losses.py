@@ -224,6 +224,73 @@ def test_random_splits_match_numpy(lengths, agg, estimator, num_mini, epochs, ra
     assert_close(got, want, "random split")
 
 
+TOKEN_TERMS = (  # (coefficient, per-token loss, mask, mode) of each term of the total
+    (1.0, "adv", "mask", "token-mean"),
+    (0.5, "ref", "aux", "token-mean"),
+    (2.0, "ret", "aux", "token-sum"),
+)
+MIXED_TERMS = (*TOKEN_TERMS, (-0.25, "v", "aux", "seq-mean-token-mean"))
+
+
+def log_loss_terms(
+    piece: dict, counts: dict[str, BatchCounts], tracker: Tracker, spec: tuple
+) -> None:
+    terms = [
+        (c, rl.objective_update(f"term{k}", piece[loss], piece[mask], counts[mask], agg))
+        for k, (c, loss, mask, agg) in enumerate(spec)
+    ]
+    rl.log_updates(tracker, [rl.loss_update("loss", terms)])
+
+
+@pytest.mark.parametrize("spec", [TOKEN_TERMS, MIXED_TERMS], ids=["token", "mixed"])
+@pytest.mark.parametrize("num_mini", [1, 2])
+def test_loss_update_adds_terms_over_their_own_masks_and_modes(num_mini: int, spec) -> None:
+    """Terms on different masks of one shape, and other modes: the total is Σ_k c_k J_k
+    of each mini-batch, every J_k over its own mask and counts, as numpy computes it
+    over the whole batch; the mean over mini-batches, under every split and rank count
+    (it took the first term's weights for every term)."""
+    batch = make_batch(3, [5, 2, 4, 3, 5, 1], 5)
+    batch["aux"] = batch["mask"] & (torch.arange(5) % 2 == 0)  # token 0 of every sequence
+    b = {k: v.numpy() for k, v in batch.items()}
+    minis = np.array_split(np.arange(6), num_mini)
+    totals = [
+        sum(c * np_objective(b[loss][m], b[mask][m], agg) for c, loss, mask, agg in spec)
+        for m in minis
+    ]
+    want = float(np.mean(totals))
+    for ranks in (1, 2):
+        for split in range(1, 7):
+            trackers = [Tracker() for _ in range(ranks)]
+            for mini in minis:
+                rows = torch.as_tensor(mini)
+                counts = {
+                    mask: BatchCounts(*local_counts(batch[mask][rows]), float(ranks))
+                    for mask in ("mask", "aux")
+                }
+                for rank, share in enumerate(np.array_split(mini, ranks)):
+                    for piece_rows in micro_batches(share, b["mask"].sum(1), split):
+                        index = torch.as_tensor(piece_rows, dtype=torch.long)
+                        piece = {k: v[index] for k, v in batch.items()}
+                        log_loss_terms(piece, counts, trackers[rank], spec)
+            merged = Tracker()
+            for tracker in trackers:
+                merged.merge(tracker.state())
+            got = merged.compute(sync=False)["loss"]
+            assert got == pytest.approx(want, rel=1e-12), (ranks, split)
+
+
+def test_loss_update_terms_sharing_a_weight_add_element_wise() -> None:
+    losses, mask = torch.randn(3, 4, dtype=torch.float64), torch.rand(3, 4) > 0.3
+    a = rl.objective_update("a", losses, mask, None)
+    b = rl.MetricUpdate("b", "mean", losses * 2, a.weight)
+    total = rl.loss_update("loss", [(1.0, a), (0.5, b)])
+    assert total.weight is a.weight and torch.equal(total.value, a.value + 0.5 * b.value)
+    with pytest.raises(ValueError, match=r"'loss'.*term 'm' is kind 'max'"):
+        rl.loss_update("loss", [(1.0, a), (1.0, rl.MetricUpdate("m", "max", losses))])
+    with pytest.raises(ValueError, match="'loss': needs at least one"):
+        rl.loss_update("loss", [])
+
+
 def test_fully_masked_batch_logs_no_loss_and_zero_gradient() -> None:
     batch = make_batch(1, [0, 0], 3)
     logp = batch["logp"].clone().requires_grad_()

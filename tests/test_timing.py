@@ -25,8 +25,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmetrics import Tracker, TrackerState, get_kind, unregister_kind
+from rlmetrics import Tracker, TrackerState, get_kind, rl, unregister_kind
 from rlmetrics.kinds.rank_time import family_kind
+from rlmetrics.packing import RejectedInputError
 from rlmetrics.timing import timer
 
 from gloo_ranks import ok_results, run_together
@@ -125,7 +126,27 @@ def steady_collectives(rank: int, world: int) -> list[int]:
     return out
 
 
+def bad_token_count(rank: int, world: int) -> tuple[str, str, dict, dict]:
+    """Step 1: rank 1 logs a NaN tensor token count; step 2: every count is good. Every
+    rank raises after step 1's collective (the ranks stay paired); a second compute()
+    returns the step's other calls, then step 2 is exact."""
+    t = Tracker()
+    t.mean("loss", float(rank))
+    bad = math.nan if rank == 1 else TOKENS[rank]
+    t.throughput("perf/throughput", torch.tensor(bad), STEP[rank])
+    try:
+        t.compute(timeout=30)
+        raised = ("", "")
+    except ValueError as error:
+        raised = (type(error).__name__, str(error))
+    retry = t.compute(timeout=30)
+    t.mean("loss", float(rank))
+    t.throughput("perf/throughput", torch.tensor(TOKENS[rank]), STEP[rank])
+    return (*raised, retry, t.compute(timeout=30))
+
+
 CALLS = {
+    "bad count": (bad_token_count, ()),
     "injected": (injected_clock, ()),
     "sleeps": (real_sleeps, ()),
     "collectives": (steady_collectives, ()),
@@ -179,6 +200,25 @@ def test_timings_ride_in_the_one_packed_collective(session) -> None:
         assert counts[1:] == [1, 1]  # after the first step's schema agreement
 
 
+@pytest.mark.slow  # spawns gloo ranks (the session fixture)
+def test_a_bad_tensor_token_count_on_one_rank_raises_on_every_rank(session) -> None:
+    world, outcome = session
+    want = {k: v for k, v in expected(world).items() if k.startswith("perf/")}
+    want["loss"] = float(np.mean(range(world)))
+    good = [r for r in range(world) if r != 1]
+    total = np.sum([TOKENS[r] for r in good]) / np.max([STEP[r] for r in good])
+    rest = {"loss": want["loss"], "perf/throughput": total / len(good)}
+    rest["perf/throughput/total"] = total
+    for rank, (error, message, retry, step_2) in enumerate(ok_results(outcome["bad count"])):
+        if rank == 1:  # its own reason: the metric and the count
+            assert error == "TokenCountError", message
+            assert "'perf/throughput': num_tokens must be finite and >= 0, got nan" in message
+        else:  # its peers': the metric's call was rejected on some rank
+            assert error == "RejectedInputError" and "'perf/throughput'" in message, message
+        assert retry == rest, f"rank {rank}"  # the step without the dropped call
+        assert step_2 == want, f"rank {rank}"  # still paired
+
+
 # -- throughput ------------------------------------------------------------------------------
 def rank_states(tokens: list[float], seconds: list[float]) -> list[TrackerState]:
     world = len(tokens)
@@ -202,6 +242,45 @@ def test_throughput_is_total_tokens_over_the_slowest_time_not_a_mean_of_rates() 
     assert rates > 1.5 * out["perf/throughput"]  # the old drift: fast ranks inflate it
     balanced = TrackerState.merge_all(rank_states(tokens, [4.0] * 3)).compute()
     assert balanced["perf/throughput"] == pytest.approx(balanced["old/throughput"])
+
+
+@pytest.mark.parametrize("bad", [-5.0, math.nan, math.inf, -math.inf])
+def test_a_bad_tensor_token_count_raises_at_the_step_end_naming_metric_and_count(bad) -> None:
+    """Read at the step's end (not at the call, nor at an early fold): the call is
+    dropped, the error names the metric and the count, the step's other calls stay."""
+    t = Tracker()
+    t.record_limit = 0  # every log call folds early: the count waits for compute()
+    t.mean("loss", 2.0)
+    t.prefixed("perf/").throughput("tp", torch.tensor(bad), 2.0, rank=0, world_size=2)
+    t.throughput("perf/tp", torch.tensor([30], dtype=torch.int32), 2.0, rank=1, world_size=2)
+    t.mean("loss", 4.0)
+    with pytest.raises(ValueError, match=rf"'perf/tp': num_tokens must be finite and >= 0, "
+                       rf"got {re.escape(repr(bad))} \(a tensor count") as info:  # fmt: skip
+        t.compute()
+    assert info.value.calls == {"perf/tp": 1}  # in a sync: counted as rejected
+    assert t.compute() == {"loss": 3.0, "perf/tp": 30 / 2.0 / 1, "perf/tp/total": 15.0}
+
+
+def test_a_tensor_token_count_is_the_value_at_the_call() -> None:
+    t, tokens = Tracker(), torch.tensor(40.0, dtype=torch.float64)
+    t.throughput("tp", tokens, 2.0)
+    tokens.fill_(-1.0)  # a reused buffer: the logged count is a copy
+    assert t.compute() == {"tp": 20.0, "tp/total": 20.0}
+    t.throughput("tp", torch.tensor(8.0), 2.0)
+    t.reset()  # drops the count not read yet
+    assert t.compute() == {}
+
+
+@pytest.mark.parametrize("bad", [-5.0, math.nan, math.inf])
+def test_perf_updates_reject_a_bad_tensor_token_count_at_the_step_end(bad) -> None:
+    t = Tracker()
+    t.mean("loss", 1.0)
+    rl.log_updates(t, rl.perf_updates(torch.tensor(bad), 2.0))
+    with pytest.raises(RejectedInputError, match="token count") as info:
+        t.compute()
+    assert "'perf/throughput'" in str(info.value)
+    assert "'perf/total_num_tokens'" in str(info.value)
+    assert t.compute() == {"loss": 1.0}
 
 
 def test_throughput_sums_a_ranks_pieces_and_takes_device_tokens() -> None:
@@ -388,7 +467,15 @@ def test_state_dict_round_trip_keeps_the_ranks_apart() -> None:
          "'t/a': rank must be an int"),
         (lambda t: t.throughput("t/p", 5.0, 0.0), ValueError,
          "'t/p': seconds must be finite and > 0"),
-        (lambda t: t.throughput("t/p", -5.0, 1.0), ValueError, "'t/p': seconds must be finite"),
+        (lambda t: t.throughput("t/p", -5.0, 1.0), ValueError,
+         r"'t/p': num_tokens must be finite and >= 0, got -5\.0"),
+        (lambda t: t.throughput("t/p", math.nan, 1.0), ValueError,
+         "'t/p': num_tokens must be finite and >= 0, got nan"),
+        (lambda t: t.throughput("t/p", np.float64(math.inf), 1.0), ValueError,
+         r"'t/p': num_tokens must be finite and >= 0, got np\.float64\(inf\)"),
+        (lambda t: t.throughput("t/p", "5", 1.0), TypeError, "'t/p': num_tokens must be a"),
+        (lambda t: t.throughput("t/p", torch.tensor(5.0), -1.0), ValueError,
+         "'t/p': seconds must be finite and > 0"),
         (lambda t: t.throughput("t/p", torch.ones(2), 1.0), ValueError,
          r"'t/p': num_tokens must hold one number, got a tensor of shape \(2,\)"),
         (lambda t: t.log("t/a", [1.0, 2.0, 3.0], kind="rank_time@2"), TypeError,

@@ -19,6 +19,7 @@ from rlmetrics import (
     unregister_kind,
 )
 from rlmetrics.fold import ModifiedInputError
+from rlmetrics.kinds import last
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
 
 from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
@@ -375,7 +376,7 @@ def test_last_keeps_the_latest_on_a_rank() -> None:
 
 
 def test_last_across_sources_must_agree_or_warns_once(log_path: str) -> None:
-    name = f"lr_disagree_{log_path}"  # warned once per process: a name per run
+    name = f"lr_disagree_{log_path}"  # warned once until it agrees: a name per run
     a, b = Tracker(), Tracker()
     a.last(name, 1.0)
     b.last(name, torch.tensor(3.0))
@@ -387,6 +388,37 @@ def test_last_across_sources_must_agree_or_warns_once(log_path: str) -> None:
         assert state.compute() == {name: 2.0}  # warned once only
         a.last(name, 3.0)
         assert a.merge(b).compute() == {name: 3.0}
+
+
+def test_last_warns_again_when_its_sources_disagree_after_agreeing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A disagreement warns once while it lasts (not every step), and again once the
+    values have agreed and then disagree again, even with the same values under
+    Python's once-per-message filter ("default")."""
+    monkeypatch.setattr(last, "_warned", set())  # warnings are per name and process
+    monkeypatch.setattr(last, "_disagreements", {}, raising=False)
+    name = "lr_disagrees_again"
+
+    def merged(mine: float, other: float) -> float | None:
+        a, b = Tracker(), Tracker()
+        a.last(name, mine, weight=float(not math.isnan(mine)))  # NaN: no value
+        b.last(name, other, weight=float(not math.isnan(other)))
+        return a.merge(b).compute().get(name)
+
+    # one source with a value (step 4) or none (step 5) neither agrees nor disagrees
+    nan = math.nan
+    steps = [(1, 3), (1, 5), (2, 2), (1, 3), (1, nan), (nan, nan), (1, 3), (4, 4), (1, 3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        values = [merged(*step) for step in steps]
+    assert values == [2, 3, 2, 2, 1, None, 2, 4, 2]  # the mean where they disagree
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 3, messages  # steps 0, 3 and 8
+    for number, message in enumerate(messages, 1):
+        assert f"Disagreement {number} of this metric in this process" in message
+        assert message.startswith(f"metric '{name}' (kind 'last'): merged values disagree")
+        assert f"Disagreement {number} of this metric" in message
 
 
 def test_dist_quantiles_are_configurable() -> None:
@@ -850,7 +882,7 @@ def test_packed_results_equal_the_state_results() -> None:
             t.last("replica/disagrees", 1.0)
             t.max("empty", [1.0], mask=[False])
             t.merge(other.state())
-            with warnings.catch_warnings():  # the disagreement warns once per name
+            with warnings.catch_warnings():  # the disagreement warns (once while it lasts)
                 warnings.simplefilter("ignore", RuntimeWarning)
                 expected = t.state().compute(empty=empty)
                 got = t.compute()

@@ -186,12 +186,9 @@ PPO_NAMES = ("critic/loss", "perf/mfu/critic", "timing_s/values", "timing_s/upda
 
 
 def memory_names(learner: str) -> set[str]:
-    """The memory metrics a learner reports on this machine (see trainer/perf.py)."""
-    names = {f"{learner}/perf/cpu_memory_used_gb"} if importlib.util.find_spec("psutil") else set()
-    if torch.cuda.is_available():
-        names |= {f"{learner}/perf/max_memory_allocated_gb",
-                  f"{learner}/perf/max_memory_reserved_gb"}  # fmt: skip
-    return names
+    """The memory metrics a learner on the CPU reports (see trainer/perf.py): the GPU's
+    are reported only for a model on a GPU, whether or not the machine has one."""
+    return {f"{learner}/perf/cpu_memory_used_gb"} if importlib.util.find_spec("psutil") else set()
 
 
 def test_jsonl_has_verl_names(tmp_path) -> None:

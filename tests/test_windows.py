@@ -178,7 +178,7 @@ def test_last_is_the_latest_step_that_logged_it() -> None:
             states.append(tracker.state())
             out = window.step()
     assert out == {"lr": 2.0, "x": 9.0}
-    with warnings.catch_warnings():  # it warns once per name ("values disagree")
+    with warnings.catch_warnings():  # it warns ("values disagree")
         warnings.simplefilter("ignore")
         # why the window keeps time order: merged as ranks, two steps' values disagree
         assert TrackerState.merge_all(states).compute()["lr"] == 1.5
@@ -257,6 +257,81 @@ def test_rejected_call_is_reported_at_the_window_and_the_rest_flushes() -> None:
     with pytest.raises(RejectedInputError, match="'bad'"):
         window.step()
     assert window.flush() == {"m": 3.0}
+
+
+def log_changed_in_place(tracker: Tracker, how: str) -> None:
+    """A call of ``tracker``'s step that its fold drops, ``how``: a tensor changed in
+    place after the call (found at the step's end, or by an early fold inside a later
+    call), the same with ``by=``, or a ``by=`` label missing from ``labels=``."""
+    if how == "early":
+        tracker.record_limit = 3  # x's call stays below it, n's passes it: n's call folds
+    x = torch.tensor([1.0, 2.0])
+    if how == "by_label":
+        tracker.mean("x", x, by=torch.tensor([0, 5]), labels={0: "a"})
+    elif how == "by":
+        tracker.mean("x", x, by=torch.tensor([0, 0]), labels={0: "a"})
+    else:
+        tracker.mean("x", x)
+    if how != "by_label":
+        x.add_(10)
+    tracker.sum("n", 1.0)
+
+
+@pytest.mark.parametrize("how", ["in_place", "early", "by", "by_label"])
+def test_a_call_dropped_at_the_fold_counts_the_step_and_raises_at_the_report(how: str) -> None:
+    """A step whose fold drops a call (``ModifiedInputError``, a ``by=`` call) is counted
+    like any other: ``step()`` does not raise (on one rank of a sync, raising there
+    closed that rank's windows a step later than its peers'), the report raises naming
+    the metric, as for a rejected call, and ``flush()`` reports the rest."""
+    tracker = Tracker()
+    window = Window(tracker, every=2)
+    log_changed_in_place(tracker, how)
+    assert window.step() is None
+    assert (window.num_steps, len(window)) == (1, 1)
+    tracker.record_limit = Tracker.record_limit
+    tracker.mean("x", torch.tensor([4.0]))
+    tracker.sum("n", 1.0)
+    name = "'x'" if how != "by_label" else "metric 'x': label 5 is not in labels="
+    with pytest.raises(RejectedInputError, match=f"1 step\\(s\\) .*{name}"):
+        window.step()
+    assert (window.num_steps, len(window)) == (2, 2)
+    assert window.flush() == {"n": 2.0, "x": 4.0}
+    assert tracker.compute() == {}
+
+
+def test_dropped_and_rejected_calls_of_one_step_are_both_named() -> None:
+    tracker = Tracker()
+    window = Window(tracker, every=1)
+    log_changed_in_place(tracker, "in_place")
+    tracker.mean("bad", torch.tensor([1.0]), weight=torch.tensor([-1.0]))  # rejected
+    with pytest.raises(RejectedInputError, match=r"changed in place.*'x'.* Then: .*'bad'"):
+        window.step()
+    assert window.num_steps == 1 and window.flush() == {"n": 1.0}
+
+
+@pytest.mark.parametrize("empty", ["omit", "nan"])
+@pytest.mark.parametrize("per_step", [False, True])
+def test_keys_two_metrics_report_raise_as_in_compute(empty: str, per_step: bool) -> None:
+    """A `last` named `x/p50` beside a dist `x` (each in a step of its own, or both in
+    one): one step over the window's data raises naming both, so the report does (it
+    reported the `last`'s value as `x/p50` and dropped the dist's p50)."""
+    one_step = Tracker(empty=empty)
+    one_step.dist("x", [1.0, 2.0, 3.0])
+    one_step.last("x/p50", 7.0)
+    with pytest.raises(ValueError, match="rename one of them") as expected:
+        one_step.compute()
+    for split_steps in (True, False):
+        tracker = Tracker(empty=empty)
+        window = Window(tracker, every=2, per_step=per_step)
+        tracker.dist("x", [1.0, 2.0, 3.0])
+        if split_steps:
+            window.step()
+        tracker.last("x/p50", 7.0)
+        if not split_steps:
+            window.step()
+        with pytest.raises(ValueError) as raised:
+            window.step()
+        assert str(raised.value) == str(expected.value)
 
 
 def test_a_name_changing_kind_inside_a_window_raises_and_changes_nothing() -> None:
@@ -431,6 +506,64 @@ def gloo_rejected(rank: int, world: int) -> dict[str, object]:
     return out
 
 
+def gloo_collision(rank: int, world: int) -> list[str]:
+    """Rank 0 logs a dist `x`, the last rank a `last` named `x/p50`: compute() over the
+    group raises on every rank, naming both; so does a window's report."""
+    messages = []
+    tracker = Tracker()
+    window = Window(tracker, every=1, timeout=60)
+    for report in (lambda: tracker.compute(timeout=60), window.step):
+        if rank == 0:
+            tracker.dist("x", [1.0, 2.0, 3.0])
+        if rank == world - 1:
+            tracker.last("x/p50", 7.0)
+        try:
+            report()
+        except ValueError as error:
+            messages.append(str(error))
+        tracker.reset()
+    return messages
+
+
+LRS = ((0.1, True), (0.2, True), (0.3, False), (0.1, True))  # (lr, ranks disagree)
+
+
+def gloo_disagree(rank: int, world: int) -> tuple[list, list[str]]:
+    """Each step a report: the ranks' `actor/lr` disagree in steps 0 and 1, agree in 2,
+    disagree again in 3. Returns the reports and this rank's RuntimeWarnings."""
+    tracker = Tracker()
+    actor = tracker.prefixed("actor/")
+    window = Window(tracker, every=1, timeout=60, per_step=["actor/"])
+    reports = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for lr, disagree in LRS:
+            actor.last("lr", lr * (rank + 1) if disagree else lr)
+            reports.append((window.step(), window.per_step_values))
+    return reports, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+def gloo_modified(rank: int, world: int) -> list[object]:
+    """Rank 0 changes a logged tensor in place in the first step of windows of two
+    steps: per step, the step()'s report, error (type, message) or the flush() after
+    it, then the window's step count."""
+    tracker = Tracker()
+    window = Window(tracker, every=2, timeout=20)
+    out: list[object] = []
+    for step in range(6):
+        x = torch.tensor([float(rank + 1)])
+        tracker.mean("x", x)
+        tracker.sum("n", 1.0)
+        if rank == 0 and step == 0:
+            x.add_(10)
+        try:
+            out.append(window.step())
+        except ValueError as error:
+            out.append((type(error).__name__, str(error)))
+            out.append(window.flush())
+    return [*out, window.num_steps]
+
+
 ASYNC_LENGTHS = (2, 3, 1, 4, 2)  # iterations per logged step
 
 
@@ -487,6 +620,9 @@ def gloo_outcome(request: pytest.FixtureRequest) -> tuple[int, dict]:
         "scalar_windows": (gloo_windows, (world + 1, SCALAR_KINDS)),
         "rejected": (gloo_rejected, ()),
         "async": (gloo_async, ()),
+        "collision": (gloo_collision, ()),
+        "disagree": (gloo_disagree, ()),
+        "modified": (gloo_modified, ()),  # last: before the fix, it left ranks out of step
     }
     return world, run_together(calls, world, timeout=600)
 
@@ -527,7 +663,7 @@ def test_gloo_rejected_call_raises_on_every_rank_at_the_report(gloo_outcome: tup
     mean = (sum(range(world)) + sum(range(10, 10 + world))) / (2 * world)
     for rank, out in enumerate(per_rank):
         assert out["first"] is None
-        assert "1 step(s) of the window had rejected calls" in out["error"]
+        assert "1 step(s) of the window had rejected or dropped calls" in out["error"]
         assert ("'bad'" in out["error"]) == (rank == 1), out["error"]
         assert out["flush"] == {"m": mean}
 
@@ -548,3 +684,47 @@ def test_gloo_windows_of_varying_length_stay_one_sync(gloo_outcome: tuple) -> No
         for report, count in (rank_out[w] for rank_out in per_rank):
             assert report == want
             assert w == 0 or count == 1, (w, count)
+
+
+@pytest.mark.slow
+def test_gloo_keys_two_metrics_report_raise_on_every_rank_as_in_compute(
+    gloo_outcome: tuple,
+) -> None:
+    for messages in ok_results(gloo_outcome[1]["collision"]):
+        assert len(messages) == 2 and messages[0] == messages[1], messages
+        assert "'x/p50' reports 'x/p50', which metric 'x' reports too" in messages[0]
+
+
+@pytest.mark.slow
+def test_gloo_last_disagreement_names_the_metric_and_warns_again(gloo_outcome: tuple) -> None:
+    """The report's warning names the user's metric (not the window's internal key);
+    a disagreement lasting two steps warns once, a later one again."""
+    world, outcome = gloo_outcome
+    for reports, messages in ok_results(outcome["disagree"]):
+        for (report, per_step), (lr, disagree) in zip(reports, LRS, strict=True):
+            want = np.mean([lr * (r + 1) for r in range(world)]) if disagree else lr
+            assert report == per_step[0] == {"actor/lr": pytest.approx(want, rel=1e-15)}
+        assert len(messages) == 2, messages
+        for number, message in enumerate(messages, 1):
+            assert message.startswith("metric 'actor/lr' (kind 'last'): merged values disagree")
+            assert f"Disagreement {number} of this metric" in message
+
+
+@pytest.mark.slow
+def test_gloo_tensor_changed_in_place_on_one_rank_keeps_the_windows_paired(
+    gloo_outcome: tuple,
+) -> None:
+    """Rank 0's step() counts the step with its changed tensor's call dropped, as every
+    rank counts it: the first window's report raises on every rank (rank 0 naming the
+    metric), flush() reports the rest, and the later windows pair the same steps."""
+    world, outcome = gloo_outcome
+    ranks = range(1, world + 1)  # rank r logs x = r + 1
+    rest = (2 * sum(ranks) - 1) / (2 * world - 1)  # both steps but rank 0's first x
+    for rank, out in enumerate(ok_results(outcome["modified"])):
+        assert out[0] is None
+        error_type, message = out[1]  # type: ignore[misc]
+        assert error_type == "RejectedInputError", message
+        assert ("changed in place" in message and "'x'" in message) == (rank == 0), message
+        assert out[2] == {"n": 2.0 * world, "x": pytest.approx(rest, rel=1e-15)}
+        paired = {"n": 2.0 * world, "x": pytest.approx(np.mean(ranks), rel=1e-15)}
+        assert out[3:] == [None, paired, None, paired, 6], out

@@ -12,7 +12,7 @@ from rlmetrics.kinds import (
     register_kind,
     unregister_kind,
 )
-from rlmetrics.state import TrackerState
+from rlmetrics.state import MalformedStateError, TrackerState
 from rlmetrics.tracker import PrefixedTracker, Tracker
 from rlmetrics.window import Window
 
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ExtraKind",
     "Kind",
+    "MalformedStateError",
     "MetricState",
     "PrefixedTracker",
     "Tracker",

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -34,7 +35,7 @@ from rlmetrics.audit_report import Spread as Spread  # re-exported: the report's
 from rlmetrics.audit_report import spread as spread
 from rlmetrics.audit_report import verdict as verdict
 from rlmetrics.tracker import Tracker
-from rlmetrics.trainer.config import AlgoConfig, ModelConfig, RunConfig, TrainConfig
+from rlmetrics.trainer.config import SEED_MAX, AlgoConfig, ModelConfig, RunConfig, TrainConfig
 from rlmetrics.trainer.launch import exit_now
 
 DEFAULT_PARTITIONS = "1,2:mbs=3,2:tokens=24,4:mbs=1"
@@ -255,19 +256,25 @@ def build_report(runs: dict[str, tuple[dict, dict]], tol: float, *, naive: bool 
 
 # -- command line ---------------------------------------------------------------------
 def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``rlmetrics audit`` flags."""
+    """The ``rlmetrics audit`` flags. A numeric flag out of its range (NaN, inf, a
+    negative ``--tol``, ``--epochs 0``) is a usage error naming it, exit 2."""
+    from rlmetrics.cli import number_flag, number_list_flag
+
+    count = number_flag(int, 1)
     add = parser.add_argument
     add("--partitions", default=DEFAULT_PARTITIONS, metavar="LIST",
         help="comma-separated DP[:mbs=M|:tokens=T|:whole]; the first is the reference "
              f"(default: {DEFAULT_PARTITIONS})")  # fmt: skip
     add("--algo", choices=("grpo", "ppo"), default="grpo", help="algorithm (default: grpo)")
-    add("--num-prompts", type=int, default=7, metavar="P", help="prompts (default: 7)")
-    add("--samples-per-prompt", type=int, default=3, metavar="N", help="samples (default: 3)")
-    add("--mini-batches", type=int, default=2, metavar="K", help="optimizer steps (default: 2)")
-    add("--epochs", type=int, default=2, metavar="E", help="PPO epochs (default: 2)")
-    add("--seed", type=int, default=0, metavar="S", help="seed (default: 0)")
-    add("--tol", type=float, default=1e-9, metavar="X",
-        help="a metric drifts when |Δ| > tol·max(1, |value|) (default: 1e-9)")  # fmt: skip
+    add("--num-prompts", type=count, default=7, metavar="P", help="prompts (default: 7)")
+    add("--samples-per-prompt", type=count, default=3, metavar="N", help="samples (default: 3)")
+    add("--mini-batches", type=count, default=2, metavar="K", help="optimizer steps (default: 2)")
+    add("--epochs", type=count, default=2, metavar="E", help="PPO epochs (default: 2)")
+    add("--seed", type=number_flag(int, 0, SEED_MAX), default=0, metavar="S",
+        help="seed, in [0, 2**32 - 1] (default: 0)")  # fmt: skip
+    add("--tol", type=number_flag(float, 0), default=1e-9, metavar="X",
+        help="a metric drifts when |Δ| > tol·max(1, |value|); a finite number >= 0 "
+             "(default: 1e-9)")  # fmt: skip
     add("--naive", action="store_true",
         help="also show what a verl-style reduction would have logged")  # fmt: skip
     add("--plot", metavar="PNG", help="draw the spreads into this image")
@@ -286,14 +293,26 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the function, importable from the current directory")  # fmt: skip
     user.add_argument("--batch", metavar="FILE.pt",
                       help="a torch.save'd dict of tensors sharing their first dim")  # fmt: skip
-    user.add_argument("--ranks", metavar="LIST",
+    user.add_argument("--ranks", metavar="LIST", type=number_list_flag(int, 1),
                       help="simulated data-parallel sizes (default: 1,2,4)")  # fmt: skip
-    user.add_argument("--micro-batch-sizes", metavar="LIST",
+    user.add_argument("--micro-batch-sizes", metavar="LIST", type=number_list_flag(int, 1),
                       help="rows per micro-batch (default: 1,2,3 and the whole share)")  # fmt: skip
 
 
+def usage_error(err: Exception) -> NoReturn:
+    """Exit 2 with ``rlmetrics audit: error: ...`` on stderr, as argparse does: a bad
+    flag is never read as exit 1, "a metric drifts". A config value out of range
+    names its flag."""
+    from rlmetrics.trainer.config import ConfigError
+
+    flag = f"argument --{err.field.replace('_', '-')}: " if isinstance(err, ConfigError) else ""
+    print(f"rlmetrics audit: error: {flag}{err}", file=sys.stderr)
+    raise SystemExit(2) from err
+
+
 def run_audit(args: argparse.Namespace) -> int:
-    """``rlmetrics audit``: 0 when every metric is invariant, 1 when one drifts."""
+    """``rlmetrics audit``: 0 when every metric is invariant, 1 when one drifts, 2 on a
+    usage error."""
     check_plot_extra(args.plot)
     if args.fn or args.batch or args.ranks or args.micro_batch_sizes:
         return run_fn_audit(args)
@@ -308,7 +327,7 @@ def run_audit(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     except ValueError as err:
-        raise SystemExit(f"rlmetrics audit: error: {err}") from err
+        usage_error(err)
     print(describe(cfg, parts))
     report = build_report(run_partitions(cfg, parts), args.tol, naive=args.naive,
                           include_measurements=args.include_measurements)  # fmt: skip
@@ -358,11 +377,11 @@ def run_fn_audit(args: argparse.Namespace) -> int:
             raise ValueError("--fn and --batch go together")
         if args.naive or args.include_measurements or args.partitions != DEFAULT_PARTITIONS:
             raise ValueError("--naive, --partitions, --include-measurements: trainer audit only")
-        ranks = _int_list("--ranks", args.ranks or "1,2,4")
-        sizes = _int_list("--micro-batch-sizes", args.micro_batch_sizes or "") or None
+        ranks = args.ranks or [1, 2, 4]
+        sizes = args.micro_batch_sizes or None
         fn, batch = load_fn(args.fn), load_batch(args.batch)
     except ValueError as err:
-        raise SystemExit(f"rlmetrics audit: error: {err}") from err
+        usage_error(err)
     runs = partition_runs(fn, batch, ranks=ranks, micro_batch_sizes=sizes, seed=args.seed)
     rows = next(iter(batch.values())).shape[0]
     keys = ", ".join(f"{k} {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
@@ -419,13 +438,3 @@ def load_batch(path: str) -> dict[str, torch.Tensor]:
     if len(set(firsts.values())) != 1:
         raise ValueError(f"--batch: tensors must share their first dimension, got {firsts}")
     return batch
-
-
-def _int_list(flag: str, text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as err:
-        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from err
-    if any(v < 1 for v in values):
-        raise ValueError(f"{flag}: expected positive integers, got {text!r}")
-    return values

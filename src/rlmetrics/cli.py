@@ -8,11 +8,12 @@ Every training flag comes from a field of the config dataclasses in
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,44 @@ NEXT_STEP = (
     "these metrics are exact for any number of ranks and micro-batches; "
     "`rlmetrics audit --naive` shows them next to a naive (verl-style) aggregation"
 )
+
+
+def number_flag(kind: type, low: float = -math.inf, high: float = math.inf, *,
+                open_low: bool = False) -> Callable[[str], Any]:  # fmt: skip
+    """An argparse ``type=`` for a numeric flag: the text as ``kind`` (int or float),
+    finite and in its range (``rlmetrics.trainer.config.number_need``, the check of
+    every numeric config field), else a usage error naming the flag, exit 2:
+    ``argument --tol: must be a finite number >= 0, got 'nan'``."""
+    from rlmetrics.trainer.config import number_need
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError, OverflowError):
+            value = None
+        need = number_need(value, low, high, open_low=open_low, integer=kind is int)
+        if need is not None:
+            raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def number_list_flag(kind: type, low: float = -math.inf, high: float = math.inf, *,
+                     open_low: bool = False) -> Callable[[str], list[Any]]:  # fmt: skip
+    """``number_flag`` for a comma-separated list: ``"1,2,4"`` -> ``[1, 2, 4]``, each
+    item checked alike (``""`` is the empty list)."""
+    item = number_flag(kind, low, high, open_low=open_low)
+
+    def parse(text: str) -> list[Any]:
+        try:
+            return [item(x.strip()) for x in text.split(",") if x.strip()]
+        except argparse.ArgumentTypeError as err:
+            raise argparse.ArgumentTypeError(f"each item {err}, in {text!r}") from None
+
+    parse.__name__ = f"{kind.__name__} list"
+    return parse
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -151,6 +190,8 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rlmetrics.trainer.launch import spawn
 
     cfg = _config(args, parser)
+    if args.launcher == "ray" and cfg.run.device not in (None, "cpu"):
+        parser.error(f"--device {cfg.run.device}: the ray launcher trains on the CPU only")
     _check_before_start(cfg, parser)
     start = time.perf_counter()
     history = _launch_ray(args, parser, cfg) if args.launcher == "ray" else spawn(cfg)
@@ -164,13 +205,15 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _check_before_start(cfg: Any, parser: argparse.ArgumentParser) -> None:
-    """Before any rank starts: the loggers' extras are installed, and the checkpoint to
-    resume from exists, is readable and matches the config."""
+    """Before any rank starts: the device exists, the loggers' extras are installed, and
+    the checkpoint to resume from exists, is readable and matches the config."""
     from rlmetrics.extras import require_loggers
     from rlmetrics.loggers import parse_backends
     from rlmetrics.trainer import checkpoint
+    from rlmetrics.trainer.launch import check_device
 
     try:
+        check_device(cfg.run.device)
         require_loggers(parse_backends(cfg.run.loggers), f"--loggers {cfg.run.loggers}")
         path = checkpoint.resume_path(cfg.run)
         if path is not None:
@@ -188,8 +231,14 @@ def _launch_ray(args: argparse.Namespace, parser: argparse.ArgumentParser, cfg: 
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The TrainConfig of the flags; a value out of range is a usage error naming its
+    flag (``argument --lr: lr must be a finite number > 0, got nan``), exit 2."""
+    from rlmetrics.trainer.config import ConfigError
+
     try:
         return config_from_args(args)
+    except ConfigError as err:
+        parser.error(f"argument --{err.field.replace('_', '-')}: {err}")
     except (TypeError, ValueError) as err:
         parser.error(str(err))
 

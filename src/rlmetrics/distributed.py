@@ -48,6 +48,8 @@ from rlmetrics.collectives import (
     wait_for,
 )
 from rlmetrics.dist_utils import *  # noqa: F403
+from rlmetrics.kinds import kind_names
+from rlmetrics.kinds.rank_time import family_kind
 from rlmetrics.layout import Layout
 from rlmetrics.packing import Packing, in_order, restore_nans, unpack, with_nan_counts
 from rlmetrics.results import Reduced
@@ -65,33 +67,58 @@ def agree_schema(
 ) -> Layout:
     """The union of every rank's (name, kind) pairs.
 
+    Each rank sends its metrics' (name, kind name, ``Kind.settings()``) and the settings
+    of every kind it would report with (its own ``dist`` and ``quantile``, and each
+    registered kind), so that a rank which did not log a name still reports it alike.
+
     Raises:
         ValueError: on every rank, when ranks log a name with two kinds, or with one
-            kind configured two ways (a histogram with other edges).
+            kind configured two ways (a histogram with other edges, a ``dist`` with
+            other quantiles), or a kind some rank has not registered; naming the metric
+            and both settings.
     """
+    kinds = {name: tracker.kind(name).settings() for name in kind_names()}
     local = sorted(
-        (name, acc.kind.name, acc.kind.fingerprint()) for name, acc in tracker.accumulators.items()
+        (name, acc.kind.name, acc.kind.settings()) for name, acc in tracker.accumulators.items()
     )
-    payloads = gather_bytes(json.dumps(local).encode(), group, device, timeout)
+    payload = json.dumps({"metrics": local, "kinds": kinds}).encode()
+    sent = [json.loads(data) for data in gather_bytes(payload, group, device, timeout)]
     union: dict[str, tuple[str, str, int]] = {}
-    conflicts: list[str] = []
-    for rank, payload in enumerate(payloads):
-        for name, kind_name, fingerprint in json.loads(payload):
-            seen_kind, seen_fingerprint, seen_rank = union.setdefault(
-                name, (kind_name, fingerprint, rank)
+    conflicts: dict[str, str] = {}  # the first per metric
+    for rank, rank_sent in enumerate(sent):
+        for name, kind_name, settings in rank_sent["metrics"]:
+            seen_kind, seen_settings, seen_rank = union.setdefault(
+                name, (kind_name, settings, rank)
             )
             if seen_kind != kind_name:
-                conflicts.append(
+                conflicts.setdefault(
+                    name,
                     f"metric {name!r} is kind {seen_kind!r} on rank {seen_rank} "
-                    f"but kind {kind_name!r} on rank {rank}"
+                    f"but kind {kind_name!r} on rank {rank}",
                 )
-            elif seen_fingerprint != fingerprint:
-                conflicts.append(
-                    f"metric {name!r} has kind {kind_name!r} configured as {seen_fingerprint!r} "
-                    f"on rank {seen_rank} but as {fingerprint!r} on rank {rank}"
+            elif seen_settings != settings:
+                conflicts.setdefault(
+                    name,
+                    f"metric {name!r} has kind {kind_name!r} configured as {seen_settings!r} "
+                    f"on rank {seen_rank} but as {settings!r} on rank {rank}",
+                )
+    for name, (kind_name, settings, seen_rank) in union.items():
+        for rank, rank_sent in enumerate(sent):
+            theirs = rank_sent["kinds"].get(kind_name)
+            if theirs is None and family_kind(kind_name) is None:
+                conflicts.setdefault(
+                    name,
+                    f"metric {name!r} has kind {kind_name!r} on rank {seen_rank}, which rank "
+                    f"{rank} has not registered",
+                )
+            elif theirs is not None and theirs != settings:
+                conflicts.setdefault(
+                    name,
+                    f"metric {name!r} has kind {kind_name!r} configured as {settings!r} "
+                    f"on rank {seen_rank} but as {theirs!r} on rank {rank}",
                 )
     if conflicts:
-        raise ValueError("ranks disagree on metric kinds: " + "; ".join(conflicts))
+        raise ValueError("ranks disagree on metric kinds: " + "; ".join(conflicts.values()))
     return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()])
 
 

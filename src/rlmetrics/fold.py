@@ -53,16 +53,19 @@ class ModifiedInputError(ValueError):
 
 
 def joined_errors(errors: list[ValueError]) -> ValueError:
-    """Several folds' errors of one step as one: a ``ModifiedInputError`` (every
-    dropped call counted) when they all are, else a ValueError; the messages in order."""
+    """Several folds' errors of one step as one: a ``ModifiedInputError`` when they all
+    are, else a ValueError; the messages in order, every dropped call counted in
+    ``calls`` (an error without ``calls`` dropped calls of no known metric)."""
     message = " Then: ".join(map(str, errors))
-    if not all(isinstance(error, ModifiedInputError) for error in errors):
-        return ValueError(message)
     calls: dict[str, int] = {}
     for error in errors:
-        for name, count in error.calls.items():  # type: ignore[attr-defined]
+        for name, count in getattr(error, "calls", {}).items():
             calls[name] = calls.get(name, 0) + count
-    return ModifiedInputError(message, calls)
+    if all(isinstance(error, ModifiedInputError) for error in errors):
+        return ModifiedInputError(message, calls)
+    joined = ValueError(message)
+    joined.calls = calls  # type: ignore[attr-defined]
+    return joined
 
 
 class _Misaligned(RuntimeError):

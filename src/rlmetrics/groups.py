@@ -235,6 +235,8 @@ def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[n
             f"metric {name!r}: by= must be a sequence or numpy array of labels (strings or "
             f"integers), or an integer tensor; got {type(by).__name__}"
         )
+    if isinstance(by, list | tuple) or (isinstance(by, np.ndarray) and by.dtype == object):
+        check_label_types(name, by)
     array = np.asarray(by)
     if array.size == 0:  # no element, no label (an empty list is a float64 array)
         return np.zeros(array.shape, dtype=np.int64), []
@@ -252,6 +254,46 @@ def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[n
     parts = [label_part(name, label.item() if isinstance(label, np.generic) else label, mapping)
              for label in uniques]  # fmt: skip
     return codes.reshape(array.shape).astype(np.int64, copy=False), parts
+
+
+def _label_type(kind: type) -> str | None:
+    """What a python label's type is as a label (numpy's scalars too): "string",
+    "integer", or None (floats, bools, None and anything else name no metric)."""
+    if issubclass(kind, str):  # np.str_ too
+        return "string"
+    if issubclass(kind, int | np.integer) and not issubclass(kind, bool | np.bool_):
+        return "integer"
+    return None
+
+
+def check_label_types(name: str, by: list | tuple | np.ndarray) -> None:
+    """Python labels (a list, tuple or object array) must be all strings or all integers.
+    Checked before numpy converts them: it would make ``["gsm8k", 1]`` or ``["gsm8k",
+    2.5]`` strings ("2.5" naming a metric) and ``[1, True]`` integers.
+
+    Raises:
+        TypeError: naming the metric and the first label of another or a wrong type.
+    """
+    flat = by.ravel().tolist() if isinstance(by, np.ndarray) else by
+    types = set(map(type, flat))
+    if len(types) == 1 and (str in types or int in types):
+        return
+    if types & {list, tuple, np.ndarray}:  # labels per element of a (B, T) value
+        flat = np.asarray(by, dtype=object).ravel().tolist()
+        types = set(map(type, flat))
+    kinds = {kind: _label_type(kind) for kind in types}
+    if None not in kinds.values() and len(set(kinds.values())) <= 1:
+        return
+    first = _label_type(type(flat[0]))
+    bad = next(label for label in flat if first is None or kinds[type(label)] != first)
+    if kinds[type(bad)] is None:
+        got = f"{type(bad).__name__} {bad!r}"
+    else:
+        got = f"{type(flat[0]).__name__} {flat[0]!r} and {type(bad).__name__} {bad!r}"
+    raise TypeError(
+        f"metric {name!r}: labels must be strings or integers, all of one type (not "
+        f"floats, bools or None); got {got}"
+    )
 
 
 def tensor_states(items: tuple[Any, ...]) -> tuple[tuple[int, torch.Size], ...]:

@@ -54,7 +54,8 @@ class Layout:
     sums | two framework counts per metric, in name order]; the MAX part holds the
     groups' max slots (and each extra kind's extra size).
 
-    Ranks with equal ``signature``s have equal positions: a layout agreed over a group
+    Ranks with equal ``signature``s (names, kinds and their ``settings()``) have equal
+    positions and report alike: a layout agreed over a group
     (``distributed.agree_schema``) holds one kind object per kind name, so its grouping
     follows the kind names, which the signature holds.
     """
@@ -93,8 +94,9 @@ class Layout:
         self.num_sums = self.num_kind_sums + NUM_COUNTS * len(ordered)
         self.num_maxes = max_offset
         self.extra_placements = [place for place in self.placements if place.kind.has_extra]
+        settings = {id(group.kind): group.kind.settings() for group in self.groups}
         self.signature = tuple(
-            (place.name, place.kind.name, place.kind.fingerprint()) for place in self.placements
+            (place.name, place.kind.name, settings[id(place.kind)]) for place in self.placements
         )
 
     def fits(self, accumulators: Mapping[str, Accumulator]) -> bool:

@@ -241,8 +241,9 @@ def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
     ]
     raise RejectedInputError(
         "tensor log calls were rejected (negative or non-finite weights, non-finite "
-        "values under nonfinite='error', or, on some rank, tensors changed in place "
-        "before compute()) and dropped; rejected calls per metric: " + ", ".join(rejected)
+        "values under nonfinite='error', a negative or non-finite tensor token count of "
+        "throughput(), or, on some rank, tensors changed in place before compute()) and "
+        "dropped; rejected calls per metric: " + ", ".join(rejected)
     )
 
 

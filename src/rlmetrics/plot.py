@@ -9,6 +9,13 @@ file per page, ``<out stem>-<NN>-<group><suffix>``. Every page has the same boun
 number of subplots, drawn on one reused figure with fixed margins (no layout solver,
 no shared axes), so the time grows linearly with the number of metrics; one figure of
 hundreds of shared-axis, constrained-layout subplots grows much faster.
+
+A metric matplotlib cannot draw as it is costs only itself (``panel``): values beyond
+±1e300 (a diverging grad norm near ±1.7e308 makes the axis span overflow) are drawn
+divided by a power of ten, named in the subplot's title; infinite values are gaps, as
+nulls are; a metric with no finite value keeps its subplot with a note saying why.
+Each such metric gets one ``PlotWarning`` naming it. Only when no selected metric can
+be drawn at all does the plot fail (``ValueError``), writing nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +41,13 @@ SINGLE_COLUMN = 4
 PANEL_INCHES = (4.2, 2.0)  # one subplot's cell (width, height)
 MARGINS = {"left": 0.75, "right": 0.2, "top": 0.55, "bottom": 0.5}  # inches
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+AXIS_LIMIT = 1e300  # beyond this magnitude an axis' span and margins can overflow a float
 
 Series = dict[str, tuple[list[int], list[float]]]
 
 
 class PlotWarning(UserWarning):
-    """Lines of a metrics file were skipped."""
+    """Lines of a metrics file were skipped, or a metric is not drawn as it is."""
 
 
 def read_jsonl(path: str | os.PathLike) -> Series:
@@ -71,6 +80,63 @@ def read_jsonl(path: str | os.PathLike) -> Series:
             stacklevel=2,
         )
     return series
+
+
+@dataclass
+class Panel:
+    """One metric as drawn: its points, its title, and what the reader must know."""
+
+    steps: list[float]
+    values: list[float]
+    title: str
+    notes: list[str] = field(default_factory=list)  # why it is not drawn as it is
+    drawn: bool = True  # False: no finite value, the subplot holds only its note
+
+
+def panel(name: str, steps: Sequence[int], values: Sequence[float]) -> Panel:
+    """``name``'s points in a form matplotlib can draw.
+
+    Infinite values become gaps (as nulls are). Points at steps beyond ±1e300 are left
+    out (the x axis could not span them). Values beyond ±1e300 are divided by
+    ``10**e`` (e: the exponent of the largest), the title says ``(×1e<e>)``; it also
+    counts the infinite values (``[2 inf]``). With no finite value left, the panel is
+    not drawn.
+    """
+    xs: list[float] = []
+    ys: list[float] = []
+    far = infinite = 0
+    for step, value in zip(steps, values, strict=True):
+        try:
+            x = float(step)
+        except OverflowError:
+            x = math.inf
+        if not abs(x) <= AXIS_LIMIT:
+            far += 1
+            continue
+        if math.isinf(value):
+            infinite += 1
+            value = math.nan
+        xs.append(x)
+        ys.append(value)
+    notes = []
+    title = name
+    if infinite:
+        notes.append(f"{infinite} infinite value(s) drawn as gaps")
+        title = f"{title} [{infinite} inf]"
+    if far:
+        notes.append(f"{far} point(s) at steps beyond ±{AXIS_LIMIT:g} left out")
+    finite = [abs(v) for v in ys if math.isfinite(v)]
+    if not finite:
+        notes.insert(0, f"not drawn: no finite value in {len(values)} point(s)")
+        return Panel(xs, ys, title, notes, drawn=False)
+    peak = max(finite)
+    if peak > AXIS_LIMIT:
+        exponent = math.floor(math.log10(peak))
+        scale = 10.0**exponent
+        ys = [v / scale for v in ys]
+        title = f"{title} (×1e{exponent})"
+        notes.append(f"values reach {peak:.3g}: drawn divided by 1e{exponent}")
+    return Panel(xs, ys, title, notes)
 
 
 def pages(names: Sequence[str], size: int = PAGE_SIZE) -> list[tuple[str, list[str]]]:
@@ -136,24 +202,36 @@ class PageFigure:
             ax.grid(True, alpha=0.3)
             ax.locator_params(nbins=5)
             ax.xaxis.set_label_coords(0.5, -0.16)
+        self.notes = [
+            ax.text(0.5, 0.5, "", transform=ax.transAxes, ha="center", va="center",
+                    fontsize=8, color="tab:red", wrap=True)
+            for ax in self.axes
+        ]  # fmt: skip
         self.title = self.fig.suptitle("", x=0.01, ha="left", fontsize=11)
 
-    def draw(self, series: Series, names: Sequence[str], title: str) -> None:
-        """Show ``names`` in the first cells, hide the rest. Every cell gets the same x
-        limits, so only the bottom cell of each column labels its x ticks."""
-        all_steps = list(itertools.chain.from_iterable(series[n][0] for n in names))
-        lo, hi = min(all_steps), max(all_steps)
-        last_row = {i % self.cols: i for i in range(len(names))}  # bottom cell per column
-        for i, (ax, line) in enumerate(zip(self.axes, self.lines, strict=True)):
-            ax.set_visible(i < len(names))
-            if i >= len(names):
+    def draw(self, panels: Sequence[Panel], title: str) -> None:
+        """Show ``panels`` in the first cells, hide the rest. Every cell gets the same x
+        limits, so only the bottom cell of each column labels its x ticks. A panel not
+        drawn keeps its cell, with its note in place of the line."""
+        all_steps = list(itertools.chain.from_iterable(p.steps for p in panels))
+        lo, hi = (min(all_steps), max(all_steps)) if all_steps else (0.0, 1.0)
+        last_row = {i % self.cols: i for i in range(len(panels))}  # bottom cell per column
+        cells = zip(self.axes, self.lines, self.notes, strict=True)
+        for i, (ax, line, note) in enumerate(cells):
+            ax.set_visible(i < len(panels))
+            if i >= len(panels):
                 continue
-            steps, values = series[names[i]]
-            line.set_data(steps, values)
-            line.set_marker("." if len(steps) < 50 else "None")
-            ax.set_title(names[i], loc="left", fontsize=9, y=1.0, pad=3)
+            p = panels[i]
+            line.set_data(p.steps, p.values) if p.drawn else line.set_data([], [])
+            line.set_marker("." if len(p.steps) < 50 else "None")
+            note.set_text("" if p.drawn else "\n".join(p.notes))
+            ax.set_title(p.title, loc="left", fontsize=9, y=1.0, pad=3)
+            ax.tick_params(axis="y", labelleft=p.drawn)
             ax.relim()
-            ax.autoscale_view(scalex=False)
+            if p.drawn:
+                ax.autoscale_view(scalex=False)
+            else:
+                ax.set_ylim(0.0, 1.0)
             ax.set_xlim(lo - 0.5, hi + 0.5) if lo == hi else ax.set_xlim(lo, hi)
             bottom = last_row[i % self.cols] == i  # x ticks are equal down a column
             ax.tick_params(axis="x", labelbottom=bottom)
@@ -172,13 +250,24 @@ def plot_jsonl(
         out: the image file (its suffix picks the format); "" means ``path`` with .png.
             Several pages go to one PDF (a ``.pdf`` out) or to one file per page.
 
+    A metric that cannot be drawn as it is (see ``panel``: huge or infinite values, no
+    finite value) costs only itself and is named in a ``PlotWarning``.
+
     Raises:
-        ValueError: a requested metric is not in the file, or the file has none.
+        ValueError: a requested metric is not in the file, the file has none, or none of
+            the selected metrics has a finite value to draw (nothing is written).
         ImportError: matplotlib is missing (``pip install 'rlmetrics[plot]'``).
     """
     require("matplotlib", "plot", "plotting")
     series = read_jsonl(path)
     names = select(series, metrics, path)
+    panels = {name: panel(name, *series[name]) for name in names}
+    if not any(p.drawn for p in panels.values()):
+        reasons = "; ".join(f"{n!r}: {', '.join(p.notes)}" for n, p in panels.items())
+        raise ValueError(f"nothing to draw in {os.fspath(path)!r}: {reasons}")
+    for name, p in panels.items():
+        if p.notes:
+            warnings.warn(f"metric {name!r}: {'; '.join(p.notes)}", PlotWarning, stacklevel=2)
     out_path = Path(out) if out else Path(path).with_suffix(".png")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     layout = pages(names)
@@ -188,12 +277,12 @@ def plot_jsonl(
 
         with PdfPages(out_path) as pdf:
             for group, members in layout:
-                page.draw(series, members, group)
+                page.draw([panels[n] for n in members], group)
                 pdf.savefig(page.fig)
         return [out_path]
     paths = page_paths(out_path, [group for group, _ in layout])
     for (group, members), target in zip(layout, paths, strict=True):
-        page.draw(series, members, group)
+        page.draw([panels[n] for n in members], group)
         page.fig.savefig(target, dpi=100)
     return paths
 
@@ -222,8 +311,18 @@ def split_names(text: str | None) -> list[str] | None:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+EXIT_STATUS = (
+    "A metric that cannot be drawn as it is (values beyond ±1e300 are drawn divided by a "
+    "power of ten, infinities are gaps, a metric with no finite value keeps an empty "
+    "subplot with a note) is named on stderr. Exit status: 0 when the figure is written, "
+    "2 on an error, also when no selected metric has a finite value to draw."
+)
+
+
 def add_plot_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``RUN.jsonl --metrics a,b --out fig.png`` to a (sub)parser."""
+    """Add ``RUN.jsonl --metrics a,b --out fig.png`` to a (sub)parser, and the exit
+    status to its help."""
+    parser.epilog = EXIT_STATUS
     parser.add_argument("run", help="the JSONL metrics file (one object per step)")
     parser.add_argument(
         "--metrics", default=None, help="comma-separated metric names (default: all)"
@@ -238,14 +337,30 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    """Plot from parsed arguments; returns the exit status (2, with a message, on error)."""
+    """Plot from parsed arguments; returns the exit status: 0 when a file was written
+    (each metric not drawn as it is named on stderr), 2 with a message on error (also
+    when no selected metric has a finite value to draw)."""
     try:
-        written = plot_jsonl(args.run, split_names(args.metrics), args.out)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PlotWarning)
+            try:
+                written = plot_jsonl(args.run, split_names(args.metrics), args.out)
+            finally:
+                _show(caught)
     except (OSError, ValueError, ImportError) as err:
         print(f"rlmetrics plot: error: {err}", file=sys.stderr)
         return 2
     print("wrote " + ", ".join(str(p) for p in _shorten(written)))
     return 0
+
+
+def _show(caught: list[warnings.WarningMessage]) -> None:
+    """PlotWarnings as ``rlmetrics plot: warning: ...`` lines, other warnings as usual."""
+    for w in caught:
+        if issubclass(w.category, PlotWarning):
+            print(f"rlmetrics plot: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 def _shorten(paths: list[Path]) -> Iterator[str]:

@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
+from rlmetrics.kinds.dist import as_array
 from rlmetrics.results import Reduced
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""The ``to_dict`` format: 2 writes a user kind's extra with its python types (a list,
+a dict, a set, a numpy array inside it), which version 1 rewrote; version 1 dicts
+(every built-in kind's extra is written alike in both) are still read."""
+READABLE_VERSIONS = (1, 2)
+_STATE_KEYS = frozenset({"version", "metrics"})
+_REQUIRED_METRIC_KEYS = ("kind", "sums", "maxes")
+_METRIC_KEYS = frozenset({*_REQUIRED_METRIC_KEYS, "extra", "num_nonfinite", "fingerprint"})
+
+
+class MalformedStateError(ValueError):
+    """A ``state_dict`` that cannot be loaded: damaged, foreign (another object's dict),
+    or of an unknown version. The message says where (the key, which names the metric)
+    and what is wrong. The ``Tracker`` or ``Window`` it was given to is left unchanged:
+    everything is checked before anything is replaced.
+    """
 
 
 @dataclass(frozen=True)
@@ -85,7 +101,13 @@ class TrackerState:
         return reduced.results(empty=empty)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain python (JSON-friendly except numpy arrays) for checkpoints."""
+        """Plain python (JSON-friendly except numpy arrays) for checkpoints.
+
+        A ``dist`` extra is written as one list of floats; any other kind's extra keeps
+        its python types (tuples, lists, dicts, sets, frozensets, numpy arrays and
+        scalars, nested, are written as JSON-friendly lists and tagged dicts; any other
+        object is kept as it is, for pickle or ``torch.save``), so ``from_dict`` gives
+        back an equal extra."""
         return {
             "version": STATE_VERSION,
             "metrics": {
@@ -93,7 +115,7 @@ class TrackerState:
                     "kind": m.kind,
                     "sums": list(m.sums),
                     "maxes": list(m.maxes),
-                    "extra": _extra_to_plain(m.extra),
+                    "extra": _extra_to_plain(m.kind, m.extra),
                     "num_nonfinite": m.num_nonfinite,
                     "fingerprint": m.fingerprint,
                 }
@@ -102,25 +124,62 @@ class TrackerState:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrackerState:
-        """Inverse of ``to_dict``."""
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "state_dict") -> TrackerState:
+        """Inverse of ``to_dict``: every key and value is checked first.
+
+        Args:
+            data: a ``to_dict()`` (version 1 or 2).
+            where: what ``data`` is called in error messages.
+
+        Raises:
+            MalformedStateError: naming the key (and so the metric) that is missing,
+                unknown or of the wrong type, or the unsupported version.
+        """
+        _expect(isinstance(data, Mapping), where, f"expected a dict, got {_type(data)}")
         version = data.get("version")
-        if version != STATE_VERSION:
-            raise ValueError(f"unsupported TrackerState version {version!r} (expected 1)")
+        if type(version) is not int or version not in READABLE_VERSIONS:
+            raise MalformedStateError(
+                f"malformed {where}['version']: unsupported TrackerState version "
+                f"{version!r} (expected {STATE_VERSION}; version 1 is read too)"
+            )
+        _no_unknown_keys(data, _STATE_KEYS, where)
+        raw = data.get("metrics")
+        _expect(
+            isinstance(raw, Mapping), f"{where}['metrics']", f"expected a dict, got {_type(raw)}"
+        )
         metrics = {}
-        for name, m in data["metrics"].items():
-            extra = m.get("extra")
-            if isinstance(extra, dict) and "array" in extra:
-                extra = [np.asarray(extra["array"], dtype=np.float64)]
-            elif isinstance(extra, list):
-                extra = tuple(extra)
+        for name, m in raw.items():
+            at = f"{where}['metrics'][{name!r}]"
+            _expect(isinstance(name, str) and name, at, "a metric name must be a non-empty str")
+            _expect(isinstance(m, Mapping), at, f"expected a dict, got {_type(m)}")
+            missing = [key for key in _REQUIRED_METRIC_KEYS if key not in m]
+            _expect(not missing, at, f"missing keys {missing}")
+            _no_unknown_keys(m, _METRIC_KEYS, at)
+            kind = m["kind"]
+            _expect(
+                isinstance(kind, str) and kind,
+                f"{at}['kind']",
+                f"expected a kind name, got {kind!r}",
+            )
+            nonfinite = m.get("num_nonfinite", 0.0)
+            _expect(
+                _is_real(nonfinite) and nonfinite >= 0,
+                f"{at}['num_nonfinite']",
+                f"expected a number >= 0, got {nonfinite!r}",
+            )
+            fingerprint = m.get("fingerprint", "")
+            _expect(
+                isinstance(fingerprint, str),
+                f"{at}['fingerprint']",
+                f"expected a str, got {_type(fingerprint)}",
+            )
             metrics[name] = MetricState(
-                m["kind"],
-                tuple(float(x) for x in m["sums"]),
-                tuple(float(x) for x in m["maxes"]),
-                extra,
-                float(m.get("num_nonfinite", 0.0)),
-                str(m.get("fingerprint", "")),
+                kind,
+                _numbers(m["sums"], f"{at}['sums']"),
+                _numbers(m["maxes"], f"{at}['maxes']"),
+                _extra_from_plain(kind, m.get("extra"), version, f"{at}['extra']"),
+                float(nonfinite),
+                fingerprint,
             )
         return cls(metrics)
 
@@ -148,8 +207,11 @@ def check_metric(name: str, metric: object, kind: Kind) -> None:
             f"here but as {metric.fingerprint!r} where the merged state was made"
         )
     empty = kind.empty_extra() if kind.has_extra else None
-    if isinstance(empty, tuple) and not (
-        isinstance(metric.extra, tuple | list) and len(metric.extra) == len(empty)
+    # a fixed-length tuple of numbers (std's triples); an empty one may grow (a user's)
+    if (
+        isinstance(empty, tuple)
+        and empty
+        and not (isinstance(metric.extra, tuple | list) and len(metric.extra) == len(empty))
     ):
         raise ValueError(
             f"metric {name!r}: a {kind.name!r} state's extra holds {len(empty)} numbers, "
@@ -157,11 +219,146 @@ def check_metric(name: str, metric: object, kind: Kind) -> None:
         )
 
 
-def _extra_to_plain(extra: Any) -> Any:
-    if isinstance(extra, list):  # dist: a list of arrays and floats
-        from rlmetrics.kinds.dist import as_array
+def checked_load(
+    state: TrackerState, kind_of: Callable[[str], Kind], where: str = "state_dict"
+) -> dict[str, Kind]:
+    """The kind of each of ``state``'s metrics (``kind_of``: the loading tracker's
+    lookup), after checking that each can be loaded: its kind is known, its slots,
+    configuration and extra fit the kind (``check_metric``), a ``dist``'s values are as
+    many as its count, and its kind computes a result from it.
 
+    Raises:
+        MalformedStateError: naming the metric and what is wrong.
+    """
+    kinds = {}
+    for name, metric in state.metrics.items():
+        at = f"{where}['metrics'][{name!r}]"
+        try:
+            kind = kind_of(metric.kind)
+            check_metric(name, metric, kind)
+        except (TypeError, ValueError) as error:
+            raise MalformedStateError(f"malformed {at}: {error}") from None
+        if isinstance(kind, Dist):
+            size, count = as_array(metric.extra).size, metric.sums[0]
+            _expect(size == count, at, f"a 'dist' state counts {count:g} values but holds {size}")
+        try:
+            kind.result(metric, name)
+        except Exception as error:  # a user kind's result may raise anything
+            raise MalformedStateError(
+                f"malformed {at}: its kind {metric.kind!r} cannot compute it "
+                f"({type(error).__name__}: {error})"
+            ) from None
+        kinds[name] = kind
+    return kinds
+
+
+def _expect(condition: object, where: str, what: str) -> None:
+    if not condition:
+        raise MalformedStateError(f"malformed {where}: {what}")
+
+
+def _type(value: object) -> str:
+    return type(value).__name__
+
+
+def _is_real(value: object) -> bool:
+    return not isinstance(value, bool | np.bool_) and isinstance(
+        value, int | float | np.integer | np.floating
+    )
+
+
+def _no_unknown_keys(data: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    unknown = sorted(map(repr, set(data) - known))
+    _expect(not unknown, where, f"unknown keys {', '.join(unknown)} (expected {sorted(known)})")
+
+
+def _numbers(values: object, where: str) -> tuple[float, ...]:
+    _expect(
+        isinstance(values, list | tuple) and all(map(_is_real, values)),
+        where,
+        f"expected a list of numbers, got {values!r:.200}",
+    )
+    return tuple(float(x) for x in values)  # type: ignore[union-attr]
+
+
+# An extra's python types, written as JSON-friendly data: a plain list is a tuple, a
+# dict with one of these sets of keys the tagged type (its first key).
+_TAGGED = {"list": list, "set": set, "frozenset": frozenset}
+_TAG_KEYS = {
+    "dict": {"dict"},
+    "ndarray": {"ndarray", "dtype", "shape"},
+    "scalar": {"scalar", "dtype"},
+    **{tag: {tag} for tag in _TAGGED},
+}
+
+
+def _extra_to_plain(kind: str, extra: Any) -> Any:
+    if kind == "dist":  # a list of arrays and floats: one list of floats
         return {"array": as_array(extra).tolist()}
-    if isinstance(extra, tuple):
-        return list(extra)
-    return extra
+    return _to_plain(extra)
+
+
+def _to_plain(value: Any) -> Any:
+    cls = type(value)
+    if cls is tuple:
+        return [_to_plain(x) for x in value]
+    if cls in (list, set, frozenset):
+        return {cls.__name__: [_to_plain(x) for x in value]}
+    if cls is dict:
+        return {"dict": [[_to_plain(k), _to_plain(v)] for k, v in value.items()]}
+    if isinstance(value, np.ndarray | np.generic) and value.dtype.kind in "biufcU":
+        if isinstance(value, np.generic):
+            return {"scalar": value.tolist(), "dtype": value.dtype.str}
+        return {"ndarray": value.tolist(), "dtype": value.dtype.str, "shape": list(value.shape)}
+    return value  # None, numbers, strings; other objects as they are
+
+
+def _extra_from_plain(kind: str, data: Any, version: int, where: str) -> Any:
+    if type(data) is dict and "array" in data and (kind == "dist" or version == 1):
+        _expect(set(data) == {"array"}, where, f"unknown keys besides 'array': {sorted(data)}")
+        try:
+            values = np.asarray(data["array"], dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise MalformedStateError(f"malformed {where}['array']: {error}") from None
+        _expect(values.ndim == 1, f"{where}['array']", "expected a flat list of numbers")
+        return [values] if values.size else []
+    if version == 1:  # written by version 1: a tuple as a list, anything else as it was
+        return tuple(data) if isinstance(data, list) else data
+    if kind == "dist":
+        raise MalformedStateError(
+            f"malformed {where}: a 'dist' extra is {{'array': [numbers]}}, got {data!r:.200}"
+        )
+    return _from_plain(data, where)
+
+
+def _from_plain(data: Any, where: str) -> Any:
+    cls = type(data)
+    if cls is list:
+        return tuple(_from_plain(x, where) for x in data)
+    if cls is not dict:
+        return data
+    tag = next((key for key in _TAG_KEYS if key in data), None)
+    _expect(
+        tag is not None and set(data) == _TAG_KEYS[tag],
+        where,
+        f"expected a tagged extra (a dict with the keys of one of {list(_TAG_KEYS.values())}), "
+        f"got a dict with keys {sorted(map(str, data))}",
+    )
+    items = data[tag]  # an array's nested lists, or a scalar's number
+    _expect(
+        isinstance(items, list) or tag in ("ndarray", "scalar"),
+        f"{where}[{tag!r}]",
+        f"expected a list, got {_type(items)}",
+    )
+    try:
+        if tag == "ndarray":
+            return np.asarray(items, dtype=np.dtype(data["dtype"])).reshape(data["shape"])
+        if tag == "scalar":
+            return np.dtype(data["dtype"]).type(items)
+        if tag == "dict":
+            return {_from_plain(k, where): _from_plain(v, where) for k, v in items}
+        return _TAGGED[tag](_from_plain(x, where) for x in items)
+    except MalformedStateError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise MalformedStateError(f"malformed {where}[{tag!r}]: {error}") from None

@@ -22,6 +22,9 @@ been given distinct ``rank=``: states of the same rank add up, as one rank's ent
 stream at entry and exit: nothing in the timed region waits for the device; the events
 are read when the tracker folds its records at step end (``compute()``, ``state()``,
 ``merge()``), where the host waits anyway. A mid-step fold reads the finished ones only.
+A tensor token count of ``throughput`` waits the same way, as a copy, for the fold at
+the step's end, which reads it and logs it as a number, or raises ``TokenCountError``
+naming the metric and the count when it is negative or not finite.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlmetrics.collectives import resolve_group
+from rlmetrics.inputs import check_name
 from rlmetrics.kinds.batch import to_device
 
 if TYPE_CHECKING:
@@ -75,15 +79,18 @@ def rank_and_size(name: str, rank: Any, world_size: Any, group: Any) -> tuple[in
     return int(rank), int(world_size)
 
 
-def check_seconds(name: str, seconds: Any, *, positive: bool = False) -> float:
-    """An elapsed time as a python float: finite and >= 0 (> 0 with ``positive``)."""
+def check_seconds(
+    name: str, seconds: Any, *, positive: bool = False, what: str = "seconds"
+) -> float:
+    """An elapsed time (or, ``what="num_tokens"``, a token count) as a python float:
+    finite and >= 0 (> 0 with ``positive``)."""
     if isinstance(seconds, bool | Tensor) or not isinstance(seconds, numbers.Real):
-        raise TypeError(f"metric {name!r}: seconds must be a python or numpy number, got "
+        raise TypeError(f"metric {name!r}: {what} must be a python or numpy number, got "
                         f"{type(seconds).__name__}")  # fmt: skip
     value = float(seconds)
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"metric {name!r}: seconds must be finite and {bound}, got {seconds!r}")
+        raise ValueError(f"metric {name!r}: {what} must be finite and {bound}, got {seconds!r}")
     return value
 
 
@@ -112,23 +119,33 @@ def throughput_record(
     group: Any = None,
 ) -> tuple[str, Any, Any]:
     """The (kind, value, weight) a rank logs for ``num_tokens`` processed in
-    ``seconds``; a tensor count stays on its device (no host sync, so it is not checked
-    for sign here)."""
+    ``seconds``. A tensor count stays on its device (no host sync): its weight is 1
+    where the count is finite and >= 0, else NaN, which the fold rejects (the call is
+    dropped and reported at the step's end, on every rank of a sync)."""
     seconds = check_seconds(name, seconds, positive=True)
     rank, size = rank_and_size(name, rank, world_size, group)
     values, weights = _one_hot(size + 1, rank, seconds)
     weights[size] = 1.0
     if not isinstance(num_tokens, Tensor):
-        tokens = check_seconds(name, num_tokens)  # the same rule: finite and >= 0
-        values[size] = tokens
+        values[size] = check_seconds(name, num_tokens, what="num_tokens")
         return f"rank_throughput@{size}", values, weights
+    tokens = check_count_tensor(name, num_tokens).reshape(1)
+    device = tokens.device
+    valid = (tokens >= 0) & tokens.isfinite()
+    value = torch.cat((to_device(values[:size], device), tokens))
+    weight = torch.cat(
+        (to_device(weights[:size], device), tokens.new_ones(1).where(valid, math.nan))
+    )
+    return f"rank_throughput@{size}", value, weight
+
+
+def check_count_tensor(name: str, num_tokens: Tensor) -> Tensor:
+    """A tensor token count as a float64 copy of its one number, on its device (a copy:
+    a later in-place change of the caller's tensor leaves the logged count as it was)."""
     if num_tokens.numel() != 1:
         raise ValueError(f"metric {name!r}: num_tokens must hold one number, got a tensor "
                          f"of shape {tuple(num_tokens.shape)}")  # fmt: skip
-    device = num_tokens.device
-    tokens = num_tokens.detach().reshape(1).to(torch.float64)
-    value = torch.cat((to_device(values[:size], device), tokens))
-    return f"rank_throughput@{size}", value, to_device(weights, device)
+    return num_tokens.detach().reshape(()).to(torch.float64, copy=True)
 
 
 def log_elapsed(tracker: LogMethods, name: str, seconds: Any, **where: Any) -> None:
@@ -141,9 +158,46 @@ def log_elapsed(tracker: LogMethods, name: str, seconds: Any, **where: Any) -> N
 def log_throughput(
     tracker: LogMethods, name: str, num_tokens: float | Tensor, seconds: Any, **where: Any
 ) -> None:
-    """Log ``num_tokens`` this rank processed in ``seconds``."""
-    kind, value, weight = throughput_record(name, num_tokens, seconds, **where)
-    tracker.log(name, value, weight, kind=kind)
+    """Log ``num_tokens`` this rank processed in ``seconds``. A tensor count is read at
+    the step's end (``read_device_timers``, from the tracker's fold), where the host
+    waits anyway: logged then as a number, or, negative or not finite, raised."""
+    if not isinstance(num_tokens, Tensor):
+        kind, value, weight = throughput_record(name, num_tokens, seconds, **where)
+        tracker.log(name, value, weight, kind=kind)
+        return
+    seconds = check_seconds(name, seconds, positive=True)
+    tokens = check_count_tensor(name, num_tokens)
+    rank, size = rank_and_size(name, where.get("rank"), where.get("world_size"),
+                               where.get("group"))  # fmt: skip
+    root: Tracker = getattr(tracker, "tracker", tracker)
+    full, kind = getattr(tracker, "prefix", "") + check_name(name), f"rank_throughput@{size}"
+    acc = root.accumulators.get(full)
+    if acc is not None and acc.kind.name != kind:  # as the log call would say at once
+        raise ValueError(f"metric {full!r} is already logged as kind {acc.kind.name!r}; "
+                         f"cannot log it as kind {kind!r}")  # fmt: skip
+    root.pending_timers.append(DeviceCount(tracker, name, tokens, seconds, rank, size))
+
+
+class TokenCountError(ValueError):
+    """A tensor token count of ``throughput()``, read at the step's end, was negative or
+    not finite; its call was dropped. ``calls``: the calls dropped per metric (in a
+    sync, they count as rejected, so every rank raises together)."""
+
+    def __init__(self, message: str, calls: dict[str, int]) -> None:
+        super().__init__(message)
+        self.calls = calls
+
+
+@dataclass
+class DeviceCount:
+    """A throughput call whose tensor token count is not read yet."""
+
+    view: LogMethods  # the tracker or prefixed view it was logged on
+    name: str
+    tokens: Tensor  # a float64 copy of the count, 0-d, on its device
+    seconds: float
+    rank: int
+    world_size: int
 
 
 @dataclass
@@ -221,11 +275,21 @@ def _record(event: Any, stream: Any) -> None:
 
 
 def read_device_timers(tracker: Tracker, wait: bool) -> None:
-    """Log the tracker's pending device timers (``Tracker._fold`` calls this): all of
-    them, waiting for their end events, with ``wait``; else the finished ones only."""
+    """Log the tracker's pending device timers and tensor token counts (``Tracker._fold``
+    calls this): all of them, waiting for the device, with ``wait``; else the finished
+    timers only (a count is read at the step's end).
+
+    Raises:
+        TokenCountError: naming each metric whose count was negative or not finite; those
+            calls are dropped (logged with weight 0, so that the metric exists for a sync
+            to count them as rejected), everything else is logged first.
+    """
     pending, tracker.pending_timers = tracker.pending_timers, []
-    unread = []
+    unread, counts = [], []
     for timer_ in pending:
+        if isinstance(timer_, DeviceCount):
+            (counts if wait else unread).append(timer_)
+            continue
         if not wait and not timer_.end.query():
             unread.append(timer_)
             continue
@@ -234,3 +298,33 @@ def read_device_timers(tracker: Tracker, wait: bool) -> None:
         log_elapsed(timer_.view, timer_.name, seconds, rank=timer_.rank,
                     world_size=timer_.world_size)  # fmt: skip
     tracker.pending_timers[:0] = unread
+    if counts:
+        _log_counts(counts)
+
+
+def _log_counts(counts: list[DeviceCount]) -> None:
+    """Read the counts (one transfer per device) and log each call; raise for bad ones."""
+    values: dict[int, float] = {}
+    for device in {id(c.tokens.device): c.tokens.device for c in counts}.values():
+        group = [c for c in counts if c.tokens.device == device]
+        read = torch.stack([c.tokens for c in group]).tolist()
+        values.update(zip(map(id, group), read, strict=True))
+    bad: dict[str, int] = {}
+    messages = []
+    for count in counts:
+        tokens = values[id(count)]
+        where = {"rank": count.rank, "world_size": count.world_size}
+        if math.isfinite(tokens) and tokens >= 0:
+            log_throughput(count.view, count.name, tokens, count.seconds, **where)
+            continue
+        kind, value, _ = throughput_record(count.name, 0.0, count.seconds, **where)
+        count.view.log(count.name, value, np.zeros_like(value), kind=kind)
+        full = getattr(count.view, "prefix", "") + count.name
+        bad[full] = bad.get(full, 0) + 1
+        messages.append(f"metric {full!r}: num_tokens must be finite and >= 0, got {tokens!r}")
+    if bad:
+        raise TokenCountError(
+            "; ".join(messages) + " (a tensor count, read at the step's end); "
+            "those throughput calls were dropped",
+            bad,
+        )

@@ -32,7 +32,7 @@ from rlmetrics.record import (
     record_tensor,
 )
 from rlmetrics.results import Reduced
-from rlmetrics.state import TrackerState, check_metric
+from rlmetrics.state import TrackerState, check_metric, checked_load
 from rlmetrics.table import Table
 from rlmetrics.timing import read_device_timers
 
@@ -203,7 +203,7 @@ class Tracker(LogMethods):
         self._fold_errors: list[ValueError] = []  # of early folds, raised by the next
         self._checked_weight = CheckedWeight()  # the last tensor weight logged
         self._recorded = 0  # elements and calls recorded since the last fold
-        self.pending_timers: list[Any] = []  # device timers not read yet (rlmetrics.timing)
+        self.pending_timers: list[Any] = []  # device timers, tensor token counts not read yet
         self._groups = Groups()  # calls with by= waiting for the fold
         self.record_limit = type(self).record_limit  # read by every log call: faster here
 
@@ -314,9 +314,12 @@ class Tracker(LogMethods):
         and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``).
         Raises the fold's errors, those of the step's early folds included."""
         errors, self._fold_errors = self._fold_errors, []
-        try:
-            if self.pending_timers:
+        if self.pending_timers:
+            try:
                 read_device_timers(self, wait)
+            except ValueError as error:  # a bad tensor token count: its call dropped
+                errors.append(error)
+        try:
             self._checked_weight.clear()  # the records no longer keep the weight alive
             if self._recorded and not self._groups.resolving:
                 # every call recorded one flat number: no metric holds records of its own
@@ -500,7 +503,7 @@ class Tracker(LogMethods):
                 kind = self.kind(acc.kind.name)
             except ValueError:  # a user kind not registered in this process: keep the copy
                 continue
-            if kind is not acc.kind and kind.fingerprint() == acc.kind.fingerprint():
+            if kind is not acc.kind and kind.settings() == acc.kind.settings():
                 acc.kind = kind
 
     @_locked
@@ -598,14 +601,22 @@ class Tracker(LogMethods):
 
     @_locked
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Replace this tracker's metrics with a ``state_dict()``'s."""
+        """Replace this tracker's metrics with a ``state_dict()``'s.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict.
+            MalformedStateError: (a ``ValueError``) the dict is damaged or foreign:
+                a key missing, unknown or of the wrong type, an unknown version or kind,
+                a state that does not fit its kind; the message names the key and the
+                metric. Everything is checked first: the tracker is left unchanged.
+        """
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 "load_state_dict(state_dict): expected the dict that state_dict() returns, "
                 f"got {type(state_dict).__name__}"
             )
         state = TrackerState.from_dict(state_dict)
-        kinds = self._checked_kinds(state, {})  # a state that fails changes nothing
+        kinds = checked_load(state, self.kind)  # a state that fails changes nothing
         self.reset()
         self._merge_checked(state, kinds)
 

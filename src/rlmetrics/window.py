@@ -21,9 +21,11 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
 from rlmetrics.kinds import Kind, MetricState
 from rlmetrics.packing import RejectedInputError
-from rlmetrics.state import TrackerState
+from rlmetrics.results import Reduced
+from rlmetrics.state import MalformedStateError, TrackerState, checked_load
 from rlmetrics.tracker import Tracker
 from rlmetrics.window_keys import Decoded, decode, empty_state, latest_of, window_key
 
@@ -115,25 +117,42 @@ class Window:
             None.
 
         Raises:
-            RejectedInputError: at the report, on every rank, when a tensor log call of
-                the window was rejected on any rank (see ``Tracker.compute``); the
-                rejected calls were dropped and the window is kept: ``flush()`` then
-                reports everything else.
+            RejectedInputError: at the report, on every rank, when a log call of the
+                window was rejected (see ``Tracker.compute``) or dropped at the fold (a
+                logged tensor changed in place, a call with ``by=`` that could not be
+                split) on any rank. ``step()`` itself raises neither, so every rank counts
+                the step and the ranks' windows close together; those calls were dropped
+                and the window is kept: ``flush()`` then reports everything else.
             ValueError: a metric's kind differs from the one it had earlier in the
                 window (the tracker is left as it was).
         """
-        try:
-            state = self.tracker.state()
-        except RejectedInputError as error:  # reported at the window's sync, on every rank
-            self._num_rejected += 1
-            self._rejected_message = str(error)
-            state = self.tracker.state()  # everything else
+        state = self._step_state()
         self._add(state)
         self.tracker.reset()
         self.num_steps += 1
         if self.every is not None and self._num_open >= self.every:
             return self.flush()
         return None
+
+    def _step_state(self) -> TrackerState:
+        """The tracker's step, without the calls its fold dropped (``ModifiedInputError``,
+        ``by=`` calls) or its state rejected: those are counted and their reasons kept
+        for the report, which raises on every rank (see ``step``). Raising here instead
+        would skip the step on this rank only: its window would close a step later than
+        its peers', and their reports would pair different steps."""
+        reasons: list[str] = []
+        for attempt in range(3):  # the fold's errors, then the rejected calls, then the rest
+            try:
+                state = self.tracker.state()
+                break
+            except ValueError as error:
+                if attempt == 2:  # neither: not about this step's inputs
+                    raise
+                reasons.append(str(error))
+        if reasons:
+            self._num_rejected += 1
+            self._rejected_message = " Then: ".join(reasons)
+        return state
 
     def _add(self, state: TrackerState) -> None:
         """Merge one step's state into the open window (nothing changes if it raises)."""
@@ -175,18 +194,41 @@ class Window:
         Raises:
             RejectedInputError: as in ``step()``.
         """
-        reporter = self._reporter
-        reporter.reset()
-        reporter.merge(self._encoded())
-        reporter.sum(window_key("r", "rejected"), float(self._num_rejected))
-        out = reporter.compute(group=self.group, timeout=self.timeout, sync=self.sync)
-        decoded = decode(out, self._num_open)
+        decoded = decode(self._synced(), self._num_open)
         if decoded.num_rejected:
             self._report_rejected(decoded)
-        self.per_step_values = decoded.per_step if self._selected is not None else []
+        window = self._results(decoded.window)
+        per_step = [self._results(states) for states in decoded.per_step]
+        self.per_step_values = per_step if self._selected is not None else []
         if reset:
             self._clear()
-        return decoded.window
+        return window
+
+    def _synced(self) -> dict[str, MetricState]:
+        """The open window's parts (``_encoded``) merged over the group by the sync that
+        ``Tracker.compute`` runs (one collective in a steady state), as states: their
+        results are computed under the user's names (``_results``), not the parts'."""
+        as_timeout(self.timeout)  # a bad timeout raises even where nothing syncs
+        reporter = self._reporter
+        reporter.reset()
+        reporter.sum(window_key("r", "rejected"), float(self._num_rejected))
+        reporter.merge(self._encoded())  # folds the count too: the reporter holds no records
+        if self.sync and should_sync(self.group):
+            return sync_reduce(reporter, group=self.group, timeout=self.timeout).states()
+        return dict(reporter.state().metrics)
+
+    def _results(self, states: Mapping[str, MetricState]) -> dict[str, float]:
+        """The values of states under the user's names, as ``Tracker.compute`` reports
+        them: with its check that two metrics report different keys (``x`` as dist
+        reports ``x/p50``), and ``last``'s disagreement warning naming the metric.
+
+        Raises:
+            ValueError: two metrics report the same key.
+        """
+        if not states:
+            return {}
+        reporter = self._reporter
+        return Reduced.from_states(states, reporter.kind).results(empty=reporter.empty)
 
     def reset(self) -> None:
         """Drop the open window without reporting it (no collective)."""
@@ -205,12 +247,12 @@ class Window:
     def _report_rejected(self, decoded: Decoded) -> None:
         """Raise on every rank; the window stays open without the rejected calls."""
         message = self._rejected_message or (
-            "tensor log calls were rejected on another rank and dropped"
+            "log calls were rejected or dropped on another rank (its error names them)"
         )
         self._num_rejected, self._rejected_message = 0, ""
         raise RejectedInputError(
-            f"Window: {decoded.num_rejected:g} step(s) of the window had rejected calls "
-            f"(this rank: {message}); flush() reports the rest of the window"
+            f"Window: {decoded.num_rejected:g} step(s) of the window had rejected or dropped "
+            f"calls (this rank: {message}); flush() reports the rest of the window"
         )
 
     def _encoded(self) -> TrackerState:
@@ -253,28 +295,128 @@ class Window:
         it). ``every`` and ``per_step`` stay this window's.
 
         Raises:
-            ValueError: the dict is not a window's ``state_dict()`` of this version.
+            TypeError: ``state_dict`` is not a dict.
+            MalformedStateError: (a ``ValueError``) the dict is not a window's
+                ``state_dict()`` of this version, or is damaged: a key missing, unknown
+                or of the wrong type, a metric that does not fit its kind (see
+                ``Tracker.load_state_dict``); the message names the key and the metric.
+                Everything is checked first: the window is left unchanged.
         """
-        if not isinstance(state_dict, Mapping) or state_dict.get("version") != WINDOW_VERSION:
-            version = state_dict.get("version") if isinstance(state_dict, Mapping) else None
-            raise ValueError(
-                f"Window.load_state_dict: expected a Window.state_dict() of version "
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                "Window.load_state_dict(state_dict): expected the dict that "
+                f"Window.state_dict() returns, got {type(state_dict).__name__}"
+            )
+        version = state_dict.get("version")
+        if type(version) is not int or version != WINDOW_VERSION:
+            raise MalformedStateError(
+                f"malformed state_dict['version']: expected a Window.state_dict() of version "
                 f"{WINDOW_VERSION}, got version {version!r}"
             )
-        latest = TrackerState.from_dict(state_dict["latest"]).metrics
-        steps = state_dict["latest_steps"]
+        missing = sorted(_WINDOW_KEYS - state_dict.keys())
+        unknown = sorted(map(repr, state_dict.keys() - _WINDOW_KEYS))
+        if missing or unknown:
+            raise MalformedStateError(
+                f"malformed state_dict: not a Window.state_dict() (missing keys {missing}, "
+                f"unknown keys {unknown})"
+            )
+        num_steps, num_open, num_rejected = (
+            _count(state_dict, key) for key in ("num_steps", "num_open", "num_rejected")
+        )
+        message = state_dict["rejected_message"]
+        if not isinstance(message, str):
+            raise MalformedStateError(
+                f"malformed state_dict['rejected_message']: expected a str, got "
+                f"{type(message).__name__}"
+            )
+        merged = TrackerState.from_dict(state_dict["merged"], where="state_dict['merged']")
+        latest = TrackerState.from_dict(state_dict["latest"], where="state_dict['latest']")
+        saved_steps = state_dict["per_step"]
+        if not isinstance(saved_steps, list) or len(saved_steps) > num_open:
+            raise MalformedStateError(
+                f"malformed state_dict['per_step']: expected a list of at most num_open="
+                f"{num_open} states, got {saved_steps!r:.200}"
+            )
+        per_step = [
+            TrackerState.from_dict(s, where=f"state_dict['per_step'][{i}]")
+            for i, s in enumerate(saved_steps)
+        ]
+        steps = _latest_steps(state_dict["latest_steps"], latest, num_open)
+        kinds = self._checked_kinds(merged, latest, per_step)
         self._clear()
-        self.num_steps = int(state_dict["num_steps"])
-        self._num_open = int(state_dict["num_open"])
-        self._merged = TrackerState.from_dict(state_dict["merged"])
-        self._latest = {name: (int(steps[name]), metric) for name, metric in latest.items()}
-        per_step = [TrackerState.from_dict(s) for s in state_dict["per_step"]]
+        self.num_steps, self._num_open = num_steps, num_open
+        self._merged = merged
+        self._latest = {name: (steps[name], metric) for name, metric in latest.metrics.items()}
         if self._selected is not None:  # steps saved without per-step values: none
-            missing = self._num_open - len(per_step)
-            self._per_step = [TrackerState()] * missing + per_step
-        self._kinds = {n: m.kind for n, m in (*self._merged.metrics.items(), *latest.items())}
-        self._num_rejected = int(state_dict["num_rejected"])
-        self._rejected_message = str(state_dict["rejected_message"])
+            self._per_step = [TrackerState()] * (num_open - len(per_step)) + per_step
+        self._kinds = kinds
+        self._num_rejected, self._rejected_message = num_rejected, message
+
+    def _checked_kinds(
+        self, merged: TrackerState, latest: TrackerState, per_step: list[TrackerState]
+    ) -> dict[str, str]:
+        """Each saved name's kind name, after checking every saved metric against the
+        tracker's kinds: a replacing kind's state is in ``latest``, any other's in
+        ``merged``, and a name keeps one kind in every part."""
+        kinds: dict[str, str] = {}
+        # (where, state, whether its kinds replace: None for a step's, which has both)
+        parts = [("state_dict['merged']", merged, False), ("state_dict['latest']", latest, True)]
+        parts += [(f"state_dict['per_step'][{i}]", s, None) for i, s in enumerate(per_step)]
+        for where, state, replacing in parts:
+            for name, kind in checked_load(state, self.tracker.kind, where).items():
+                at = f"malformed {where}['metrics'][{name!r}]"
+                if replacing is not None and kind.replaces != replacing:
+                    belongs = "latest" if kind.replaces else "merged"
+                    raise MalformedStateError(
+                        f"{at}: a {kind.name!r} state belongs in state_dict[{belongs!r}]"
+                    )
+                if kinds.setdefault(name, kind.name) != kind.name:
+                    raise MalformedStateError(
+                        f"{at}: kind {kind.name!r}, but {kinds[name]!r} elsewhere in the window"
+                    )
+        saved = merged.metrics.keys() | latest.metrics.keys()
+        return {name: kind for name, kind in kinds.items() if name in saved}
+
+
+_WINDOW_KEYS = frozenset(
+    {
+        "version",
+        "num_steps",
+        "num_open",
+        "merged",
+        "latest",
+        "latest_steps",
+        "per_step",
+        "num_rejected",
+        "rejected_message",
+    }
+)
+
+
+def _count(state_dict: Mapping[str, Any], key: str) -> int:
+    """``state_dict[key]``, checked to be an int >= 0."""
+    value = state_dict[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedStateError(
+            f"malformed state_dict[{key!r}]: expected an int >= 0, got {value!r:.200}"
+        )
+    return value
+
+
+def _latest_steps(steps: object, latest: TrackerState, num_open: int) -> dict[str, int]:
+    """Per replacing metric, the window's step its value is from (-1: none yet)."""
+    where = "malformed state_dict['latest_steps']"
+    if not isinstance(steps, Mapping) or steps.keys() != latest.metrics.keys():
+        raise MalformedStateError(
+            f"{where}: expected a step per metric of state_dict['latest'] "
+            f"({sorted(latest.metrics)}), got {steps!r:.200}"
+        )
+    for name, step in steps.items():
+        if isinstance(step, bool) or not isinstance(step, int) or not -1 <= step < num_open:
+            raise MalformedStateError(
+                f"{where}[{name!r}]: expected a step in [-1, num_open={num_open}), got {step!r}"
+            )
+    return dict(steps)
 
 
 def _check_every(every: object) -> int | None:

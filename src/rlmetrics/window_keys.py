@@ -5,13 +5,16 @@ A ``Window`` report syncs one tracker whose metric names say which part of the r
 each is: ``w/<name>`` the window's merged state, ``l<a>/<name>`` a replacing metric's
 (``last``'s) value as of ``a`` steps before the window's last, ``s<i>/<name>`` step
 ``i``'s own state (per-step values), ``r/rejected`` the count of steps with rejected
-calls. Every name gets a tag, so a user's name can never be read as another part.
+or dropped calls. Every name gets a tag, so a user's name can never be read as another
+part. The synced states are sorted out by part (``decode``) before any result is
+computed, so results, their checks and warnings see the user's names, never the tags.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlmetrics.kinds import Kind, MetricState
@@ -24,42 +27,46 @@ def window_key(part: str, name: str) -> str:
 
 @dataclass
 class Decoded:
-    """A report's values, sorted out by part.
+    """A report's merged states, sorted out by part, under the user's names.
 
     Attributes:
-        window: the window's metrics (result keys as ``Tracker.compute`` reports them).
-        per_step: one dict per step of the window, for the per-step metrics.
-        num_rejected: steps (summed over ranks) with rejected tensor log calls.
+        window: the window's state per metric (a replacing kind's: its latest value,
+            with the window's non-finite count).
+        per_step: one state per step of the window, for the per-step metrics.
+        num_rejected: steps (summed over ranks) with rejected or dropped log calls.
     """
 
-    window: dict[str, float] = field(default_factory=dict)
-    per_step: list[dict[str, float]] = field(default_factory=list)
+    window: dict[str, MetricState] = field(default_factory=dict)
+    per_step: list[dict[str, MetricState]] = field(default_factory=list)
     num_rejected: float = 0.0
 
 
-def decode(out: dict[str, float], num_steps: int) -> Decoded:
-    """Split a reporter's ``compute()`` result into the window's parts.
+def decode(states: Mapping[str, MetricState], num_steps: int) -> Decoded:
+    """Split a report's merged states (the reporter's, synced) into the window's parts.
 
-    A replacing metric's value is taken from the youngest step any rank sent it for:
-    the last step of the window in which it was logged.
+    A replacing metric's state is taken from the youngest step any rank sent it for:
+    the last step of the window in which it was logged. The states keep the user's
+    names, so that their results are computed, checked (two metrics reporting one key)
+    and warned about (``last``'s disagreeing ranks) under those names.
     """
     decoded = Decoded(per_step=[{} for _ in range(num_steps)])
-    latest: dict[str, int] = {}  # result key -> the youngest age seen
-    for key, value in out.items():
-        part, result_key = key.split("/", 1)
+    latest: dict[str, tuple[int, MetricState]] = {}  # name -> (youngest age, its state)
+    for key, metric in states.items():
+        part, name = key.split("/", 1)
         tag, index = part[0], part[1:]
         if tag == "w":
-            decoded.window.setdefault(result_key, value)
+            decoded.window[name] = metric
         elif tag == "l":
-            age = int(index)
-            if age < latest.get(result_key, num_steps):
-                latest[result_key] = age
-                decoded.window[result_key] = value  # overrides w/'s empty (NaN) value
+            age, seen = int(index), latest.get(name)
+            if seen is None or age < seen[0]:
+                latest[name] = (age, metric)
         elif tag == "s":
-            decoded.per_step[int(index)][result_key] = value
-        elif tag == "r" and not math.isnan(value):
-            decoded.num_rejected = value
-    decoded.window = dict(sorted(decoded.window.items()))
+            decoded.per_step[int(index)][name] = metric
+        elif tag == "r":
+            decoded.num_rejected = metric.sums[0]
+    for name, (_, metric) in latest.items():  # the window's count, whatever step it is in
+        nonfinite = decoded.window[name].num_nonfinite
+        decoded.window[name] = dataclasses.replace(metric, num_nonfinite=nonfinite)
     return decoded
 
 

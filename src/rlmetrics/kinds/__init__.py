@@ -147,6 +147,11 @@ def unregister_kind(name: str) -> None:
     _registry.pop(name, None)
 
 
+def kind_names() -> tuple[str, ...]:
+    """The names of the kinds registered in this process (built in and user-defined)."""
+    return tuple(_registry)
+
+
 def get_kind(name: str) -> Kind:
     """The registered kind called ``name`` (a per-rank family's member, such as
     ``rank_time@4``, is made and registered on first use: ``kinds.rank_time``)."""
@@ -179,6 +184,7 @@ __all__ = [
     "Sum",
     "check_kind",
     "get_kind",
+    "kind_names",
     "register_kind",
     "unregister_kind",
 ]

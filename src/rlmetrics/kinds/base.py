@@ -154,6 +154,18 @@ class Kind:
         slots (a histogram's edges) override it to include them."""
         return f"{self.name}:{self.num_sums}:{self.num_maxes}:{int(self.has_extra)}"
 
+    def settings(self) -> str:
+        """Everything ranks must configure alike for one ``compute()`` to report the same
+        keys and values everywhere: the ``fingerprint()`` (what the slots mean) and, for a
+        kind that overrides ``config()``, its parameters (quantiles, a histogram's bins).
+        The sync's schema agreement compares it across processes, so ``config()`` must
+        hold values whose ``repr`` reads the same in each (numbers, strings, tuples); a
+        merge of states compares only the fingerprint, since the process that merges
+        reports with its own kind."""
+        if type(self).config is Kind.config:  # identity: no parameters to compare
+            return self.fingerprint()
+        return f"{self.fingerprint()} config={self.config()!r}"
+
     def reduce(self, batch: Batch) -> tuple[Array, Array]:
         """One state row per metric of ``batch``: (sums, maxes) of shapes
         (batch.num_rows, num_sums) and (batch.num_rows, num_maxes), float64, on the

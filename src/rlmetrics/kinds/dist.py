@@ -126,6 +126,12 @@ class Dist(ExtraKind):
     def result_names(self) -> tuple[str, ...]:
         return ("mean", "std", "min", "max", *map(quantile_suffix, self.quantiles))
 
+    def config(self) -> tuple:
+        return (self.quantiles,)
+
+    def __repr__(self) -> str:
+        return f"Dist(quantiles={self.quantiles!r})"
+
 
 def _host(x: Any) -> np.ndarray:
     return x.cpu().numpy() if isinstance(x, Tensor) else x

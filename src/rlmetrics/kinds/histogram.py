@@ -6,7 +6,12 @@ so the kind is packed into the same collective as the scalar kinds.
 
 Bins are half-open, ``[edges[i], edges[i + 1])``, as ``np.searchsorted(edges, x,
 side="right")`` assigns them: the underflow bin holds ``x < edges[0]``, the overflow
-bin ``x >= edges[-1]``.
+bin ``x >= edges[-1]`` (+inf included; -inf is underflow).
+
+Non-finite values follow the tracker's ``nonfinite`` policy, as the built-in kinds do:
+"skip" drops them (counted in ``name/nonfinite_count``), "error" rejects the call, and
+under "propagate" a NaN, which lies in no bin, makes every result NaN (as in ``dist``
+and ``quantile``): it shows in the observed range (the max slots), which merges carry.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class Histogram(Kind):
         if not total > 0:
             return None
         high, neg_low = state.maxes
+        if math.isnan(high) or math.isnan(neg_low):  # a NaN was logged: it is in no bin
+            return dict.fromkeys(self.result_names(), math.nan)
         out = {"count": float(total)}
         if self.report_bins:
             fractions = counts / total
@@ -111,7 +118,13 @@ class Histogram(Kind):
         upper = [*self.edges, high][i]
         lower, upper = max(lower, low), min(upper, high)
         before = cumulative[i] - counts[i]
-        return float(lower + (target - before) / counts[i] * (upper - lower))
+        fraction = (target - before) / counts[i]
+        if math.isfinite(lower) and math.isfinite(upper):
+            return float(lower + fraction * (upper - lower))
+        # an infinity was logged: inside a bin that reaches it, the estimate is that end
+        if fraction <= 0 or (fraction < 1 and math.isinf(lower)):
+            return float(lower)
+        return float(upper)
 
     def result_names(self) -> tuple[str, ...]:
         bins = ("under", *(f"bin_{i}" for i in range(len(self.edges) - 1)), "over")

@@ -141,25 +141,51 @@ def loss_update(name: str, terms: list[tuple[float, MetricUpdate]]) -> MetricUpd
     """The metric of a weighted sum of objectives: ``Σ_k c_k · J_k`` (e.g. ``actor/loss`` =
     pg_loss - entropy_coef · entropy_loss + kl_coef · kl_loss, as verl's ``actor/loss``).
 
+    Each term keeps its own weights, so terms over different masks (an auxiliary loss on
+    a subset of the tokens) or aggregation modes add up exactly: the update holds every
+    term's elements, values ``K · c_k · v_k`` at the term's weights ``w_k`` (K terms).
+    Its mean is ``Σ_k c_k J_k`` when the terms' weights have the same total, as those
+    of ``objective_update`` do (1 over each mini-batch where its mask has a token; a
+    mini-batch where one term's mask is empty and the others' are not reads K/(K-1)
+    times the other terms' sum: log such a term as its own metric, see docs/rl.md).
+    Terms that share one weight object (the same mask, counts and mode) are summed
+    element-wise instead, at that weight.
+
     Args:
         name: the metric's name.
         terms: (coefficient, update) pairs, each update from ``objective_update`` (or a
-            loss helper) over the same mask, counts and aggregation mode, so that their
-            weights are equal: the sum's weight is the first term's.
+            loss helper).
 
     Raises:
-        ValueError: no terms, a term that is not a ``mean``, or weights of different
-            shapes (a different mode or mask).
+        ValueError: no terms, a term that is not a ``mean``, or terms on different
+            devices.
     """
     if not terms:
         raise ValueError(f"loss_update {name!r}: needs at least one (coefficient, update) term")
-    first = terms[0][1]
     for _, update in terms:
-        shape = getattr(update.weight, "shape", None)
-        if update.kind != "mean" or shape != getattr(first.weight, "shape", None):
+        if update.kind != "mean":
             raise ValueError(
-                f"loss_update {name!r}: term {update.name!r} (kind {update.kind!r}, weight "
-                f"shape {shape}) does not share the first term's mean weights"
+                f"loss_update {name!r}: term {update.name!r} is kind {update.kind!r}; every "
+                "term must be a mean (an objective's update)"
             )
-    value = sum(float(c) * torch.as_tensor(u.value).double() for c, u in terms)
-    return MetricUpdate(name, "mean", value, first.weight)
+    first = terms[0][1]
+    if all(update.weight is first.weight for _, update in terms):
+        value = sum(float(c) * torch.as_tensor(u.value).double() for c, u in terms)
+        return MetricUpdate(name, "mean", value, first.weight)
+    device = torch.as_tensor(first.value).device
+    values, weights = [], []
+    for coefficient, update in terms:
+        value = torch.as_tensor(update.value).double()
+        weight = update.weight
+        devices = {value.device, *(w.device for w in (weight,) if isinstance(w, Tensor))}
+        if devices != {device}:
+            raise ValueError(
+                f"loss_update {name!r}: term {update.name!r} is on "
+                f"{', '.join(map(str, sorted(devices, key=str)))}, the first term "
+                f"{first.name!r} on {device}; every term must be on one device"
+            )
+        weight = torch.as_tensor(1.0 if weight is None else weight, device=device).double()
+        value, weight = torch.broadcast_tensors(value, weight)
+        values.append(value.reshape(-1) * (len(terms) * float(coefficient)))
+        weights.append(weight.reshape(-1))
+    return MetricUpdate(name, "mean", torch.cat(values), torch.cat(weights))

@@ -81,12 +81,14 @@ def perf_updates(
     step time; ``where``: ``rank=``, ``world_size=``, ``group=`` (default: the process
     group; see ``rlmetrics.timing``). Never a mean of per-rank rates: a fast rank's
     rate is not what the step achieved.
+
+    A tensor count is not read here (no host sync): a negative or non-finite one has
+    weight NaN in both updates, so the fold rejects both calls and ``compute()`` raises
+    naming the two metrics (on every rank of a sync).
     """
     name = "perf/throughput"
     kind, value, weight = throughput_record(name, num_tokens, step_seconds, **where)
-    if isinstance(num_tokens, Tensor):
-        num_tokens = num_tokens.detach().double()
-    return [
-        MetricUpdate("perf/total_num_tokens", "sum", num_tokens),
-        MetricUpdate(name, kind, value, weight),
-    ]
+    total = MetricUpdate("perf/total_num_tokens", "sum", num_tokens)
+    if isinstance(num_tokens, Tensor):  # the count's copy and its weight: 1, or NaN
+        total = MetricUpdate(total.name, "sum", value[-1:], weight[-1:])
+    return [total, MetricUpdate(name, kind, value, weight)]

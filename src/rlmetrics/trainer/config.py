@@ -7,6 +7,7 @@ the command line and these defaults never drift apart. ``TrainConfig`` groups th
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "low_var_kl", "k1+", "k3+", "low_var_kl+",
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
 LAUNCHERS = ("spawn", "ray")
 METRICS_PATHS = ("collective", "driver")  # where the Ray launcher merges metrics
+DEVICE_FORM = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def opt(default: Any, help: str, **kwargs: Any) -> Any:
@@ -24,25 +26,55 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
 
 
+SEED_MAX = 2**32 - 1  # seeds are in [0, SEED_MAX]: numpy, torch and python all take them
+
+
+class ConfigError(ValueError):
+    """A config value out of its range; ``field`` names it (the CLI names its flag)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def check(ok: bool, name: str, value: Any, need: str) -> None:
-    """Raise ValueError naming the field, the value and what it needs."""
+    """Raise ConfigError naming the field, the value and what it needs."""
     if not ok:
-        raise ValueError(f"{name} must be {need}, got {value!r}")
+        raise ConfigError(f"{name} must be {need}, got {value!r}", name)
+
+
+def number_need(value: Any, low: float = -math.inf, high: float = math.inf, *,
+                open_low: bool = False, integer: bool = False) -> str | None:  # fmt: skip
+    """None when ``value`` is a finite number (an int when ``integer``) in
+    ``[low, high]`` (``(low, high]`` when ``open_low``), else what it needs, e.g.
+    "a finite number >= 0". The one range check of every numeric config field and
+    command-line flag.
+
+    NaN fails every comparison and would slip through a plain ``x >= low``; so does
+    inf through ``x > 0``. Both are refused here.
+    """
+    kind = int if integer else int | float
+    number = isinstance(value, kind) and not isinstance(value, bool)
+    finite = number and (integer or math.isfinite(value))
+    above = finite and (value > low if open_low else value >= low)
+    if above and value <= high:
+        return None
+    what = "an integer" if integer else "a finite number"
+    bounds = []
+    if math.isfinite(low):
+        bounds.append(f"> {low:g}" if open_low else f">= {low:g}")
+    if math.isfinite(high):
+        bounds.append(f"<= {high:g}" if not integer else f"<= {high}")
+    return " and ".join([f"{what} {bounds[0]}" if bounds else what, *bounds[1:]])
 
 
 def check_number(obj: Any, name: str, low: float, high: float = math.inf, *,
-                 open_low: bool = False) -> None:  # fmt: skip
-    """Raise ValueError naming the field unless it is a finite number in its range.
-
-    NaN fails every comparison and would slip through a plain ``x >= low``; so does
-    inf through ``x > 0``. Both are rejected here, by name.
-    """
+                 open_low: bool = False, integer: bool = False) -> None:  # fmt: skip
+    """Raise ConfigError naming the field unless it is a finite number in its range
+    (``number_need``)."""
     value = getattr(obj, name)
-    finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    above = finite and (value > low if open_low else value >= low)
-    if not (above and value <= high):
-        bound = f"> {low:g}" if open_low else f">= {low:g}"
-        need = f"a finite number {bound}" + (f" and <= {high:g}" if math.isfinite(high) else "")
+    need = number_need(value, low, high, open_low=open_low, integer=integer)
+    if need is not None:
         check(False, name, value, need)
 
 
@@ -87,6 +119,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check(self.n_layer >= 1, "n_layer", self.n_layer, ">= 1")
         check(self.n_head >= 1, "n_head", self.n_head, ">= 1")
+        check(self.n_embd >= 1, "n_embd", self.n_embd, ">= 1")
         check(self.n_embd % self.n_head == 0, "n_embd", self.n_embd, "a multiple of n_head")
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
 
@@ -164,7 +197,16 @@ class RunConfig:
 
     steps: int = opt(150, "training steps")
     dp: int = opt(2, "data-parallel ranks (spawn launcher; torchrun sets its own)", metavar="D")
-    seed: int = opt(0, "seed of the model init and of every step's rollout", metavar="S")
+    seed: int = opt(
+        0, "seed of the model init and of every step's rollout, in [0, 2**32 - 1]", metavar="S"
+    )
+    device: str | None = opt(
+        None,
+        "where the models and their micro-batches live: cpu, cuda (local rank r on GPU r "
+        "mod the GPU count) or cuda:N (None: the CPU; under torchrun, the local GPU when "
+        "CUDA is available)",
+        metavar="DEV",
+    )
     run_dir: str = opt("runs/demo", "folder for the run's logs", metavar="DIR")
     metrics_jsonl: str | None = opt(
         None, "JSONL file, one line per step (None: RUN_DIR/metrics.jsonl)", metavar="PATH"
@@ -189,6 +231,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", self.steps, ">= 1")
         check(self.dp >= 1, "dp", self.dp, ">= 1")
+        check_number(self, "seed", 0, SEED_MAX, integer=True)
+        check(
+            self.device is None or bool(DEVICE_FORM.fullmatch(str(self.device))),
+            "device", self.device, "cpu, cuda or cuda:N",
+        )  # fmt: skip
         check(self.log_every >= 0, "log_every", self.log_every, ">= 0")
         from rlmetrics.loggers import parse_backends  # raises ValueError naming a bad one
 
