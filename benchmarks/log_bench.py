@@ -17,9 +17,10 @@ it costs every contender the same). Contenders, each given the input the way its
 pass it:
 
 * rlmetrics: ``Tracker.mean(name, value, weight=mask)`` (host data takes the host path);
-* rlmetrics tensor path: the same call with ``Tracker.host_arrays = False``, which sends
-  CPU tensors down the path a CUDA tensor takes (on a GPU its torch ops run
-  asynchronously; their host cost is the dispatch measured here);
+* rlmetrics tensor path: the same call with ``Tracker.host_arrays = False`` and
+  ``copy_cpu_tensors = False``, which send CPU tensors down the path a CUDA tensor
+  takes, recorded by reference (on a GPU its torch ops run asynchronously; their host
+  cost is the dispatch measured here);
 * torchmetrics: ``MeanMetric.update(value, weight=mask)``;
 * verl-style: ``metrics[name].append(value.item() if tensor)``, and for the masked input
   the masked mean first (``(x * mask).sum() / mask.sum()``), as verl's loss helpers do.
@@ -84,7 +85,7 @@ def make_calls() -> dict[tuple[str, str], tuple[Call, Call]]:
     for label, (value, weight) in inputs.items():
         for contender in CONTENDERS[:2]:
             tracker = Tracker()
-            tracker.host_arrays = contender == "rlmetrics"
+            tracker.host_arrays = tracker.copy_cpu_tensors = contender == "rlmetrics"
             calls[contender, label] = (
                 (lambda t=tracker, v=value: t.mean("loss", v))
                 if weight is None
@@ -113,7 +114,7 @@ def add_fresh_mask_calls(
     label = INPUTS[3]
     for contender in CONTENDERS[:2]:
         tracker = Tracker()
-        tracker.host_arrays = contender == "rlmetrics"
+        tracker.host_arrays = tracker.copy_cpu_tensors = contender == "rlmetrics"
         tracker_masks = itertools.cycle(masks)
         calls[contender, label] = (
             lambda t=tracker, ws=tracker_masks: t.mean("loss", values, weight=next(ws)),

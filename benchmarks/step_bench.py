@@ -17,8 +17,9 @@ tokens with a bool mask (entropies, ratios, clip flags), and the step ends with 
 values of every metric. Contenders, each used as its users use it:
 
 * rlmetrics: the log calls, then ``compute(sync=False)`` (host path for CPU data);
-* rlmetrics tensor path: the same with ``Tracker.host_arrays = False`` (the path a
-  CUDA tensor takes; on a GPU its torch ops would run asynchronously);
+* rlmetrics tensor path: the same with ``Tracker.host_arrays = False`` and
+  ``copy_cpu_tensors = False`` (the path a CUDA tensor takes, recorded by reference; on
+  a GPU its torch ops would run asynchronously);
 * torchmetrics: one ``MeanMetric`` (or ``SumMetric``, ``MaxMetric``, ``MinMetric``) per
   metric, ``update`` per call, ``compute`` and ``reset`` of each at the end (the last
   value kept in a dict, as torchmetrics has no such metric);
@@ -72,7 +73,7 @@ def inputs(args: argparse.Namespace) -> list[list[tuple[str, str, object, object
 
 def rlmetrics_step(batches: list, host_arrays: bool) -> Step:
     tracker = Tracker()
-    tracker.host_arrays = host_arrays
+    tracker.host_arrays = tracker.copy_cpu_tensors = host_arrays
     methods = {kind: getattr(tracker, kind) for kind in KINDS}
 
     def step() -> dict[str, float]:

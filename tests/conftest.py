@@ -15,6 +15,14 @@ def log_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     return request.param
 
 
+@pytest.fixture
+def cpu_tensors_by_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors recorded by reference, as device tensors are (``Tracker.copy_cpu_tensors``
+    False): the checks a device tensor gets (its version counter at the fold), run on the
+    CPU."""
+    monkeypatch.setattr(Tracker, "copy_cpu_tensors", False)
+
+
 # `make test` runs the core suite in two parts: `-m "not slow"` (`make test-fast`, the
 # inner loop) and `-m slow` (`make test-slow`). Slow: whatever spawns processes (gloo
 # ranks, Ray, trainer runs). Whole modules are listed here; other modules mark their

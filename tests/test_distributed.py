@@ -298,8 +298,10 @@ def modified_on_one_rank(rank: int, world: int, by: bool = False, early: bool = 
     """Three steps; rank 0 changes a logged tensor in place in the first (logged with
     ``by=``, tensor labels, when ``by``; found by an early fold, in the next log call,
     when ``early``). Each rank goes on to its next step after an error (as a training
-    loop that logs it would)."""
+    loop that logs it would). The tensors are kept by reference, as a device tensor is
+    (a CPU tensor is copied at the call: no change after it reaches the record)."""
     tracker, out = Tracker(), []
+    tracker.copy_cpu_tensors = False
     if early:
         tracker.record_limit = 2  # the second call of a step folds the first one's record
     for step in range(3):

@@ -174,6 +174,7 @@ def test_label_sets_change_from_step_to_step() -> None:
 
 
 @pytest.mark.parametrize("label_form", LABEL_FORMS)
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_grouped_tensor_call_dispatches_no_torch_op(label_form: str) -> None:
     t = Tracker()
     value, mask = torch.rand(8, 4), torch.rand(8, 4) > 0.5
@@ -187,6 +188,7 @@ def test_a_grouped_tensor_call_dispatches_no_torch_op(label_form: str) -> None:
     assert_matches(t.compute(), want)
 
 
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_deferred_calls_fold_under_the_memory_bound_and_reset_drops_them() -> None:
     t = Tracker()
     t.record_limit = 50
@@ -206,6 +208,7 @@ def test_deferred_calls_fold_under_the_memory_bound_and_reset_drops_them() -> No
 
 @pytest.mark.parametrize("how", ["in place", "new data of another shape"])
 @pytest.mark.parametrize("changed", ["value", "weight", "labels"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_changing_a_deferred_tensor_in_place_raises(changed: str, how: str) -> None:
     """Also ``tensor.data = other`` of another shape, which keeps the version counter:
     new labels of fewer elements split the value silently, a shorter value or weight

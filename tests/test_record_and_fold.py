@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from rlmetrics import Tracker
 from rlmetrics.fold import ModifiedInputError
@@ -38,7 +39,9 @@ CALLS = {  # (method, inputs made before counting, keyword arguments)
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_tensor_log_call_dispatches_no_torch_op(call: tuple, host_arrays: bool) -> None:
+    """A tensor recorded by reference (a device tensor's record) costs no torch op."""
     method, make, kwargs = call
     t = Tracker()
     t.host_arrays = host_arrays
@@ -51,6 +54,30 @@ def test_a_tensor_log_call_dispatches_no_torch_op(call: tuple, host_arrays: bool
         t.log_shared([("a", "mean"), ("b", method)], *inputs[1], **kwargs)
     assert counter.ops == []
     assert t.compute()  # and the records reduce
+
+
+@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+def test_a_cpu_tensor_log_call_dispatches_one_clone_per_tensor_at_most(
+    call: tuple, host_arrays: bool
+) -> None:
+    """A CPU tensor is recorded as a copy: a 0-d one read as a number (no torch op), any
+    other cloned (one ``aten.clone`` per tensor argument, nothing else)."""
+    method, make, kwargs = call
+    t = Tracker()
+    t.host_arrays = host_arrays
+    inputs = [make() for _ in range(4)]
+    log = getattr(t, method)
+    log("x", *inputs[0], **kwargs)
+    with OpCounter() as counter:
+        for args in inputs[1:]:
+            log("x", *args, **kwargs)
+        t.log_shared([("a", "mean"), ("b", method)], *inputs[1], **kwargs)
+    clones = sum(a.dim() > 0 for args in inputs[1:] for a in args) + sum(
+        a.dim() > 0 for a in inputs[1]
+    )
+    assert counter.ops == (["aten.clone.default"] * clones if clones else [])
+    assert t.compute()
 
 
 def log_step(t: Tracker, calls: int, rng: np.random.Generator) -> None:
@@ -85,6 +112,7 @@ def test_compute_dispatches_as_many_torch_ops_for_100_calls_as_for_10000(host_ar
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
 @pytest.mark.parametrize("where", ["value", "weight", "a view's base"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_tensor_changed_in_place_before_compute_raises_naming_it(where: str, host_arrays: bool):
     t = Tracker()
     t.host_arrays = host_arrays
@@ -99,6 +127,7 @@ def test_a_tensor_changed_in_place_before_compute_raises_naming_it(where: str, h
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_tensor_that_requires_grad_is_recorded_detached(host_arrays: bool) -> None:
     t = Tracker()
     t.host_arrays = host_arrays
@@ -146,6 +175,7 @@ def test_a_refused_tensor_raises_in_the_call_and_records_nothing(
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_call_refused_after_its_weight_was_checked_leaves_the_versions_aligned(
     host_arrays: bool,
 ) -> None:
@@ -163,6 +193,7 @@ def test_a_call_refused_after_its_weight_was_checked_leaves_the_versions_aligned
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_weight_logged_again_is_checked_again_after_any_in_place_change(
     host_arrays: bool,
 ) -> None:
@@ -184,6 +215,7 @@ def test_a_weight_logged_again_is_checked_again_after_any_in_place_change(
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_tensor_given_data_of_another_size_by_assignment_is_dropped_naming_it(
     host_arrays: bool,
 ) -> None:
@@ -211,6 +243,7 @@ def test_a_tensor_given_data_of_another_size_by_assignment_is_dropped_naming_it(
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_weight_made_to_require_grad_between_calls_is_recorded_detached(
     host_arrays: bool,
 ) -> None:
@@ -253,6 +286,7 @@ def test_a_tracker_keeps_no_logged_weight_alive_after_its_step(by: str | None) -
 
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_tensor_changed_before_an_early_fold_raises_at_compute_naming_it(
     host_arrays: bool,
 ) -> None:
@@ -507,11 +541,25 @@ def _records(acc: Any) -> tuple:
     def same(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return (x.dtype, x.shape, x.tolist(), x.requires_grad)
+        if isinstance(x, np.ndarray):  # a host copy
+            return (x.dtype, x.shape, x.tolist())
         return type(x), x
 
+    def host_scalar(value: Any, weight: Any) -> tuple:
+        """A copied 0-d tensor: a python float (the fast path, with a python weight) or
+        a 0-d float64 array (``prepare``, its weight None for 1, a number or a 0-d
+        array) record the same call."""
+        if host_0d(value) and (weight is None or host_0d(weight)):
+            return (np.float64, float(value)), (np.float64, 1.0 if weight is None else weight)
+        return same(value), same(weight)
+
+    def host_0d(x: Any) -> bool:
+        return type(x) is float or (isinstance(x, np.ndarray) and x.ndim == 0)
+
+    pairs = [host_scalar(v, w) for v, w in zip(acc.values, acc.weights, strict=True)]
     return (
-        [same(v) for v in acc.values],
-        [same(w) for w in acc.weights],
+        [v for v, _ in pairs],
+        [w for _, w in pairs],
         list(acc.versions),
         acc.arrays,
         acc.num_checked,
@@ -559,13 +607,14 @@ WEIGHTS = {
 }
 
 
+@pytest.mark.parametrize("copy", [True, False], ids=["copied", "by reference"])
 @pytest.mark.parametrize("nonfinite", ["propagate", "error"])
 @pytest.mark.parametrize("host", [True, False], ids=["host path", "device path"])
 @pytest.mark.parametrize("kind", ["mean", "last"])
 @pytest.mark.parametrize("weight", WEIGHTS)
 @pytest.mark.parametrize("value", TENSOR_VALUES)
 def test_record_tensor_records_what_prepare_and_record_prepared_record(
-    value: str, weight: str, kind: str, host: bool, nonfinite: str
+    value: str, weight: str, kind: str, host: bool, nonfinite: str, copy: bool
 ) -> None:
     """The tensor fast path (``record_tensor``, with a tensor, a python number or no
     weight) leaves the same records, returns the same size and raises the same errors
@@ -583,14 +632,16 @@ def test_record_tensor_records_what_prepare_and_record_prepared_record(
     w = WEIGHTS[weight](x)
 
     def general(acc: Any) -> int:
-        prepared = prepare("m", x, w, host_arrays=host)
+        prepared = prepare("m", x, w, host_arrays=host, copy=copy)
         record_prepared(acc, "m", prepared, nonfinite, NumberRecords())
         return prepared.size
 
     checked = CheckedWeight()
     expected = _outcome(general, kind)
     for call in ("checks the weight", "reuses the last check"):
-        fast = _outcome(lambda acc: record_tensor(acc, "m", x, w, nonfinite, host, checked), kind)
+        fast = _outcome(
+            lambda acc: record_tensor(acc, "m", x, w, nonfinite, host, checked, copy), kind
+        )
         assert fast == expected, call
 
 
@@ -713,3 +764,43 @@ def test_a_large_step_matches_numpy_whatever_its_records(host_arrays: bool) -> N
         assert got["max/x"] == x[0][keep[0]].max() and got["min/x"] == x[1][keep[1]].min()
     assert results[0]["number"] == floats[n % 8]
     assert results[1]["number"] == max(floats[[1000 % 8, 4500 % 8, 4501 % 8, n % 8]])
+
+
+DEVICE_CHANGES = {  # label -> (a change to the logged value x, whether the fold sees it)
+    "in place": (lambda x: x.add_(1), True),
+    "indexed assignment": (lambda x: x.__setitem__(0, 5.0), True),
+    "through a view": (lambda x: x[:2].mul_(3), True),
+    "through detach()": (lambda x: x.detach().mul_(3), True),
+    "resize_": (lambda x: x.resize_(2, 2), True),
+    "out=": (lambda x: torch.add(x, 1, out=x), True),
+    "through .data": (lambda x: x.data.mul_(3), False),
+    ".data = same size": (lambda x: setattr(x, "data", x.data * 3), False),
+    "through DLPack": (lambda x: from_dlpack(to_dlpack(x)).mul_(3), False),
+}
+
+
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
+@pytest.mark.parametrize("change", DEVICE_CHANGES)
+def test_a_device_tensor_record_sees_the_changes_its_version_counter_counts(change: str) -> None:
+    """A device tensor is recorded by reference (a copy would cost a device operation per
+    call), so what the fold finds is what torch's version counter counts, as
+    docs/concepts.md lists: an in-place operation on the tensor or on any view or
+    ``detach()`` alias of it (they share its counter) raises ``ModifiedInputError``
+    naming the metric; a write through ``tensor.data`` or through memory shared outside
+    torch (DLPack) moves no counter, and the fold reads the changed values. Run on the
+    CPU through the device path, CPU tensors kept by reference as device tensors are."""
+    t = Tracker()
+    t.host_arrays = False
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    t.sum("x", x)
+    t.sum("kept", torch.tensor([5.0]))
+    apply, seen = DEVICE_CHANGES[change]
+    apply(x)
+    if seen:
+        with pytest.raises(ModifiedInputError, match=r"dropped from this step: 'x'$"):
+            t.compute()
+        assert t.compute() == {"kept": 5.0}
+    else:
+        now = float(x.double().sum())
+        assert now != 10.0  # the values at the call summed to 10
+        assert t.compute() == {"x": now, "kept": 5.0}

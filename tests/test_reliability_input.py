@@ -473,3 +473,141 @@ def test_a_tensor_subclass_with_its_own_dispatch_is_refused_naming_the_metric(
     with pytest.raises(TypeError, match=rf"metric 'm': {what} .*{type(tensor).__name__}"):
         t.mean("m", args[0], weight=args[1], by=args[2])
     assert t.compute() == {"kept": 2.0}
+
+
+# -- CPU tensors changed where torch's version counter cannot see -----------------------------
+UNSEEN = ("from_numpy buffer", "tensor.numpy()", "tensor.data")
+
+
+def _unseen_change(how: str, tensor: torch.Tensor, buffer: np.ndarray) -> None:
+    """Change ``tensor`` (made by ``torch.from_numpy(buffer)``) without moving its version
+    counter: through the numpy buffer behind it, through ``tensor.numpy()`` or through
+    ``tensor.data``; a bool tensor is negated, any other multiplied by 3."""
+    version = tensor._version
+    flip = tensor.dtype == torch.bool
+    if how == "from_numpy buffer":
+        buffer[...] = ~buffer if flip else buffer * 3
+    elif how == "tensor.numpy()":
+        view = tensor.numpy()
+        view[...] = ~view if flip else view * 3
+    else:
+        tensor.data.logical_not_() if flip else tensor.data.mul_(3)
+    assert tensor._version == version  # torch sees nothing
+
+
+@pytest.mark.parametrize("how", UNSEEN)
+@pytest.mark.parametrize("role", ["value", "weight", "mask", "by", "0-d value", "0-d weight"])
+def test_a_cpu_tensor_changed_unseen_after_the_call_logs_its_values_at_the_call(
+    role: str, how: str
+) -> None:
+    """A reused numpy rollout buffer (``torch.from_numpy``), a write through
+    ``tensor.numpy()`` or ``tensor.data.mul_()`` changes a tensor without moving its
+    version counter, so the fold could not tell: the record is a copy of the CPU
+    tensor's values at the call, as a numpy array's is, and the step reports numpy's
+    sums over those values (a weighted sum, and per label with ``by=``)."""
+    x = np.array([0.5, -1.0, 3.0, 2.0, 7.0, 1.5])
+    w = np.array([1.0, 0.0, 2.0, 0.5, 1.0, 3.0])
+    mask = np.array([True, False, True, True, False, True])
+    labels = np.array([0, 0, 1, 1, 0, 1])
+    scalar = role.startswith("0-d")
+    arrays = {"value": x[3:4].reshape(()) if scalar else x.copy(), "weight": w.copy()}
+    arrays["weight"] = w[2:3].reshape(()).copy() if scalar else arrays["weight"]
+    if role == "mask":
+        arrays["weight"] = mask.copy()
+    if role == "by":
+        arrays["by"] = labels.copy()
+    expected_arrays = {key: array.copy() for key, array in arrays.items()}
+    tensors = {key: torch.from_numpy(array) for key, array in arrays.items()}
+    t = Tracker()
+    t.sum("m", tensors["value"], tensors["weight"], by=tensors.get("by"))
+    changed = {"0-d value": "value", "0-d weight": "weight", "mask": "weight"}.get(role, role)
+    _unseen_change(how, tensors[changed], arrays[changed])
+    t.sum("m", tensors["value"], tensors["weight"], by=tensors.get("by"))  # the values now
+    now = {key: array.copy() for key, array in arrays.items()}
+    expected: dict[str, float] = {}
+    if role == "by":
+        for label in (0, 1, 3):
+            rows = [(v[b == label], ww[b == label]) for v, ww, b in (
+                (expected_arrays["value"], expected_arrays["weight"], expected_arrays["by"]),
+                (now["value"], now["weight"], now["by"]),
+            )]  # fmt: skip
+            if any(v.size for v, _ in rows):
+                value = np.concatenate([v for v, _ in rows])
+                weight = np.concatenate([ww for _, ww in rows])
+                expected.update(reference("sum", f"m/{label}", value, weight))
+    else:
+        value = np.r_[expected_arrays["value"].reshape(-1), now["value"].reshape(-1)]
+        weight = np.r_[expected_arrays["weight"].reshape(-1), now["weight"].reshape(-1)]
+        expected = reference("sum", "m", value, weight)
+    same(t.compute(), expected)
+
+
+# -- tensors of any strides ----------------------------------------------------------------------
+SHAPE = (2, 3, 4, 5)
+
+
+def _channels_last(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.copy()).contiguous(memory_format=torch.channels_last)
+
+
+def _permuted_nhwc(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 3, 1))).permute(0, 3, 1, 2)
+
+
+def _transposed(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a.transpose(3, 2, 1, 0))).permute(3, 2, 1, 0)
+
+
+def _sliced_with_steps(a: np.ndarray) -> torch.Tensor:
+    big = torch.zeros((2, 3, 8, 15), dtype=torch.from_numpy(a).dtype)
+    big[:, :, ::2, ::3] = torch.from_numpy(a)
+    return big[:, :, ::2, ::3]
+
+
+def _expanded(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a[:, :, :, :1].copy()).expand(SHAPE)  # stride 0 on the last
+
+
+LAYOUTS = {
+    "channels_last": _channels_last,
+    "permuted NHWC": _permuted_nhwc,
+    "transposed": _transposed,
+    "sliced with steps": _sliced_with_steps,
+    "expanded": _expanded,
+}
+
+
+@pytest.mark.parametrize("by_reference", [False, True], ids=["copied", "by reference"])
+@pytest.mark.parametrize("role", ["value", "weight", "by"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tensors_of_any_strides_log_their_logical_elements(
+    layout: str, role: str, by_reference: bool
+) -> None:
+    """channels_last, a permuted NHWC tensor, a transposed one, one sliced with steps and
+    an expanded one (stride 0), as value, weight or ``by=`` labels, next to contiguous
+    partners, log their elements in their logical order: numpy's weighted mean and
+    distribution over the arrays (the fold joined them with ``view``, which raised
+    torch's "view size is not compatible", naming no metric, and lost the step's tensor
+    metrics). ``by_reference``: recorded as a device tensor is, not as a copy."""
+    rng = np.random.default_rng(11)
+    arrays = {
+        "value": rng.normal(size=SHAPE),
+        "weight": rng.uniform(0.5, 2.0, size=SHAPE),
+        "by": rng.integers(0, 3, size=SHAPE),
+    }
+    make = LAYOUTS[layout]
+    if layout == "expanded":  # the logical values: constant along the last dimension
+        arrays[role] = np.broadcast_to(arrays[role][:, :, :, :1], SHAPE).copy()
+    tensors = {key: torch.from_numpy(array.copy()) for key, array in arrays.items()}
+    tensors[role] = make(arrays[role])
+    assert not tensors[role].is_contiguous()
+    t = Tracker()
+    t.copy_cpu_tensors = not by_reference
+    t.mean("m", tensors["value"], tensors["weight"], by=tensors["by"])
+    t.dist("d", tensors["value"], tensors["weight"] > 1.0)
+    t.sum("plain", torch.ones(3))
+    x, w, labels = (arrays[key].reshape(-1) for key in ("value", "weight", "by"))
+    expected = {"plain": 3.0, **reference("dist", "d", x, w > 1.0)}
+    for label in np.unique(labels).tolist():
+        expected.update(reference("mean", f"m/{label}", x[labels == label], w[labels == label]))
+    same(t.compute(), expected)

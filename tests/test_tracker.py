@@ -458,8 +458,25 @@ def test_dist_quantile_labels_are_exact_and_unique() -> None:
 
 
 def test_reusing_a_logged_buffer_never_rewrites_what_was_logged() -> None:
-    """A logged numpy array is copied; a logged tensor changed in place before compute()
-    raises, naming the metric (its logged value is gone), and the other metrics stay."""
+    """A logged numpy array and a logged CPU tensor are copied: a buffer refilled before
+    compute() leaves each call's values as logged."""
+    t = Tracker()
+    buffer, array = torch.zeros(2, dtype=torch.float64), np.zeros(2)
+    for value in (1.0, 2.0):
+        buffer.fill_(value)
+        array.fill(value + 2)
+        t.dist("t", buffer)
+        t.dist("a", array)
+    out = t.compute()
+    assert (out["a/min"], out["a/max"], out["a/mean"]) == (3.0, 4.0, 3.5)
+    assert (out["t/min"], out["t/max"], out["t/mean"]) == (1.0, 2.0, 1.5)
+
+
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
+def test_a_refilled_tensor_kept_by_reference_raises_naming_the_metric() -> None:
+    """A tensor recorded by reference (a device tensor's record) changed in place
+    before compute() raises, naming the metric (its logged value is gone), and the
+    other metrics stay."""
     t = Tracker()
     buffer, array = torch.zeros(2, dtype=torch.float64), np.zeros(2)
     for value in (1.0, 2.0):
@@ -639,6 +656,7 @@ def test_sync_trap_catches_syncs_through_ops(armed: None) -> None:
 
 
 @pytest.mark.parametrize("policy", ["propagate", "skip", "error"])
+@pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_log_calls_never_sync(armed: None, policy: str) -> None:
     """Every log method, with tensor values, weights and masks: no host sync until compute."""
     x = [1.0, 2.0, 4.0, 8.0]

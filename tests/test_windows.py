@@ -262,7 +262,10 @@ def test_rejected_call_is_reported_at_the_window_and_the_rest_flushes() -> None:
 def log_changed_in_place(tracker: Tracker, how: str) -> None:
     """A call of ``tracker``'s step that its fold drops, ``how``: a tensor changed in
     place after the call (found at the step's end, or by an early fold inside a later
-    call), the same with ``by=``, or a ``by=`` label missing from ``labels=``."""
+    call), the same with ``by=``, or a ``by=`` label missing from ``labels=``. The
+    tracker records CPU tensors by reference, as device tensors are (a CPU tensor is
+    copied at the call: no change after it reaches the record)."""
+    tracker.copy_cpu_tensors = False
     if how == "early":
         tracker.record_limit = 3  # x's call stays below it, n's passes it: n's call folds
     x = torch.tensor([1.0, 2.0])
@@ -546,8 +549,10 @@ def gloo_disagree(rank: int, world: int) -> tuple[list, list[str]]:
 def gloo_modified(rank: int, world: int) -> list[object]:
     """Rank 0 changes a logged tensor in place in the first step of windows of two
     steps: per step, the step()'s report, error (type, message) or the flush() after
-    it, then the window's step count."""
+    it, then the window's step count. Tensors are kept by reference, as device tensors
+    are."""
     tracker = Tracker()
+    tracker.copy_cpu_tensors = False
     window = Window(tracker, every=2, timeout=20)
     out: list[object] = []
     for step in range(6):

@@ -127,8 +127,10 @@ def _flat_host(part: np.ndarray) -> np.ndarray:
 def _tensor_block(tensors: list[Tensor], scalar: bool, target: torch.device) -> Tensor:
     """Tensors of one class (device, dtype, 0-d or trailing shape) as one flat float64
     tensor on ``target``: joined in their own dtype (a copy), then converted, which costs
-    less than joining into float64 and is exact (one dtype per class)."""
-    joined = torch.stack(tensors) if scalar else torch.cat(tensors).view(-1)
+    less than joining into float64 and is exact (one dtype per class). ``reshape``, not
+    ``view``: ``cat`` keeps its inputs' memory format (channels_last stays so), whose
+    elements lie out of their logical order."""
+    joined = torch.stack(tensors) if scalar else torch.cat(tensors).reshape(-1)
     return joined.to(target, torch.float64)
 
 

@@ -16,10 +16,11 @@ Rules, the same on every backend:
   ``compute()`` reports it.
 * ``nonfinite="skip"`` drops non-finite selected elements and counts them.
 
-A tensor changed in place between its log call and the fold (its version counter moved,
-or, given data of another size by ``tensor.data = other``, which moves no version, its
-size no longer that of its value or weight) raises ``ModifiedInputError`` naming the
-metric: its value at the log call is gone.
+A tensor recorded by reference (a device tensor; CPU tensors are copied at the call)
+changed in place between its log call and the fold (its version counter moved, or,
+given data of another size by ``tensor.data = other``, which moves no version, its size
+no longer that of its value or weight) raises ``ModifiedInputError`` naming the metric:
+its value at the log call is gone.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ value or weight the split (an index on the tensor's device) waits for the fold. 
 labels wait for the fold whole: it finds the labels present with one sort and one
 ``unique_consecutive`` per call, whose read of the labels is a host sync (the fold runs
 at ``compute()``, ``state()`` or when the record passes its memory bound, so the sync
-lands there, never at the log call). A tensor changed in place before the fold raises
-``ModifiedInputError``, as any logged tensor does.
+lands there, never at the log call). CPU tensors (values, weights, labels) wait as
+copies made at the call (``Tracker.copy_cpu_tensors``); a device tensor changed in place
+before the fold raises ``ModifiedInputError``, as any logged device tensor does.
 
 A metric per label is an ordinary metric: ranks that saw different labels agree on the
 names through the schema agreement (every rank reports every label seen on any rank),
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics.fold import ModifiedInputError
-from rlmetrics.inputs import check_name, own_dispatch, own_dispatch_error, tracked
+from rlmetrics.inputs import check_name, own_dispatch, own_dispatch_error, plain_clone, tracked
 from rlmetrics.kinds import Kind
 from rlmetrics.record import Prepared, prepare
 
@@ -88,9 +89,12 @@ class Groups:
         for metric, kind_name in metrics:
             check_groupable(check_name(metric), tracker.kind(kind_name))
         mapping = check_mapping(name, labels)
-        prepared = prepare(name, value, weight, host_arrays=tracker.host_arrays)
+        copy = tracker.copy_cpu_tensors
+        prepared = prepare(name, value, weight, host_arrays=tracker.host_arrays, copy=copy)
         if isinstance(by, Tensor):
             codes, names = check_label_tensor(name, by), None
+            if copy and codes.is_cpu:  # its labels now, as with any CPU tensor
+                codes = plain_clone(codes)
         else:
             codes, names = host_codes(name, by, mapping)
         check_shape(name, tuple(codes.shape), prepared.shape)

@@ -83,6 +83,31 @@ def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
     return np.array(array, dtype=np.float64, order="C")
 
 
+def host_copy(tensor: Tensor) -> Tensor | np.ndarray:
+    """A CPU tensor's values now, for a tensor that passed ``check_tensor``'s checks:
+    torch counts no write made through memory the tensor shares with numpy
+    (``torch.from_numpy``, ``tensor.numpy()``) or through ``tensor.data`` in its version
+    counter, so only a copy keeps the values it had when logged. A 0-d tensor becomes a
+    0-d float64 array (``tolist`` reads it without a torch operation); any other a
+    plain tensor of its own (``clone``, one torch operation; ``Tensor.numpy()`` would
+    mark the caller's storage as not resizable), detached, and never an inference
+    tensor, so that its version counter can be read like any record's."""
+    if not tensor.dim():
+        return np.array(tensor.tolist(), dtype=np.float64)
+    return plain_clone(tensor)
+
+
+def plain_clone(tensor: Tensor) -> Tensor:
+    """A copy of ``tensor`` that is an ordinary tensor: detached, and not an inference
+    tensor even under ``torch.inference_mode()`` (so it has a version counter)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return tensor.clone()
+    return tensor.clone()
+
+
 def unmask(name: str, value: object, weight: object) -> tuple[object, object]:
     """A numpy masked array's data, and a weight that is 0 where it is masked (masked
     elements contribute nothing); a masked weight is 0 where masked. Other inputs pass

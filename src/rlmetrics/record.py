@@ -1,7 +1,7 @@
 """One log call: the checks that need no data, then the value and weight recorded.
 
-A log call converts nothing and computes nothing: python numbers, host arrays and
-tensors are appended to the metric's records as they are (``Accumulator.values`` and
+A log call computes nothing: python numbers, host arrays and tensors are appended to
+the metric's records as they are, or as copies (below) (``Accumulator.values`` and
 ``weights``), to be reduced once per step by ``rlmetrics.fold``. What needs no data is
 checked here and raises at once, naming the metric: types, shapes, dtypes, python
 numbers (a negative weight; a non-finite value under ``nonfinite="error"``). What
@@ -9,9 +9,12 @@ needs data (negative or non-finite weights in an array, non-finite values under
 ``nonfinite="error"``) is checked at the fold, which rejects and counts the call.
 
 Records keep references, so nothing logged may change before the step ends: a numpy
-array or list is copied here (numpy has no way to notice a later write), as is an
-inference tensor (torch keeps it no version counter), and a tensor's version counter is
-recorded, so an in-place change before the fold raises there. A tensor that requires
+array or list is copied here (numpy has no way to notice a later write), as is a CPU
+tensor (``inputs.host_copy``, unless ``Tracker.copy_cpu_tensors`` is False: torch counts
+no write made through memory it shares with numpy, nor through ``tensor.data``) and an
+inference tensor (torch keeps it no version counter); a tensor recorded by reference (a
+device tensor) has its version counter recorded, so an in-place change before the fold
+raises there (docs/concepts.md lists the changes torch counts). A tensor that requires
 grad is detached (one view), so the record does not keep its autograd graph alive.
 """
 
@@ -31,6 +34,7 @@ from rlmetrics.inputs import (
     as_number,
     check_tensor,
     check_weight_number,
+    host_copy,
     numeric_array,
     tensor_error,
     tracked,
@@ -144,8 +148,9 @@ class Prepared(NamedTuple):
     device: torch.device | None  # where the fold runs: None for the host
 
 
-def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepared:
-    """Check a value (number, array, tensor) and its weight without reading tensor data.
+def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool, copy: bool) -> Prepared:
+    """Check a value (number, array, tensor) and its weight without reading device
+    tensor data; ``copy``: a CPU tensor is recorded as a copy (``host_copy``).
 
     Raises:
         TypeError, ValueError: naming ``name`` and what is wrong.
@@ -157,6 +162,8 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepare
     if value_tensor:
         value = check_tensor(name, value)
         shape, size = tuple(value.shape), value.numel()
+        if copy and value.is_cpu:
+            value = host_copy(value)
     else:
         number = as_number(name, value)
         if number is not None:
@@ -173,22 +180,26 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool) -> Prepare
         shape, size = value.shape, value.size
     check = False
     if weight is not None:
-        weight, check = _weight(name, weight, shape, weight_tensor)
+        weight, check = _weight(name, weight, shape, weight_tensor, copy)
     device = None
     if (value_tensor or weight_tensor or not host_arrays) and not (
         host_arrays and _on_host(value) and _on_host(weight)
     ):
-        tensor = value if value_tensor else weight
+        tensor = value if isinstance(value, Tensor) else weight  # a 0-d copy is an array
         device = tensor.device if isinstance(tensor, Tensor) else CPU
     return Prepared(None, 1.0, value, weight, size, shape, check, device)
 
 
-def _weight(name: str, weight: Any, shape: tuple[int, ...], is_tensor: bool) -> tuple[Any, bool]:
-    """A weight as recorded (a number, a host copy or a tensor) and whether its data
-    needs checking (an array that is not a bool mask)."""
+def _weight(
+    name: str, weight: Any, shape: tuple[int, ...], is_tensor: bool, copy: bool
+) -> tuple[Any, bool]:
+    """A weight as recorded (a number, a host copy or a tensor; ``copy``: a CPU tensor
+    as a copy) and whether its data needs checking (an array that is not a bool mask)."""
     if is_tensor:
         weight = check_tensor(name, weight, "weight")
         check = weight.dtype is not BOOL
+        if copy and weight.is_cpu:
+            weight = host_copy(weight)
     else:
         number = as_number(name, weight, "weight")
         if number is not None:
@@ -242,18 +253,22 @@ def record_tensor(
     nonfinite: str,
     host: bool,
     checked: CheckedWeight,
+    copy: bool,
 ) -> int:
     """Record a plain tensor value with no weight, a plain tensor weight or a python
     float or int weight; ``host``: CPU tensors go down the host path; ``checked``: the
-    tracker's last checked tensor weight. Returns the number of elements recorded.
+    tracker's last checked tensor weight; ``copy``: CPU tensors are recorded as copies
+    (``Tracker.copy_cpu_tensors``). Returns the number of elements recorded.
 
     The common call, so ``check_tensor``'s checks are written out here and each tensor
     attribute is read once, and only when needed (each read is a call into torch): the
     shape, read for the size and the weight's check, also tells a strided nested tensor
     (torch gives it none; a jagged one has a layout of its own), so ``is_nested`` is
     read only then; a CPU tensor is not a meta one, so ``is_meta`` is read only off the
-    host path; a tensor weight is checked once while it is logged again unchanged
-    (``CheckedWeight``). Any refused tensor gets ``tensor_error``'s message.
+    CPU; a tensor weight is checked once while it is logged again unchanged
+    (``CheckedWeight``; a CPU weight is still copied at each call). Any refused tensor
+    gets ``tensor_error``'s message. A copied 0-d tensor is recorded as a python float
+    (``tolist`` reads it without a torch operation), with a python weight.
     """
     if value.dtype not in REAL_DTYPES or value.layout is not STRIDED:
         raise tensor_error(name, value)
@@ -263,11 +278,10 @@ def record_tensor(
         if not value.is_nested:
             raise
         raise tensor_error(name, value) from None
-    on_host = host and value.is_cpu  # else the fold runs on the value's device
-    if not on_host and value.is_meta:
+    cpu = value.is_cpu
+    on_host = host and cpu  # else the fold runs on the value's device
+    if not cpu and value.is_meta:
         raise tensor_error(name, value)
-    if value.requires_grad:
-        value = value.detach()  # a view: the record must not keep the graph alive
     if type(weight) is Tensor:
         try:
             version = weight._version
@@ -305,7 +319,18 @@ def record_tensor(
                 f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
                 f"value shape {tuple(shape)}"
             )
-        if on_host and device is not None:  # a CPU value with a device weight
+        if device is None:
+            if copy:  # its values now (its checks may be kept: they read no data)
+                if shape:  # a clone (detached: the recorded weight is), as host_copy
+                    weight = weight.clone()
+                    try:
+                        version = weight._version
+                    except RuntimeError:  # cloned under inference mode
+                        weight = tracked(weight)
+                        version = weight._version
+                else:
+                    weight, version = float(weight.tolist()), None
+        elif on_host:  # a CPU value with a device weight
             on_host = False
             if acc.record_device is None:
                 acc.record_device = device
@@ -318,20 +343,33 @@ def record_tensor(
         size = shape.numel()
     if acc.sized:
         _check_size(acc, name, size, shape)
-    try:
-        value_version = value._version
-    except RuntimeError:  # an inference tensor: recorded as a copy
-        value = tracked(value)
-        value_version = value._version
+    if not on_host and acc.record_device is None:
+        acc.record_device = value.device
+    if cpu and copy and not shape and type(weight) is not Tensor:  # a 0-d tensor's value
+        value, value_version = float(value.tolist()), None
+        if weight is None:
+            weight = 1.0
+    elif cpu and copy and not shape:  # a 0-d one with a device weight: an array
+        value, value_version = host_copy(value), None
+    else:
+        if cpu and copy:  # its values now: a clone, as host_copy (detached below)
+            value = value.clone()
+        try:
+            value_version = value._version
+        except RuntimeError:  # an inference tensor (or a clone made under inference
+            # mode): recorded as a copy
+            value = tracked(value)
+            value_version = value._version
+        if value.requires_grad:
+            value = value.detach()  # a view: the record must not keep the graph alive
+    if version is not None:  # a tensor weight's
+        acc.versions.append(version)
+    if value_version is not None:
+        acc.versions.append(value_version)
     if needs_check:
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
         acc.kept_call = True
-    if version is not None:
-        acc.versions.append(version)
-    acc.versions.append(value_version)
-    if not on_host and acc.record_device is None:
-        acc.record_device = value.device
     acc.arrays = True
     acc.flat = False  # the metric's later numbers follow this record in its own
     acc.values.append(value)

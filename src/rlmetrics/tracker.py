@@ -95,7 +95,14 @@ def _record_method(kind: str) -> Callable[..., None]:
                 self._recorded += 1
             elif value_type is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
                 self._recorded += 1 + record_tensor(
-                    acc, name, value, weight, self.nonfinite, self.host_arrays, self._checked_weight
+                    acc,
+                    name,
+                    value,
+                    weight,
+                    self.nonfinite,
+                    self.host_arrays,
+                    self._checked_weight,
+                    self.copy_cpu_tensors,
                 )
             else:
                 self._log_value(acc, name, value, weight)
@@ -134,6 +141,15 @@ class Tracker(LogMethods):
             arrays metrics see; device tensors always take the device path. False sends
             host data down the device path too (tests use it to run that path on the
             CPU).
+        copy_cpu_tensors: True (the default) records a CPU tensor as a copy of its
+            values at the log call, as a numpy array is: torch counts no change made
+            through memory it shares with numpy (``torch.from_numpy``, ``.numpy()``) or
+            through ``.data``, so a later change could reach a record unseen. Device
+            tensors are recorded by reference (a copy would cost a device operation per
+            call), their version counter checked at the fold (docs/concepts.md). False
+            records CPU tensors by reference too, with the same checks: a caller that
+            never changes a logged CPU tensor before the step's end saves a clone per
+            tensor; tests use it to run the device tensors' checks on the CPU.
         record_limit: the elements and calls (a python number counts once, an array or
             tensor its size plus one) a tracker records before it folds them into its
             states mid-step, which bounds the memory its records keep alive (the
@@ -197,6 +213,7 @@ class Tracker(LogMethods):
         self.record_limit = type(self).record_limit  # read by every log call: faster here
 
     host_arrays: bool = True
+    copy_cpu_tensors: bool = True
     record_limit: int = 1 << 22
 
     _logs_directly = True  # prefixed views call RECORDS' methods, not _log
@@ -246,7 +263,14 @@ class Tracker(LogMethods):
         value_type = type(value)
         if value_type is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
             self._recorded += 1 + record_tensor(
-                acc, name, value, weight, self.nonfinite, self.host_arrays, self._checked_weight
+                acc,
+                name,
+                value,
+                weight,
+                self.nonfinite,
+                self.host_arrays,
+                self._checked_weight,
+                self.copy_cpu_tensors,
             )
         elif (value_type is float or value_type is int) and (
             weight is None or type(weight) is float or type(weight) is int
@@ -262,13 +286,21 @@ class Tracker(LogMethods):
             self._recorded += 1
         else:
             if value_type is not Prepared:
-                value = prepare(name, value, weight, host_arrays=self.host_arrays)
+                value = prepare(
+                    name, value, weight, host_arrays=self.host_arrays, copy=self.copy_cpu_tensors
+                )
             record_prepared(acc, name, value, self.nonfinite, self._numbers)
             self._recorded += 1 + value.size
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
-            prepared = prepare(metrics[0][0], value, weight, host_arrays=self.host_arrays)
+            prepared = prepare(
+                metrics[0][0],
+                value,
+                weight,
+                host_arrays=self.host_arrays,
+                copy=self.copy_cpu_tensors,
+            )
             with self._lock:  # the call's metrics land in one step
                 for name, kind_name in metrics:
                     self._log(name, kind_name, prepared, None)
