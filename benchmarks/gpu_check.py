@@ -61,7 +61,7 @@ import torch
 
 import rlmetrics
 from rlmetrics import Tracker
-from rlmetrics.log_methods import RECORDS, PrefixedTracker
+from rlmetrics._log_methods import RECORDS, PrefixedTracker
 
 from op_count import OpCounter
 

@@ -47,7 +47,7 @@ import torch.distributed.distributed_c10d as c10d
 import scaling_model as model
 import scaling_report as report
 from rlmetrics import Tracker
-from rlmetrics import distributed as rd
+from rlmetrics._engine import sync as rd
 from rlmetrics.kinds import register_kind
 from rlmetrics.kinds.histogram import Histogram
 from spawn_ranks import spawn_ranks

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import scaling_model as model
-from rlmetrics import distributed as rd
+from rlmetrics._engine import sync as rd
 
 from results_md import write_section
 

@@ -11,7 +11,7 @@ import scaling_model as model
 RANKS = (8, 64, 1024)
 METRICS = (50, 500, 5_000)
 MICRO = 4  # values per metric per rank and step in a verl-style dict (micro-batches)
-LIMIT = 200_000  # rlmetrics.distributed.GATHER_LIMIT, gathered floats
+LIMIT = 200_000  # rlmetrics._engine.sync.GATHER_LIMIT, gathered floats
 ELEMENTS = (10_000, 1_000_000)  # per rank and dist metric
 BUCKETS = (2_000, 4_000)
 # indicative constants for the time column (docs/scaling.md says where they come from)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlmetrics import Tracker
-from rlmetrics import distributed as rd
+from rlmetrics._engine import sync as rd
 
 KINDS = ("mean", "sum", "max", "min", "last")
 CHECK_EVERY = 500  # steps whose values are checked exactly

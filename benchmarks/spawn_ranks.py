@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from rlmetrics.dist_utils import free_port
+from rlmetrics.distributed import free_port
 
 
 def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: float) -> Any:

@@ -183,7 +183,7 @@ def install(rank: int, steps: list[dict[str, float]], alternate: bool) -> None:
     With ``alternate``, odd steps run with the tracker switched off (log calls and
     ``compute()`` return at once, inside the same timers), for the A/B comparison.
     """
-    from rlmetrics.log_methods import KIND_METHODS, RECORDS
+    from rlmetrics._log_methods import KIND_METHODS, RECORDS
     from rlmetrics.tracker import Tracker
     from rlmetrics.trainer import report
 

@@ -18,7 +18,7 @@ order that rotates each iteration, all ranks pass a barrier and time the sync al
 * bare: the collective a steady-state ``compute()`` issues (recorded from one call),
   with float64 CPU tensors of the sizes rlmetrics packs: one all_gather of the SUM and
   MAX parts, rows added in rank order and maxed on the host (groups up to
-  ``rlmetrics.distributed.GATHER_LIMIT`` gathered floats, so every size here), plus the
+  ``rlmetrics._engine.sync.GATHER_LIMIT`` gathered floats, so every size here), plus the
   host read;
 * bare pair: one all_reduce(SUM) and one all_reduce(MAX) of the buffers rlmetrics packs
   for them (recorded too; the SUM part carries NaN counts), what rlmetrics issues above
@@ -319,7 +319,7 @@ def section(
             "the sizes of the two parts of the buffer rlmetrics gathers (the bare "
             "contender's too). bare: what rlmetrics issues, one all_gather of that buffer "
             "and the host reduction (marked (pair) where the group is above "
-            "rlmetrics.distributed.GATHER_LIMIT and rlmetrics all_reduces); bare pair: "
+            "rlmetrics._engine.sync.GATHER_LIMIT and rlmetrics all_reduces); bare pair: "
             "all_reduce(SUM) + all_reduce(MAX) of the buffers rlmetrics packs for them (the "
             "SUM part longer by one NaN count per float of the MAX part), what it issues "
             "above the limit.",

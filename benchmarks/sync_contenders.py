@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlmetrics import Tracker
-from rlmetrics import distributed as rd
+from rlmetrics._engine import sync as rd
 
 KINDS = ("mean", "sum", "max", "min", "last")
 MICRO_BATCHES = 4

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlmetrics.dist_utils import free_port
+from rlmetrics.distributed import free_port
 
 
 def _worker(

@@ -22,7 +22,7 @@ def local_ray(num_cpus: int = 2) -> Iterator[None]:
     Skips the test when Ray is missing or already running in this process.
     """
     ray = pytest.importorskip("ray", reason="ray is an optional extra")
-    from rlmetrics.ray import init_ray
+    from rlmetrics.integrations.ray import init_ray
 
     if ray.is_initialized():
         pytest.skip("another Ray session is running in this process")

@@ -13,7 +13,8 @@ import math
 import pytest
 from rich.console import Console
 
-from rlmetrics.audit import (
+from rlmetrics.cli import main
+from rlmetrics.cli.audit import (
     DEFAULT_PARTITIONS,
     RecordingTracker,
     audit_config,
@@ -24,7 +25,6 @@ from rlmetrics.audit import (
     run_partitions,
     spread,
 )
-from rlmetrics.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

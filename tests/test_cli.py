@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmetrics import audit_report
 from rlmetrics.cli import NEXT_STEP, build_parser, config_from_args, main
+from rlmetrics.cli import _audit_report as audit_report
 from rlmetrics.trainer.config import AlgoConfig, RunConfig, TaskConfig
 from rlmetrics.trainer.launch import rank_device
 
@@ -67,7 +67,7 @@ def test_demo_rejects_non_finite_and_out_of_range_values(flag, value, message, c
 @pytest.fixture
 def no_work(monkeypatch):
     """Any subcommand that gets past its flags fails the test at once (no ranks start)."""
-    import rlmetrics.audit as audit
+    import rlmetrics.cli.audit as audit
     from rlmetrics.trainer import launch
 
     def work(*args, **kwargs):
@@ -246,7 +246,7 @@ def test_audit_without_rich_renders_plain_text(monkeypatch, capsys) -> None:
 
 
 def test_audit_plot_without_matplotlib_fails_before_any_work(monkeypatch, tmp_path) -> None:
-    import rlmetrics.audit as audit
+    import rlmetrics.cli.audit as audit
 
     def work(*args, **kwargs):
         raise AssertionError("the audit started before checking --plot's extra")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from rlmetrics import Tracker, TrackerState
 from rlmetrics.compat.verl import Metric, MetricsAggregator
-from rlmetrics.compat.verl_aggregator import DAPO_FILTERED_REWARD_COUNTS_KEY
+from rlmetrics.compat.verl.aggregator import DAPO_FILTERED_REWARD_COUNTS_KEY
 
 
 def aggregate(*iterations: tuple[dict, int], **kwargs) -> dict:

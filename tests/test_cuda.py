@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import rlmetrics.distributed as rd
+import rlmetrics._engine.sync as rd
 from rlmetrics import Tracker
 from rlmetrics.cli import main
 from rlmetrics.trainer.launch import free_port, rank_device

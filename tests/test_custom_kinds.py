@@ -352,7 +352,7 @@ def test_custom_kinds_merge_identically_through_container_ray_and_gloo(log_path:
     if log_path != "host":  # bit-identical needs one path, and spawned ranks take the default
         pytest.skip("spawned ranks log through the default (host) path")
     tensordict = pytest.importorskip("tensordict", reason="the container path needs tensordict")
-    from rlmetrics.tensordict import attach_metrics, collect, get_metrics
+    from rlmetrics.integrations.tensordict import attach_metrics, collect, get_metrics
 
     outputs = [
         attach_metrics(tensordict.TensorDict({"x": shard_data(r)[0]}, [100]), rank_tracker(r))

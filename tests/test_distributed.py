@@ -20,9 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlmetrics import Tracker, TrackerState
-from rlmetrics import distributed as rd
-from rlmetrics.distributed import SyncTimeoutError
+from rlmetrics import SyncTimeoutError, Tracker, TrackerState
+from rlmetrics._engine import sync as rd
 
 from gloo_ranks import ok_results, run_ranks, run_together
 from helpers import log_every_kind
@@ -476,7 +475,7 @@ def test_gather_and_all_reduce_paths_agree(world: int, request: pytest.FixtureRe
     """Both paths give the same result on every rank, for every kind. Two ranks and exact
     (dyadic) values: bit for bit. Three ranks and random values: the all_reduce adds in
     its own order, so equal to rounding. The gather path adds in rank order, so it is
-    bit for bit the driver merge of the ranks' states in rank order (rlmetrics.ray)."""
+    bit for bit the driver merge of the ranks' states in rank order (rlmetrics.integrations.ray)."""
     per_rank = ok_results(ranks(request, world)["both_paths"])
     for case, runs in enumerate(zip(*per_rank, strict=True)):
         gathered, reduced, _ = runs[0]

@@ -20,8 +20,8 @@ import pytest
 import torch.distributed as dist
 
 from rlmetrics import Tracker
-from rlmetrics import distributed as rd
-from rlmetrics.agreed import RECENT
+from rlmetrics._engine import sync as rd
+from rlmetrics._engine.agreed import RECENT
 
 from gloo_ranks import ok_results, run_together
 

@@ -73,7 +73,7 @@ def test_the_sync_guard_sees_every_way_into_a_log_call_and_puts_them_back(
     directly), with by=, by kind name and a timer's: each counted once; afterwards the
     classes and the record functions are what they were."""
     from rlmetrics import Tracker
-    from rlmetrics.log_methods import RECORDS, PrefixedTracker
+    from rlmetrics._log_methods import RECORDS, PrefixedTracker
 
     before = (dict(RECORDS), dict(vars(Tracker)), dict(vars(PrefixedTracker)))
     with gpu_check.SyncGuard(torch.device("cpu")) as guard:

@@ -19,8 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from rlmetrics import Tracker
-from rlmetrics.fold import ModifiedInputError
+from rlmetrics import ModifiedInputError, Tracker
 
 from gloo_ranks import ok_results, run_ranks
 from helpers import OpCounter

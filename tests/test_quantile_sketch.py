@@ -308,7 +308,7 @@ def count_collectives() -> dict[str, int]:
 def gloo_steps(rank: int, world_size: int) -> list[tuple[dict[str, float], int, int]]:
     """Per step, on the gather path then on the all-reduce pair: (the sketch's results,
     collectives with the sketch and a mean, collectives with the mean alone)."""
-    from rlmetrics import distributed as rd
+    from rlmetrics._engine import sync as rd
 
     counts = count_collectives()
     out = []

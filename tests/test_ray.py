@@ -1,4 +1,4 @@
-"""rlmetrics.ray: the driver merge of worker states equals compute() over their group.
+"""rlmetrics.integrations.ray: the driver merge of worker states equals compute() over their group.
 
 One local Ray (2 CPUs) for the whole module; its 2 actors form a real gloo group, so
 one call returns both paths: each worker's collective ``compute()`` and its ``state()``.
@@ -108,7 +108,7 @@ class Worker:
 
     def step(self, scenario: str, seed: int, options: dict) -> tuple[dict, TrackerState]:
         """Both paths at once: (collective compute() over the group, this rank's state)."""
-        from rlmetrics.ray import with_metrics
+        from rlmetrics.integrations.ray import with_metrics
 
         tracker = Tracker(**options)
         SCENARIOS[scenario](tracker, self.rank, seed)
@@ -147,7 +147,7 @@ def both_paths(
     actors: list, scenario: str, seed: int = 0, **options: Any
 ) -> tuple[dict, list[TrackerState], list]:
     """(the collective result, the workers' states in rank order, every output)."""
-    from rlmetrics.ray import collect
+    from rlmetrics.integrations.ray import collect
 
     refs = [actor.step.remote(scenario, seed, options) for actor in actors]
     collectives, _ = collect(refs, timeout=120)
@@ -176,7 +176,7 @@ def actors() -> Iterator[list]:
 
 @needs_ray  # runs before the module's Ray starts
 def test_init_ray_refuses_num_cpus_with_an_address() -> None:
-    from rlmetrics.ray import init_ray
+    from rlmetrics.integrations.ray import init_ray
 
     if ray.is_initialized():
         pytest.skip("Ray is already initialised in this process")
@@ -188,7 +188,7 @@ def test_init_ray_refuses_num_cpus_with_an_address() -> None:
 @needs_ray
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_driver_merge_equals_gloo_compute(actors: list, seed: int) -> None:
-    from rlmetrics.ray import compute_states
+    from rlmetrics.integrations.ray import compute_states
 
     collective, states, _ = both_paths(actors, "random", seed)
     assert "only/rank0" in collective and "m/dist/p99" in collective
@@ -209,8 +209,8 @@ def test_driver_merge_equals_gloo_compute(actors: list, seed: int) -> None:
 def test_edge_cases_match_collective(
     actors: list, options: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from rlmetrics.integrations.ray import compute_states
     from rlmetrics.kinds import last
-    from rlmetrics.ray import compute_states
 
     monkeypatch.setattr(last, "_warned", set())  # a disagreement warns once until it ends
     with pytest.warns(RuntimeWarning, match="last/disagree"):
@@ -236,7 +236,7 @@ def test_edge_cases_match_collective(
 
 @needs_ray
 def test_replicas_are_counted_once(actors: list) -> None:
-    from rlmetrics.ray import call_and_merge, compute_states
+    from rlmetrics.integrations.ray import call_and_merge, compute_states
 
     collective, states, _ = both_paths(actors, "replicated")
     assert collective["tokens"] == 20.0  # the collective over copies counts twice
@@ -251,7 +251,7 @@ def test_replicas_are_counted_once(actors: list) -> None:
 
 @needs_ray
 def test_raising_worker_raises_its_error(actors: list) -> None:
-    from rlmetrics.ray import call_and_merge
+    from rlmetrics.integrations.ray import call_and_merge
 
     start = time.monotonic()
     with pytest.raises(ValueError, match="boom on rank 1") as info:
@@ -264,7 +264,7 @@ def test_raising_worker_raises_its_error(actors: list) -> None:
 
 @needs_ray
 def test_bad_output_and_timeout(actors: list) -> None:
-    from rlmetrics.ray import call_and_merge
+    from rlmetrics.integrations.ray import call_and_merge
 
     with pytest.raises(TypeError, match=r"worker 0 returned a dict; expected \(result"):
         call_and_merge(actors, "bad_output")
@@ -286,7 +286,7 @@ def states_of(*loggers: Callable[[Tracker], None]) -> list[TrackerState]:
 
 @needs_ray
 def test_merge_states_checks_its_inputs() -> None:
-    from rlmetrics.ray import compute_states, merge_states
+    from rlmetrics.integrations.ray import compute_states, merge_states
 
     a, b = states_of(lambda t: t.mean("x", 1.0), lambda t: t.max("x", 2.0))
     with pytest.raises(ValueError, match="metric 'x' is kind 'mean' in one state and 'max'"):
@@ -311,7 +311,7 @@ def test_import_rlmetrics_never_imports_ray() -> None:
         "assert 'ray' not in sys.modules, 'import rlmetrics imported ray'\n"
         "sys.modules['ray'] = None  # as if ray were not installed\n"
         "try:\n"
-        "    import rlmetrics.ray\n"
+        "    import rlmetrics.integrations.ray\n"
         "except ImportError as error:\n"
         "    print(error)\n"
     )

@@ -19,8 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from rlmetrics import Tracker
-from rlmetrics.fold import ModifiedInputError
+from rlmetrics import ModifiedInputError, Tracker
 
 from helpers import OpCounter, reference
 
@@ -269,7 +268,7 @@ def test_a_tracker_keeps_no_logged_weight_alive_after_its_step(by: str | None) -
     """A logged mask is let go with the step's records, the tracker's last checked weight
     included (``CheckedWeight``): at the fold (calls with ``by=`` too, which wait for
     it) and at a reset."""
-    from rlmetrics.record import CheckedWeight
+    from rlmetrics._engine.record import CheckedWeight
 
     labels = {None: None, "host labels": [0, 1, 0], "tensor labels": torch.tensor([0, 1, 0])}
     t = Tracker()
@@ -569,8 +568,8 @@ def _records(acc: Any) -> tuple:
 
 
 def _outcome(record: Any, kind: str) -> tuple:
+    from rlmetrics._engine.table import Table
     from rlmetrics.kinds import Accumulator, get_kind
-    from rlmetrics.table import Table
 
     table = Table()
     acc = Accumulator(get_kind(kind), table, table.add_row(get_kind(kind)), "m")
@@ -620,7 +619,7 @@ def test_record_tensor_records_what_prepare_and_record_prepared_record(
     weight) leaves the same records, returns the same size and raises the same errors
     as the general path (``prepare`` then ``record_prepared``), whether the tensor
     weight is checked by this call or was by the last one (``CheckedWeight``)."""
-    from rlmetrics.record import (
+    from rlmetrics._engine.record import (
         CheckedWeight,
         NumberRecords,
         prepare,

@@ -19,9 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlmetrics import Tracker
-from rlmetrics import distributed as rd
-from rlmetrics.distributed import SyncTimeoutError
+from rlmetrics import SyncTimeoutError, Tracker
+from rlmetrics._engine import sync as rd
 
 from gloo_ranks import free_port, ok_results, run_ranks, run_together
 
@@ -320,7 +319,7 @@ def test_a_rank_logs_a_metric_no_other_rank_has_every_step(three_ranks: dict[str
 
 # -- a process group re-created after a failure --------------------------------------------
 def count_agreements(patch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count schema agreements on this rank (rlmetrics.distributed.agree_schema) until
+    """Count schema agreements on this rank (rlmetrics._engine.sync.agree_schema) until
     ``patch`` is undone."""
     calls = {"n": 0}
     original = rd.agree_schema

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlmetrics import Tracker
+from rlmetrics import RejectedInputError, Tracker
 from rlmetrics.loggers import JsonlLogger
-from rlmetrics.packing import RejectedInputError
 
 from helpers import reference
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlmetrics import Tracker
-from rlmetrics import distributed as rd
+from rlmetrics._engine import sync as rd
 from rlmetrics.loggers import JsonlLogger, MlflowLogger, TensorBoardLogger
 
 from gloo_ranks import ok_results, run_together
@@ -89,7 +89,7 @@ def test_metric_names_cannot_write_outside_the_run_dir(sandbox: Path, backend: s
 
 
 def test_the_only_unpickling_in_the_sync_path_is_the_user_kind_object_gather() -> None:
-    """Static check of distributed.py: one pickle.loads, inside _gather_extras, under
+    """Static check of _engine/sync.py: one pickle.loads, inside _gather_extras, under
     the ``if objects`` branch (user kinds whose extras cannot be packed)."""
     tree = ast.parse(inspect.getsource(rd))
     loads = [
@@ -123,7 +123,7 @@ class Boom:
 
 
 class NoPickle:
-    """Stands in for the pickle module inside rlmetrics.distributed: any use fails."""
+    """Stands in for the pickle module inside rlmetrics._engine.sync: any use fails."""
 
     def __getattr__(self, name: str):
         raise AssertionError(f"pickle.{name} used in the sync path")

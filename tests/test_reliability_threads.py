@@ -152,9 +152,9 @@ def take_with_window(tracker: Tracker) -> tuple[Callable[[], None], Callable[[],
 
 
 def take_with_ray(tracker: Tracker) -> tuple[Callable[[], None], Callable[[], float]]:
-    """Steps taken with ``rlmetrics.ray.with_metrics`` (a worker's return; Ray is not
+    """Steps taken with ``rlmetrics.integrations.ray.with_metrics`` (a worker's return; Ray is not
     started: the function runs in the worker's process); the driver's merge."""
-    ray = pytest.importorskip("rlmetrics.ray", exc_type=ImportError)
+    ray = pytest.importorskip("rlmetrics.integrations.ray", exc_type=ImportError)
     states: list[TrackerState] = []
 
     def step() -> None:

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmetrics import Tracker
-from rlmetrics.agreed import layout_sizes
+from rlmetrics._engine.agreed import layout_sizes
+from rlmetrics._engine.layout import Layout
 from rlmetrics.kinds import get_kind
 from rlmetrics.kinds.histogram import Histogram
-from rlmetrics.layout import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import scaling_model as model

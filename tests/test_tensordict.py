@@ -20,7 +20,7 @@ from gloo_ranks import ok_results, run_ranks
 tensordict = pytest.importorskip("tensordict", reason="tensordict is an optional extra")
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
-from rlmetrics.tensordict import (  # noqa: E402
+from rlmetrics.integrations.tensordict import (  # noqa: E402
     METRICS_KEY,
     attach_metrics,
     collect,
@@ -112,9 +112,9 @@ def test_attach_and_get(outputs: list[TensorDict]) -> None:
 
 def test_missing_tensordict_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tensordict", None)
-    monkeypatch.delitem(sys.modules, "rlmetrics.tensordict")
+    monkeypatch.delitem(sys.modules, "rlmetrics.integrations.tensordict")
     with pytest.raises(ImportError, match=r"pip install 'rlmetrics\[tensordict\]'"):
-        importlib.import_module("rlmetrics.tensordict")
+        importlib.import_module("rlmetrics.integrations.tensordict")
 
 
 # -- concatenation ----------------------------------------------------------------------

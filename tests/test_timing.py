@@ -25,9 +25,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmetrics import Tracker, TrackerState, get_kind, rl, unregister_kind
+from rlmetrics import RejectedInputError, Tracker, TrackerState, get_kind, rl, unregister_kind
 from rlmetrics.kinds.rank_time import family_kind
-from rlmetrics.packing import RejectedInputError
 from rlmetrics.timing import timer
 
 from gloo_ranks import ok_results, run_together

@@ -13,12 +13,12 @@ import torch
 from rlmetrics import (
     Kind,
     MetricState,
+    ModifiedInputError,
     Tracker,
     TrackerState,
     register_kind,
     unregister_kind,
 )
-from rlmetrics.fold import ModifiedInputError
 from rlmetrics.kinds import last
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
 
@@ -581,7 +581,7 @@ def test_name_clash_between_result_keys_is_reported() -> None:
 # -- prefixes -------------------------------------------------------------------------------
 def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
     """The kind methods record without calling ``_log``; a subclass that overrides it
-    (as ``rlmetrics.audit.RecordingTracker`` does) still sees every call, made on the
+    (as ``rlmetrics.cli.audit.RecordingTracker`` does) still sees every call, made on the
     tracker or a prefixed view, by kind method or kind name, with or without a mask."""
 
     class Seeing(Tracker):

@@ -24,8 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlmetrics import Tracker, TrackerState, Window
-from rlmetrics.packing import RejectedInputError
+from rlmetrics import RejectedInputError, Tracker, TrackerState, Window
 
 from gloo_ranks import ok_results, run_together
 from helpers import assert_results, log_piece, reference, scale_of, split, value_reps

@@ -4,6 +4,13 @@ Every logged number means the same thing however the batch was split across rank
 mini-batches and micro-batches, at the cost of one small collective per step.
 """
 
+from rlmetrics.errors import (
+    MalformedStateError,
+    ModifiedInputError,
+    RejectedInputError,
+    SyncTimeoutError,
+    TokenCountError,
+)
 from rlmetrics.kinds import (
     ExtraKind,
     Kind,
@@ -12,7 +19,7 @@ from rlmetrics.kinds import (
     register_kind,
     unregister_kind,
 )
-from rlmetrics.state import MalformedStateError, TrackerState
+from rlmetrics.state import TrackerState
 from rlmetrics.tracker import PrefixedTracker, Tracker
 from rlmetrics.window import Window
 
@@ -23,7 +30,11 @@ __all__ = [
     "Kind",
     "MalformedStateError",
     "MetricState",
+    "ModifiedInputError",
     "PrefixedTracker",
+    "RejectedInputError",
+    "SyncTimeoutError",
+    "TokenCountError",
     "Tracker",
     "TrackerState",
     "Window",

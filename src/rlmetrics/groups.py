@@ -32,10 +32,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.fold import ModifiedInputError
-from rlmetrics.inputs import check_name, own_dispatch, own_dispatch_error, plain_clone, tracked
+from rlmetrics._engine.inputs import (
+    check_name,
+    own_dispatch,
+    own_dispatch_error,
+    plain_clone,
+    tracked,
+)
+from rlmetrics._engine.record import Prepared, prepare
+from rlmetrics.errors import ModifiedInputError
 from rlmetrics.kinds import Kind
-from rlmetrics.record import Prepared, prepare
 
 if TYPE_CHECKING:
     from rlmetrics.tracker import Tracker

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlmetrics.extras import require
+from rlmetrics._optional import require
 from rlmetrics.loggers.jsonl import parse_row
 
 PAGE_SIZE = 24  # subplots per page

@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from rlmetrics._engine.results import Reduced
+from rlmetrics.errors import MalformedStateError
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
 from rlmetrics.kinds.dist import as_array
-from rlmetrics.results import Reduced
 
 STATE_VERSION = 2
 """The ``to_dict`` format: 2 writes a user kind's extra with its python types (a list,
@@ -20,14 +21,6 @@ READABLE_VERSIONS = (1, 2)
 _STATE_KEYS = frozenset({"version", "metrics"})
 _REQUIRED_METRIC_KEYS = ("kind", "sums", "maxes")
 _METRIC_KEYS = frozenset({*_REQUIRED_METRIC_KEYS, "extra", "num_nonfinite", "fingerprint"})
-
-
-class MalformedStateError(ValueError):
-    """A ``state_dict`` that cannot be loaded: damaged, foreign (another object's dict),
-    or of an unknown version. The message says where (the key, which names the metric)
-    and what is wrong. The ``Tracker`` or ``Window`` it was given to is left unchanged:
-    everything is checked before anything is replaced.
-    """
 
 
 @dataclass(frozen=True)

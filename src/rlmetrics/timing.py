@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics.collectives import resolve_group
-from rlmetrics.inputs import check_name
+from rlmetrics._engine.collectives import resolve_group
+from rlmetrics._engine.inputs import check_name
+from rlmetrics.errors import TokenCountError
 from rlmetrics.kinds.batch import to_device
 
 if TYPE_CHECKING:
@@ -176,16 +177,6 @@ def log_throughput(
         raise ValueError(f"metric {full!r} is already logged as kind {acc.kind.name!r}; "
                          f"cannot log it as kind {kind!r}")  # fmt: skip
     root.pending_timers.append(DeviceCount(tracker, name, tokens, seconds, rank, size))
-
-
-class TokenCountError(ValueError):
-    """A tensor token count of ``throughput()``, read at the step's end, was negative or
-    not finite; its call was dropped. ``calls``: the calls dropped per metric (in a
-    sync, they count as rejected, so every rank raises together)."""
-
-    def __init__(self, message: str, calls: dict[str, int]) -> None:
-        super().__init__(message)
-        self.calls = calls
 
 
 @dataclass

@@ -13,17 +13,12 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
-from rlmetrics.fold import fold, joined_errors
-from rlmetrics.groups import Groups
-from rlmetrics.inputs import as_number, check_name
-from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
-from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT
-from rlmetrics.kinds.dist import DEFAULT_QUANTILES
-from rlmetrics.layout import Layout
-from rlmetrics.log_methods import KIND_METHODS, RECORDS, LogMethods, PrefixedTracker
-from rlmetrics.packing import Packing, RejectedInputError, in_order, local_reduce
-from rlmetrics.record import (
+from rlmetrics._engine.collectives import as_timeout, should_sync
+from rlmetrics._engine.fold import fold, joined_errors
+from rlmetrics._engine.inputs import as_number, check_name
+from rlmetrics._engine.layout import Layout
+from rlmetrics._engine.packing import Packing, in_order, local_reduce
+from rlmetrics._engine.record import (
     CheckedWeight,
     NumberRecords,
     Prepared,
@@ -32,9 +27,16 @@ from rlmetrics.record import (
     record_prepared,
     record_tensor,
 )
-from rlmetrics.results import Reduced
+from rlmetrics._engine.results import Reduced
+from rlmetrics._engine.sync import sync_reduce
+from rlmetrics._engine.table import Table
+from rlmetrics._log_methods import KIND_METHODS, RECORDS, LogMethods, PrefixedTracker
+from rlmetrics.errors import RejectedInputError
+from rlmetrics.groups import Groups
+from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
+from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT
+from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.state import TrackerState, check_metric, checked_load
-from rlmetrics.table import Table
 from rlmetrics.timing import read_device_timers
 
 EMPTY_POLICIES = ("omit", "nan")
@@ -122,7 +124,7 @@ class Tracker(LogMethods):
 
     A log call records its value and weight (python numbers, arrays, tensors as they
     are: no arithmetic, no torch operation, no host sync); once per step, each kind
-    reduces all its records in one vectorised pass per device (``rlmetrics.fold``).
+    reduces all its records in one vectorised pass per device (``rlmetrics._engine.fold``).
     ``compute()`` ends the step: it folds, packs every state, syncs over a process group
     when one is initialised (one collective for all scalar kinds in a steady-state
     step), transfers once and returns ``dict[str, float]``.
@@ -199,7 +201,7 @@ class Tracker(LogMethods):
         self._accumulators: dict[str, Accumulator] = {}
         # every name's accumulator, kept across steps and cleared on reuse: no
         # allocation per name per step, and the sync code can recognise a step's
-        # accumulators as the last one's (see rlmetrics.distributed._GroupSync)
+        # accumulators as the last one's (see rlmetrics._engine.sync._GroupSync)
         self._pool: dict[str, Accumulator] = {}
         self._table = Table()  # every pooled metric's folded state, a row each
         self._local: tuple[list[Accumulator], Packing] | None = None  # compute(sync=False)
@@ -220,7 +222,7 @@ class Tracker(LogMethods):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that overrides ``_log`` sees every log call: its kind methods are
-        ``LogMethods``', which call ``_log`` (``rlmetrics.audit.RecordingTracker``), and
+        ``LogMethods``', which call ``_log`` (``rlmetrics.cli.audit.RecordingTracker``), and
         so do its prefixed views'."""
         super().__init_subclass__(**kwargs)
         if cls._log is not Tracker._log:
@@ -319,7 +321,7 @@ class Tracker(LogMethods):
                 self._fold_early()
 
     def _fold(self, wait: bool = True) -> None:
-        """Reduce every record into the states (see ``rlmetrics.fold``), after logging
+        """Reduce every record into the states (see ``rlmetrics._engine.fold``), after logging
         the device timers (all, waiting for them; the finished ones without ``wait``)
         and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``).
         Raises the fold's errors, those of the step's early folds included."""
@@ -422,7 +424,7 @@ class Tracker(LogMethods):
         for the next step, in one hold of the lock. A call another thread makes lands
         whole in the step taken or in the next, never in neither (``state()`` then
         ``reset()`` drops the calls made between them). A worker's step for a driver to
-        merge: ``Window.step()`` and ``rlmetrics.ray.with_metrics`` take their steps
+        merge: ``Window.step()`` and ``rlmetrics.integrations.ray.with_metrics`` take their steps
         with it, and so should a collect loop of your own.
 
         Raises:
@@ -520,7 +522,7 @@ class Tracker(LogMethods):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the local packing cache and the lock (the sync state per
-        process group lives in ``rlmetrics.distributed``, not here)."""
+        process group lives in ``rlmetrics._engine.sync``, not here)."""
         with self._lock:
             self._fold()
             state = {**self.__dict__, "_local": None}

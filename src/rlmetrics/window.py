@@ -21,13 +21,14 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from rlmetrics.distributed import as_timeout, should_sync, sync_reduce
+from rlmetrics._engine.collectives import as_timeout, should_sync
+from rlmetrics._engine.results import Reduced
+from rlmetrics._engine.sync import sync_reduce
+from rlmetrics._window_keys import Decoded, decode, empty_state, latest_of, window_key
+from rlmetrics.errors import MalformedStateError, RejectedInputError
 from rlmetrics.kinds import Kind, MetricState
-from rlmetrics.packing import RejectedInputError
-from rlmetrics.results import Reduced
-from rlmetrics.state import MalformedStateError, TrackerState, checked_load
+from rlmetrics.state import TrackerState, checked_load
 from rlmetrics.tracker import Tracker
-from rlmetrics.window_keys import Decoded, decode, empty_state, latest_of, window_key
 
 WINDOW_VERSION = 1
 
@@ -265,7 +266,7 @@ class Window:
 
     def _encoded(self) -> TrackerState:
         """The open window as the reporter's metrics: each name under a key that says
-        which part of the report it is (see ``rlmetrics.window_keys``)."""
+        which part of the report it is (see ``rlmetrics._window_keys``)."""
         metrics: dict[str, MetricState] = {}
         for name, metric in self._merged.metrics.items():
             metrics[window_key("w", name)] = metric

@@ -249,14 +249,15 @@ class Accumulator:
 
     A log call appends its value and weight as logged (python floats, host arrays,
     tensors), no arithmetic: python numbers to the tracker's flat ``NumberRecords``
-    while ``flat`` holds, everything else to ``values`` and ``weights``. ``rlmetrics.fold`` reduces
+    while ``flat`` holds, everything else to ``values`` and ``weights``. ``rlmetrics._engine.fold``
+    reduces
     the records into the metric's row of the tracker's ``Table`` at step end (or when
     the tracker's records pass their memory bound): host data into the host half, a
     metric with a tensor record on its device into the device half (no host sync).
     """
 
     kind: Kind
-    table: Any  # the tracker's rlmetrics.table.Table
+    table: Any  # the tracker's rlmetrics._engine.table.Table
     row: int
     name: str = ""
     # calls whose data checks run at step end (they may turn out rejected), and whether
@@ -264,7 +265,7 @@ class Accumulator:
     # dropped when they are reported, as a python call that raises creates no metric
     num_checked: int = 0
     kept_call: bool = False
-    # the records since the last fold, in call order (see rlmetrics.record)
+    # the records since the last fold, in call order (see rlmetrics._engine.record)
     values: list[Any] = field(default_factory=list)
     weights: list[Any] = field(default_factory=list)
     record_device: torch.device | None = None  # a tensor record's device: the fold's
@@ -274,7 +275,7 @@ class Accumulator:
     # for a kind that takes a single number)
     flat: bool = False
     # the kind's name, and whether it limits a call's size (parts, replaces): read by
-    # every log call, which an attribute of the kind costs more (rlmetrics.record)
+    # every log call, which an attribute of the kind costs more (rlmetrics._engine.record)
     kind_name: str = field(default="", init=False)
     sized: bool = field(default=False, init=False)
 

@@ -1,6 +1,6 @@
 """Where a batch's elements belong (``Rows``), and what follows from it, derived once.
 
-A fold keeps the rows of its python numbers across steps (``rlmetrics.fold_plan``),
+A fold keeps the rows of its python numbers across steps (``rlmetrics._engine.fold_plan``),
 so everything here that follows from them (row starts, counts, each kind's part, the
 keys that reduce several columns at once) is computed on a steady-state step's first
 fold only.

@@ -12,9 +12,9 @@ from collections.abc import Iterator, Mapping
 from itertools import groupby
 from typing import Any, TextIO
 
-from rlmetrics.extras import available
+from rlmetrics._optional import available
+from rlmetrics.loggers._text_table import format_table
 from rlmetrics.loggers.base import FailureReporter, as_float, missing_extra
-from rlmetrics.text_table import format_table
 
 
 def prefix_of(name: str) -> str:

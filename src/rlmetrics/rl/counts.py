@@ -58,7 +58,7 @@ def global_counts(
         grad_reduce: "mean" when the gradient reduction averages over ranks (DDP,
             FSDP), "sum" when it sums.
         timeout: seconds (or a timedelta) after which a missing rank raises
-            ``rlmetrics.distributed.SyncTimeoutError`` (default: the group's own).
+            ``rlmetrics.SyncTimeoutError`` (default: the group's own).
     """
     if grad_reduce not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduce must be one of {GRAD_REDUCTIONS}, got {grad_reduce!r}")

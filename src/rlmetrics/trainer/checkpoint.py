@@ -27,8 +27,8 @@ from rlmetrics.tracker import Tracker
 from rlmetrics.trainer.config import RunConfig, TrainConfig
 
 if TYPE_CHECKING:
+    from rlmetrics.trainer.rank import Rank
     from rlmetrics.trainer.report import Reporter
-    from rlmetrics.trainer.train import Rank
 
 FILE_NAME = "checkpoint.pt"
 VERSION = 1

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlmetrics.dist_utils import free_port
+from rlmetrics.distributed import free_port
 from rlmetrics.trainer.config import TrainConfig
 from rlmetrics.trainer.train import train
 

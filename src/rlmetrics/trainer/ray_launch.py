@@ -11,7 +11,7 @@ actor's ``step(t)``, waits for all of them and logs one dict:
 * ``collective``: each actor ends the step with ``tracker.compute(group)``; every actor
   returns the same dict and the driver logs rank 0's after checking that they agree.
 * ``driver``: each actor returns ``tracker.state()`` (and resets); the driver merges the
-  states in rank order (``rlmetrics.ray.call_and_merge``) and computes the dict.
+  states in rank order (``rlmetrics.integrations.ray.call_and_merge``) and computes the dict.
 
 Both give the numbers the spawn launcher gives; only timings differ. Importing this
 module imports Ray; the rest of the trainer never does.
@@ -36,13 +36,14 @@ except ImportError as error:
 import torch
 import torch.distributed as dist
 
-from rlmetrics.ray import call_and_merge, compute_states, init_ray, with_metrics
+from rlmetrics.integrations.ray import call_and_merge, compute_states, init_ray, with_metrics
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
 from rlmetrics.trainer.config import METRICS_PATHS, TrainConfig, check
 from rlmetrics.trainer.launch import free_port, threads_per_rank
+from rlmetrics.trainer.rank import Rank
 from rlmetrics.trainer.report import Reporter
-from rlmetrics.trainer.train import Rank, log_step, setup, train_step
+from rlmetrics.trainer.train import log_step, setup, train_step
 
 SYNC_TIME = "timing_s/metrics"  # each rank's (or the driver's) own time: never compared
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +19,8 @@ from rlmetrics import rl
 from rlmetrics.tracker import Tracker
 from rlmetrics.trainer import checkpoint, perf
 from rlmetrics.trainer.config import TrainConfig
-from rlmetrics.trainer.model import TinyGPT, build_models
+from rlmetrics.trainer.model import build_models
+from rlmetrics.trainer.rank import Rank
 from rlmetrics.trainer.report import Reporter
 from rlmetrics.trainer.rollout import (
     Batch,
@@ -42,21 +42,6 @@ from rlmetrics.trainer.update import (
     ppo_advantages,
     sampled_log_probs,
 )
-
-
-@dataclass
-class Rank:
-    """What one rank holds during a run."""
-
-    cfg: TrainConfig
-    rank: int
-    world_size: int
-    group: Any
-    device: torch.device
-    task: Task
-    actor: Learner
-    ref: TinyGPT
-    critic: Learner | None
 
 
 def setup(cfg: TrainConfig, rank: int, world_size: int, group: Any, device: Any) -> Rank:

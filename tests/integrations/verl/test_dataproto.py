@@ -22,6 +22,7 @@ from verl.single_controller.base.decorator import (
 from verl.single_controller.base.worker_group import WorkerGroup
 
 from rlmetrics import Tracker, TrackerState
+from rlmetrics.integrations.tensordict import get_metrics as td_get_metrics
 from rlmetrics.integrations.verl.dataproto import (
     METRICS_KEY,
     MetricsDataProto,
@@ -30,7 +31,6 @@ from rlmetrics.integrations.verl.dataproto import (
     get_metrics,
     metrics_field,
 )
-from rlmetrics.tensordict import get_metrics as td_get_metrics
 
 from local_ray import local_ray
 
@@ -183,7 +183,8 @@ def test_to_keeps_the_metrics() -> None:
 def test_to_tensordict_and_back_keep_the_metrics() -> None:
     data, expected = tracked()
     td = data.to_tensordict()
-    assert td_get_metrics(td).compute() == expected  # rlmetrics.tensordict reads it as its own
+    # rlmetrics.integrations.tensordict reads it as its own
+    assert td_get_metrics(td).compute() == expected
     back = MetricsDataProto.from_tensordict(td)
     assert type(back) is MetricsDataProto and numbers(back) == expected
     assert numbers(concat([back, data])) == expected  # the same contribution

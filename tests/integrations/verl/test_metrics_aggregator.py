@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmetrics.compat.verl import FullyAsyncMetricsAggregator, MetricsAggregator
-from rlmetrics.compat.verl_aggregator import DAPO_FILTERED_REWARD_COUNTS_KEY
+from rlmetrics.compat.verl.aggregator import DAPO_FILTERED_REWARD_COUNTS_KEY
 
 verl_utils = pytest.importorskip("verl.trainer.ppo.v1.utils")
 verl_buffer = pytest.importorskip("verl.trainer.ppo.v1.replay_buffer")

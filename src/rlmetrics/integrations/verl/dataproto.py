@@ -1,7 +1,7 @@
 """Metrics that travel with verl's ``DataProto`` (verl 0.9.1) and merge when it is collected.
 
 The metrics live in ``meta_info`` under the reserved key ``METRICS_KEY``, as the same
-``MetricsField`` that ``rlmetrics.tensordict`` uses: a set of contributions (a
+``MetricsField`` that ``rlmetrics.integrations.tensordict`` uses: a set of contributions (a
 ``TrackerState`` each, with a unique id). Reading them merges the distinct
 contributions, each once, so a contribution that several pieces of a batch share is
 never counted twice.
@@ -39,9 +39,9 @@ from typing import Any
 import verl
 from verl.protocol import DataProto, DataProtoFuture
 
+from rlmetrics.integrations.tensordict import METRICS_KEY, MetricsField
 from rlmetrics.integrations.verl import check_version
 from rlmetrics.state import TrackerState
-from rlmetrics.tensordict import METRICS_KEY, MetricsField
 from rlmetrics.tracker import Tracker
 
 check_version(verl.__version__)

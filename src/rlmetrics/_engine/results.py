@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlmetrics._engine.layout import Layout
 from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState
-from rlmetrics.layout import Layout
 
 Suffixed = dict[int, tuple[Kind, dict[str, float]]]  # name position -> (kind, values)
 

@@ -30,10 +30,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from rlmetrics.audit_report import AuditReport, plot, render, spread_report
-from rlmetrics.audit_report import Spread as Spread  # re-exported: the report's API
-from rlmetrics.audit_report import spread as spread
-from rlmetrics.audit_report import verdict as verdict
+from rlmetrics.cli._audit_report import AuditReport, plot, render, spread_report
+from rlmetrics.cli._audit_report import Spread as Spread  # re-exported: the report's API
+from rlmetrics.cli._audit_report import spread as spread
+from rlmetrics.cli._audit_report import verdict as verdict
 from rlmetrics.tracker import Tracker
 from rlmetrics.trainer.config import SEED_MAX, AlgoConfig, ModelConfig, RunConfig, TrainConfig
 from rlmetrics.trainer.launch import exit_now
@@ -341,7 +341,7 @@ def check_plot_extra(plot_path: str | None) -> None:
     """Before any work: ``--plot`` needs matplotlib (exit naming the extra if missing)."""
     if not plot_path:
         return
-    from rlmetrics.extras import require
+    from rlmetrics._optional import require
 
     try:
         require("matplotlib", "plot", "rlmetrics audit --plot")

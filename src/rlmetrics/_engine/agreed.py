@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rlmetrics._engine.layout import Layout
 from rlmetrics.kinds.base import Accumulator
-from rlmetrics.layout import Layout
 
 TAIL = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
 RECENT = 8  # layouts kept per group: trackers that share a group keep their own

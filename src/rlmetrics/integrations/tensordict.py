@@ -28,7 +28,8 @@ try:
     from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 except ImportError as error:  # tensordict is an optional extra
     raise ImportError(
-        "rlmetrics.tensordict needs the tensordict package: pip install 'rlmetrics[tensordict]'"
+        "rlmetrics.integrations.tensordict needs the tensordict package: pip install "
+        "'rlmetrics[tensordict]'"
     ) from error
 
 from rlmetrics.state import TrackerState

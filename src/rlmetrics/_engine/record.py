@@ -2,7 +2,7 @@
 
 A log call computes nothing: python numbers, host arrays and tensors are appended to
 the metric's records as they are, or as copies (below) (``Accumulator.values`` and
-``weights``), to be reduced once per step by ``rlmetrics.fold``. What needs no data is
+``weights``), to be reduced once per step by ``rlmetrics._engine.fold``. What needs no data is
 checked here and raises at once, naming the metric: types, shapes, dtypes, python
 numbers (a negative weight; a non-finite value under ``nonfinite="error"``). What
 needs data (negative or non-finite weights in an array, non-finite values under
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.inputs import (
+from rlmetrics._engine.inputs import (
     REAL_DTYPES,
     STRIDED,
     MaskedArray,

@@ -1,25 +1,7 @@
-"""verl's metric helpers (``verl.utils.metric``), same behaviour, plus a way out.
-
-Replace ``from verl.utils.metric import Metric, reduce_metrics`` with
-``from rlmetrics.compat.verl import Metric, reduce_metrics``: the same inputs give the
-same results. What is added:
-
-* ``Metric.append(value, weight=w)`` keeps a weight per value. A MEAN Metric then
-  aggregates to ``Σ w·x / Σ w`` (the exact mean over tokens or sequences, not a mean of
-  micro-batch means); weights survive ``extend``, ``chain`` and ``append_to_dict``.
-* ``MetricsAggregator`` (verl's per-step reduction of several iterations' metrics),
-  on rlmetrics states: see ``rlmetrics.compat.verl_aggregator``, and the fully-async
-  policy's copy, ``FullyAsyncMetricsAggregator``.
-* ``Metric.to_state()`` / ``Metric.from_state()`` and ``to_tracker_state()`` /
-  ``from_tracker_state()`` convert to rlmetrics' mergeable states, so workers can
-  return ``TrackerState``s and the driver merges them exactly.
-
-Where verl crashes or is undefined, this module decides (see docs/migrating-from-verl.md):
-an empty MEAN/MIN/MAX gives NaN (verl: NaN with a RuntimeWarning, or a ValueError for
-MIN/MAX), an empty SUM 0.0 (as verl); ``Metric(agg, [1, 2])`` adds both values (verl's
-docstring promises it, its code raises); a plain list under a key that also holds
-Metric objects is reduced with the Metrics' aggregation (verl: TypeError).
-"""
+"""verl.utils.metric's names with exact, weighted semantics underneath (``Metric``,
+``AggregationType``, ``reduce_metrics``, ``append_to_dict``) and their conversion to
+rlmetrics states. The package's leaf: the aggregators import it, it imports neither of
+them (see ``rlmetrics.compat.verl`` for the whole story)."""
 
 from __future__ import annotations
 
@@ -31,8 +13,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlmetrics.compat.verl_aggregator import MetricsAggregator
-from rlmetrics.compat.verl_async_aggregator import FullyAsyncMetricsAggregator
 from rlmetrics.kinds import MetricState, get_kind
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
@@ -320,9 +300,7 @@ def append_to_dict(data: dict[str, Any], new_data: Mapping[str, Any], prefix: st
 
 __all__ = [
     "AggregationType",
-    "FullyAsyncMetricsAggregator",
     "Metric",
-    "MetricsAggregator",
     "append_to_dict",
     "as_scalar",
     "from_tracker_state",

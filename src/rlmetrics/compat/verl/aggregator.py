@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlmetrics.compat.verl.metric import Metric
 from rlmetrics.kinds import MetricState
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
@@ -143,8 +144,6 @@ class MetricsAggregator:
         self.step_count += 1
 
     def _add(self, key: str, value: Any, metrics: Mapping[str, Any], sample_count: int) -> None:
-        from rlmetrics.compat.verl import Metric  # lazy: compat.verl imports this module
-
         if key == DAPO_FILTERED_REWARD_COUNTS_KEY and isinstance(value, Mapping):
             self.dict_metrics.setdefault(key, Counter()).update(value)
             return

@@ -1,6 +1,6 @@
 """A tracker's folded state: one row per metric, every row in a few flat arrays.
 
-The fold (``rlmetrics.fold``) reduces a step's records into rows here, a whole kind at
+The fold (``rlmetrics._engine.fold``) reduces a step's records into rows here, a whole kind at
 a time (one indexed add per array, however many metrics), and packing copies the
 arrays into the collective's buffer with one indexed assignment each. Nothing here
 loops over metrics in python except for kinds with an extra payload.

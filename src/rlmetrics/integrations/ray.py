@@ -12,7 +12,7 @@ does the work. Metrics can reach the driver two ways, with the same numbers:
 Given the states in rank order, the driver merge gives exactly what ``compute()`` over
 the workers' group gives: the same keys, and every value bit for bit (the collective
 adds the gathered states in rank order too). Only in groups too large for the one
-gather (``rlmetrics.distributed.GATHER_LIMIT``) does the collective all-reduce, and then
+gather (``rlmetrics._engine.sync.GATHER_LIMIT``) does the collective all-reduce, and then
 sums over more than two workers may differ in the last bit (its own summation order).
 
 Replicas (tensor/pipeline-parallel copies of a data-parallel rank) return the same
@@ -36,7 +36,7 @@ try:
     import ray
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "rlmetrics.ray needs Ray, an optional extra: pip install 'rlmetrics[ray]'"
+        "rlmetrics.integrations.ray needs Ray, an optional extra: pip install 'rlmetrics[ray]'"
     ) from error
 
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
@@ -185,14 +185,17 @@ def _wait_all(refs: list[Any], timeout: float | None, what: str) -> list[Any]:
         if not ready:
             missing = sorted(index_of[ref] for ref in pending)
             raise TimeoutError(
-                f"rlmetrics.ray: {what} did not return within {timeout:g} s on workers "
+                f"rlmetrics.integrations.ray: {what} did not return within {timeout:g} s on "
+                f"workers "
                 f"{missing} of {len(refs)}"
             )
         index = index_of[ready[0]]
         try:
             outputs[index] = ray.get(ready[0])
         except Exception as error:
-            error.add_note(f"rlmetrics.ray: raised by worker {index} of {len(refs)} in {what}")
+            error.add_note(
+                f"rlmetrics.integrations.ray: raised by worker {index} of {len(refs)} in {what}"
+            )
             raise
     return outputs
 
@@ -204,7 +207,7 @@ def _split_output(index: int, output: Any) -> tuple[Any, TrackerState]:
         return output
     raise TypeError(
         f"worker {index} returned a {type(output).__name__}; expected (result, TrackerState) "
-        "or a TrackerState (see rlmetrics.ray.with_metrics)"
+        "or a TrackerState (see rlmetrics.integrations.ray.with_metrics)"
     )
 
 

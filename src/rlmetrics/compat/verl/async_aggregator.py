@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rlmetrics.compat.verl_aggregator import MetricsAggregator
+from rlmetrics.compat.verl.aggregator import MetricsAggregator
 from rlmetrics.state import TrackerState
 
 _TOOL_CALLS = "timing_s/agent_loop/tool_calls/"

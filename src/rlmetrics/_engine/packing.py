@@ -14,17 +14,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlmetrics._engine.layout import Layout
+from rlmetrics._engine.results import Reduced, nonfinite_counts
+from rlmetrics._engine.table import Table
+from rlmetrics.errors import RejectedInputError
 from rlmetrics.kinds.base import NUM_COUNTS, Accumulator
 from rlmetrics.kinds.batch import to_device
-from rlmetrics.layout import Layout
-from rlmetrics.results import Reduced, nonfinite_counts
-from rlmetrics.table import Table
-
-
-class RejectedInputError(ValueError):
-    """Tensor log calls were rejected on the device (negative or non-finite weights, or
-    non-finite values under ``nonfinite="error"``), or changed in place on some rank,
-    and dropped; raised at step end, on every rank of a sync."""
 
 
 @dataclass(eq=False)
@@ -32,7 +27,7 @@ class Packing:
     """Where a table's slots go in one layout's buffer ``[SUM | pad | MAX | end]``, for
     the metrics logged in a step (``make``'s ``accs``: per placement, its accumulator or
     None). The SUM part is ``sum_part`` floats (padded to a group's size at sync); the
-    end (the logged marks, padding and tail at sync, see ``rlmetrics.agreed``) follows
+    end (the logged marks, padding and tail at sync, see ``rlmetrics._engine.agreed``) follows
     the MAX slots.
 
     Built once per set of metrics (the sync and the local path cache it): packing a

@@ -2,7 +2,7 @@
 
 Checks here look at types, shapes and dtypes only: never at tensor data, which would
 need a device-to-host sync. Data checks (negative weights, non-finite values under
-``nonfinite="error"``) run when the step's records are reduced (``rlmetrics.fold``).
+``nonfinite="error"``) run when the step's records are reduced (``rlmetrics._engine.fold``).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def tracked(tensor: Tensor) -> Tensor:
 def tensor_error(name: str, tensor: Tensor, what: str = "value") -> TypeError:
     """The error for a tensor ``check_tensor`` refuses, naming the metric and the first
     problem found (complex, not dense or without data, unsupported dtype). Kept apart
-    from the checks so that ``rlmetrics.record`` can inline them on its fast path."""
+    from the checks so that ``rlmetrics._engine.record`` can inline them on its fast path."""
     if tensor.is_complex():
         return TypeError(f"metric {name!r}: {what} must be real, got complex dtype {tensor.dtype}")
     if tensor.layout is not STRIDED or tensor.is_nested or tensor.is_meta:

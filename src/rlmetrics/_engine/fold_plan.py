@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from rlmetrics._engine.record import NumberRecords
+from rlmetrics._engine.table import Table
 from rlmetrics.kinds.base import Accumulator
 from rlmetrics.kinds.rows import Rows
-from rlmetrics.record import NumberRecords
-from rlmetrics.table import Table
 
 _get_row = attrgetter("row")
 

@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Join a torchrun job: RANK/WORLD_SIZE/LOCAL_RANK from the environment.",
     )  # fmt: skip
     add_config_arguments(train)
-    from rlmetrics import audit
+    from rlmetrics.cli import audit
 
     audit.add_audit_arguments(sub.add_parser(
         "audit", help="metric spread across partitions of one training step",
@@ -207,7 +207,7 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _check_before_start(cfg: Any, parser: argparse.ArgumentParser) -> None:
     """Before any rank starts: the device exists, the loggers' extras are installed, and
     the checkpoint to resume from exists, is readable and matches the config."""
-    from rlmetrics.extras import require_loggers
+    from rlmetrics._optional import require_loggers
     from rlmetrics.loggers import parse_backends
     from rlmetrics.trainer import checkpoint
     from rlmetrics.trainer.launch import check_device
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plot":
         return _run_plot(args)
     if args.command == "audit":
-        from rlmetrics.audit import run_audit
+        from rlmetrics.cli.audit import run_audit
 
         return run_audit(args)
     print(f"rlmetrics {args.command}: not yet implemented", file=sys.stderr)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from rlmetrics.inputs import check_name
+from rlmetrics._engine.inputs import check_name
 from rlmetrics.timing import log_elapsed, log_throughput, timer
 
 if TYPE_CHECKING:

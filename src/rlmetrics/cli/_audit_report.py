@@ -1,7 +1,7 @@
 """The audit's report: per metric, the spread of its value across partitions.
 
 Shared by both modes of ``rlmetrics audit``: the reference trainer's step
-(``rlmetrics.audit``) and a user's function through the partition checker
+(``rlmetrics.cli.audit``) and a user's function through the partition checker
 (``--fn``). ``spread_report({partition label: metrics}, tol)`` builds an ``AuditReport``;
 ``render`` prints its table and verdict, ``plot`` draws it.
 """
@@ -147,8 +147,8 @@ def render(report: AuditReport, console: Any = None) -> None:
     A rich table when rich is installed (or ``console`` is given), plain text otherwise;
     metric names are shown literally either way.
     """
-    from rlmetrics.extras import available
-    from rlmetrics.text_table import format_table
+    from rlmetrics._optional import available
+    from rlmetrics.loggers._text_table import format_table
 
     title = f"metric spread across partitions (vs {report.partitions[0]})"
     header, rows = table_rows(report)

@@ -1,6 +1,6 @@
 """Step end: every metric's records reduced into its state, one pass per kind and device.
 
-A log call only records its value and weight (``rlmetrics.record``). Here the records
+A log call only records its value and weight (``rlmetrics._engine.record``). Here the records
 of all metrics of a kind on one backend (host data with numpy; a metric with a tensor
 record on that tensor's device) become one ``Batch``, with a number of torch operations
 that depends on the kinds, devices and shapes logged but not on how many calls there
@@ -34,22 +34,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.assemble import Parts, assemble, joined, on_backend, part_size
-from rlmetrics.fold_plan import FUSED, Fused, Layout, Plan, plan_for
+from rlmetrics._engine.assemble import Parts, assemble, joined, on_backend, part_size
+from rlmetrics._engine.fold_plan import FUSED, Fused, Layout, Plan, plan_for
+from rlmetrics._engine.record import NumberRecords
+from rlmetrics._engine.table import Table
+from rlmetrics.errors import ModifiedInputError
 from rlmetrics.kinds.base import Accumulator, Kind
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
 from rlmetrics.kinds.rows import Rows
-from rlmetrics.record import NumberRecords
-from rlmetrics.table import Table
-
-
-class ModifiedInputError(ValueError):
-    """A logged tensor was changed in place before the step's end. ``calls``: the calls
-    dropped per metric, where the metric is known (empty for calls with ``by=``)."""
-
-    def __init__(self, message: str, calls: dict[str, int] | None = None) -> None:
-        super().__init__(message)
-        self.calls = calls or {}
 
 
 def joined_errors(errors: list[ValueError]) -> ValueError:

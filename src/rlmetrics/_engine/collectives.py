@@ -3,8 +3,8 @@
 Every collective is issued with ``async_op=True`` and waited on with the timeout, so a
 rank that died or never arrives raises ``SyncTimeoutError`` on the others (with gloo;
 with NCCL the host wait is bounded by the process group's own timeout and watchdog, set
-through ``init_process_group(timeout=...)``). ``rlmetrics.distributed`` builds the
-tracker's sync on these and re-exports them.
+through ``init_process_group(timeout=...)``). ``rlmetrics._engine.sync`` builds the
+tracker's sync on these.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlmetrics.errors import SyncTimeoutError
+
 # Longer waits count as no timeout: gloo adds the wait to a nanosecond clock, which
 # overflows (the wait then fails at once) from about 9e9 s.
 MAX_TIMEOUT_S = 1e9
-
-
-class SyncTimeoutError(RuntimeError):
-    """A collective did not complete within the timeout (a rank died or hangs)."""
 
 
 def should_sync(group: Any) -> bool:
@@ -162,7 +160,6 @@ def gather_bytes(
 
 __all__ = [
     "MAX_TIMEOUT_S",
-    "SyncTimeoutError",
     "all_gather",
     "all_reduce",
     "as_timeout",
