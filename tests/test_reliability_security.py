@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
 import pickle
 import warnings
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from rlmetrics import Tracker
 from rlmetrics import distributed as rd
+from rlmetrics.distributed import _read_schema
 from rlmetrics.loggers import JsonlLogger, MlflowLogger, TensorBoardLogger
 
 from gloo_ranks import ok_results, run_together
@@ -193,3 +195,25 @@ def test_a_hostile_schema_is_decoded_as_json_and_executes_nothing(
         else:
             assert "os.system" in message or "unpack" in message
     assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"not json",
+        b'[["__import__(\'os\').system(\'touch x\')", "os.system", "eval"]]',
+        b'{"metrics": [["x", "mean"]], "kinds": {}}',
+        b'{"metrics": [[1, "mean", null]], "kinds": {}}',
+        b'{"metrics": [], "kinds": []}',
+        b'{"kinds": {}}',
+        b"null",
+    ],
+)
+def test_a_schema_of_another_form_is_a_value_error_naming_the_rank(data: bytes) -> None:
+    with pytest.raises(ValueError, match="rank 3 sent a schema"):
+        _read_schema(3, data)
+
+
+def test_a_schema_as_agree_schema_sends_it_is_read_back() -> None:
+    sent = {"metrics": [["x", "dist", ["dist", [0.5]]]], "kinds": {"dist": ["dist", [0.5]]}}
+    assert _read_schema(0, json.dumps(sent).encode()) == sent

@@ -62,6 +62,37 @@ from rlmetrics.table import Table
 GATHER_LIMIT = 200_000
 
 
+def _read_schema(rank: int, data: bytes) -> dict[str, Any]:
+    """A rank's schema as ``agree_schema`` sent it: JSON of ``{"metrics": [[name, kind
+    name, settings], ...], "kinds": {kind name: settings}}``.
+
+    Raises:
+        ValueError: naming the rank, for anything else (not JSON, another shape): the
+            same error on every rank, since every rank reads every rank's schema.
+    """
+    try:
+        schema = json.loads(data)
+    except ValueError as error:
+        raise ValueError(f"rank {rank} sent a schema that is not JSON: {error}") from error
+    if (
+        not isinstance(schema, dict)
+        or not isinstance(schema.get("metrics"), list)
+        or not isinstance(schema.get("kinds"), dict)
+        or not all(
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], str)
+            for entry in schema["metrics"]
+        )
+    ):
+        raise ValueError(
+            f"rank {rank} sent a schema of another form than rlmetrics sends "
+            f"(another version of rlmetrics on that rank?): {bytes(data[:200])!r}"
+        )
+    return schema
+
+
 def agree_schema(
     tracker: Any, group: Any, device: torch.device, timeout: timedelta | None
 ) -> Layout:
@@ -82,7 +113,10 @@ def agree_schema(
         (name, acc.kind.name, acc.kind.settings()) for name, acc in tracker.accumulators.items()
     )
     payload = json.dumps({"metrics": local, "kinds": kinds}).encode()
-    sent = [json.loads(data) for data in gather_bytes(payload, group, device, timeout)]
+    sent = [
+        _read_schema(rank, data)
+        for rank, data in enumerate(gather_bytes(payload, group, device, timeout))
+    ]
     union: dict[str, tuple[str, str, int]] = {}
     conflicts: dict[str, str] = {}  # the first per metric
     for rank, rank_sent in enumerate(sent):
