@@ -61,7 +61,7 @@ import torch
 
 import rlmetrics
 from rlmetrics import Tracker
-from rlmetrics._log_methods import RECORDS, PrefixedTracker
+from rlmetrics.tracker import PrefixedTracker
 
 from op_count import OpCounter
 
@@ -200,7 +200,6 @@ class SyncGuard:
         self.device_calls = 0  # calls given a tensor on the device
         self.depth = 0
         self.saved: dict[tuple[type, str], Any] = {}
-        self.records: dict[str, Callable[..., None]] = {}
 
     def wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
@@ -230,8 +229,6 @@ class SyncGuard:
                 if hasattr(cls, name):
                     self.saved[cls, name] = vars(cls).get(name)
                     setattr(cls, name, self.wrap(getattr(cls, name)))
-        self.records = dict(RECORDS)  # what prefixed views and Tracker._log call
-        RECORDS.update({kind: self.wrap(method) for kind, method in self.records.items()})
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -240,8 +237,6 @@ class SyncGuard:
                 delattr(cls, name)  # it was inherited
             else:
                 setattr(cls, name, original)
-        RECORDS.clear()
-        RECORDS.update(self.records)
         if self.armed:
             torch.cuda.set_sync_debug_mode(0)
 

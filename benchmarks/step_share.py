@@ -13,11 +13,10 @@ kept as it is.
 The demo trainer (``rlmetrics demo`` defaults: GRPO, 32 prompts x 8 samples, float32)
 runs on ``--dp`` spawned gloo ranks with these patches, installed in each rank:
 
-* the Tracker's log methods of each kind (``Tracker.mean`` and the others, also in
-  ``log_methods.RECORDS``, which prefixed views call), ``Tracker._log`` and
-  ``Tracker._log_shared`` (every log call of a Tracker or a prefixed view goes through
-  one of them) and ``Tracker.compute`` are wrapped in a ``perf_counter`` timer that
-  adds to per-step totals;
+* the Tracker's log methods of each kind (``Tracker.mean`` and the others),
+  ``Tracker._log`` and ``Tracker._log_shared`` (every log call of a Tracker or a
+  prefixed view goes through one of them) and ``Tracker.compute`` are wrapped in a
+  ``perf_counter`` timer that adds to per-step totals;
 * ``train_step`` is wrapped the same way: its wall time is the step (it ends with the
   step's ``compute()``);
 * before ``compute()``, an untimed ``dist.barrier()`` aligns the ranks, so that waiting
@@ -69,6 +68,7 @@ START, END = "<!-- step_share:start -->", "<!-- step_share:end -->"
 TARGET = 0.01
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: all threads
 PHASES = ("rollout", "prepare", "log_batch", "optimize")  # functions of trainer/train.py
+KIND_METHODS = ("mean", "sum", "max", "min", "std", "last", "dist", "quantile")
 COUNTERS = ("log", "compute", "wait", "step", "report", *PHASES)
 
 
@@ -183,7 +183,6 @@ def install(rank: int, steps: list[dict[str, float]], alternate: bool) -> None:
     With ``alternate``, odd steps run with the tracker switched off (log calls and
     ``compute()`` return at once, inside the same timers), for the A/B comparison.
     """
-    from rlmetrics._log_methods import KIND_METHODS, RECORDS
     from rlmetrics.tracker import Tracker
     from rlmetrics.trainer import report
 
@@ -195,8 +194,6 @@ def install(rank: int, steps: list[dict[str, float]], alternate: bool) -> None:
     depth = [0]  # one cell: a log_shared call is timed once, not again per metric
     for name, log in zip(names, logs, strict=True):
         setattr(Tracker, name, timed(log, totals, "log", count=True, depth=depth))
-        if name in RECORDS:
-            RECORDS[name] = getattr(Tracker, name)
     Tracker.compute = aligned(timed(compute, totals, "compute"), totals)
     report.Reporter.log = timed(report.Reporter.log, totals, "report")
     inner = timed(train.train_step, totals, "step")

@@ -606,44 +606,6 @@ WEIGHTS = {
 }
 
 
-@pytest.mark.parametrize("copy", [True, False], ids=["copied", "by reference"])
-@pytest.mark.parametrize("nonfinite", ["propagate", "error"])
-@pytest.mark.parametrize("host", [True, False], ids=["host path", "device path"])
-@pytest.mark.parametrize("kind", ["mean", "last"])
-@pytest.mark.parametrize("weight", WEIGHTS)
-@pytest.mark.parametrize("value", TENSOR_VALUES)
-def test_record_tensor_records_what_prepare_and_record_prepared_record(
-    value: str, weight: str, kind: str, host: bool, nonfinite: str, copy: bool
-) -> None:
-    """The tensor fast path (``record_tensor``, with a tensor, a python number or no
-    weight) leaves the same records, returns the same size and raises the same errors
-    as the general path (``prepare`` then ``record_prepared``), whether the tensor
-    weight is checked by this call or was by the last one (``CheckedWeight``)."""
-    from rlmetrics._engine.record import (
-        CheckedWeight,
-        NumberRecords,
-        prepare,
-        record_prepared,
-        record_tensor,
-    )
-
-    x = TENSOR_VALUES[value]()
-    w = WEIGHTS[weight](x)
-
-    def general(acc: Any) -> int:
-        prepared = prepare("m", x, w, host_arrays=host, copy=copy)
-        record_prepared(acc, "m", prepared, nonfinite, NumberRecords())
-        return prepared.size
-
-    checked = CheckedWeight()
-    expected = _outcome(general, kind)
-    for call in ("checks the weight", "reuses the last check"):
-        fast = _outcome(
-            lambda acc: record_tensor(acc, "m", x, w, nonfinite, host, checked, copy), kind
-        )
-        assert fast == expected, call
-
-
 def test_python_numbers_with_and_without_weights_fold_each_weight_in_place() -> None:
     """A python-number call records its weight only when it is not 1; interleaved
     weighted and plain calls of many metrics, in changing orders and with a mid-step

@@ -21,6 +21,7 @@ from rlmetrics import (
 )
 from rlmetrics.kinds import last
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
+from rlmetrics.tracker import LogMethods, PrefixedTracker
 
 from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
 
@@ -580,18 +581,22 @@ def test_name_clash_between_result_keys_is_reported() -> None:
 
 # -- prefixes -------------------------------------------------------------------------------
 def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
-    """The kind methods record without calling ``_log``; a subclass that overrides it
-    (as ``rlmetrics.cli.audit.RecordingTracker`` does) still sees every call, made on the
-    tracker or a prefixed view, by kind method or kind name, with or without a mask."""
+    """Every log call goes through ``_log``: a subclass that overrides it (as
+    ``rlmetrics.cli.audit.RecordingTracker`` does) sees every call, made on the tracker or
+    a prefixed view, by kind method or kind name, with or without a mask; each kind's
+    method is written once, in ``LogMethods``."""
 
     class Seeing(Tracker):
         def __init__(self) -> None:
             super().__init__()
             self.seen: list[tuple[str, str]] = []
 
-        def _log(self, name: str, kind: str, value: object, weight: object) -> None:
+        def _log(
+            self, name: str, kind: str, value: object, weight: object = None,
+            mask: object = None, by: object = None, labels: object = None,
+        ) -> None:  # fmt: skip
             self.seen.append((name, kind))
-            super()._log(name, kind, value, weight)
+            super()._log(name, kind, value, weight, mask, by, labels)
 
     t = Seeing()
     view = t.prefixed("p/")
@@ -604,7 +609,9 @@ def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
     expected = [("a", "mean"), ("b", "sum"), ("p/c", "max"), ("p/q/d", "min")]
     assert t.seen == [*expected, ("e", "std"), ("p/f", "last")]
     assert t.compute() == {"a": 1.0, "b": 1.0, "e": 0.5, "p/c": 2.0, "p/f": 4.0, "p/q/d": 3.0}
-    assert Tracker().prefixed("p/")._direct and not view._direct
+    kinds = ("mean", "sum", "max", "min", "std", "last", "dist", "quantile", "log")
+    assert all(getattr(cls, kind) is getattr(LogMethods, kind)
+               for cls in (Tracker, Seeing, PrefixedTracker) for kind in kinds)  # fmt: skip
 
 
 def test_prefixed_views_log_into_the_same_tracker() -> None:

@@ -25,8 +25,8 @@ collective is added.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,10 +41,7 @@ from rlmetrics._engine.inputs import (
 )
 from rlmetrics._engine.record import Prepared, prepare
 from rlmetrics.errors import ModifiedInputError
-from rlmetrics.kinds import Kind
-
-if TYPE_CHECKING:
-    from rlmetrics.tracker import Tracker
+from rlmetrics.kinds import Accumulator, Kind
 
 LABEL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 """Tensor dtypes ``by=`` takes (integer labels)."""
@@ -53,6 +50,7 @@ HOST_LABEL_TYPES = (np.ndarray, list, tuple, str, int, np.integer)
 
 Metrics = list[tuple[str, str]]  # (name, kind name) pairs, before the label suffix
 Part = tuple[str, Any, Any]  # a label's name part, its elements' values and weights
+LabelledPart = tuple[Metrics, Any, Any]  # a label's metrics (named name/part), values, weights
 
 
 class Deferred(NamedTuple):
@@ -78,14 +76,25 @@ class Groups:
         self.pending = []
 
     def log(
-        self, tracker: Tracker, metrics: Metrics, value: Any, weight: Any, by: Any, labels: Any
-    ) -> int:
-        """Log one grouped call into ``metrics`` of ``tracker``: at once for host labels
-        with host data, else kept for the fold.
+        self,
+        metrics: Metrics,
+        value: Any,
+        weight: Any,
+        by: Any,
+        labels: Any,
+        *,
+        kind_of: Callable[[str], Kind],
+        host_arrays: bool,
+        copy: bool,
+    ) -> tuple[list[LabelledPart], int]:
+        """Split one grouped call into ``metrics``: at once for host labels with host
+        data, else kept for the fold. ``kind_of``: the tracker's kind of a kind name;
+        ``host_arrays``, ``copy``: the tracker's settings (``rlmetrics._engine.record.prepare``).
 
         Returns:
-            the elements and calls kept for the fold (the tracker's memory bound counts
-            them; 0 when everything was recorded now).
+            the parts for the tracker to log now (one per label present; empty when the
+            call waits for the fold), and the elements and calls kept for the fold (the
+            tracker's memory bound counts them).
 
         Raises:
             TypeError, ValueError: naming the metric: a kind that takes no groups, labels
@@ -93,10 +102,9 @@ class Groups:
         """
         name = metrics[0][0]
         for metric, kind_name in metrics:
-            check_groupable(check_name(metric), tracker.kind(kind_name))
+            check_groupable(check_name(metric), kind_of(kind_name))
         mapping = check_mapping(name, labels)
-        copy = tracker.copy_cpu_tensors
-        prepared = prepare(name, value, weight, host_arrays=tracker.host_arrays, copy=copy)
+        prepared = prepare(name, value, weight, host_arrays=host_arrays, copy=copy)
         if isinstance(by, Tensor):
             codes, names = check_label_tensor(name, by), None
             if copy and codes.is_cpu:  # its labels now, as with any CPU tensor
@@ -107,18 +115,15 @@ class Groups:
         on_host = not isinstance(prepared.value, Tensor) and not isinstance(prepared.weight, Tensor)
         if names is not None and on_host:
             parts = split_host(prepared, codes, names)
-            check_kinds(tracker, metrics, [part for part, _, _ in parts])
-            for part, v, w in parts:
-                tracker._log_shared(labelled(metrics, part), v, w)
-            return 0
+            return [(labelled(metrics, part), v, w) for part, v, w in parts], 0
         tensors = (prepared.value, prepared.weight, codes)
         versions = tensor_states(tensors)
         self.pending.append(Deferred(metrics, prepared, codes, names, mapping, versions))
-        return 1 + prepared.size
+        return [], 1 + prepared.size
 
-    def resolve(self, tracker: Tracker) -> None:
-        """Split every waiting call by label and log each label's part (the fold's first
-        step; a host sync per call with tensor labels).
+    def resolve(self, log_parts: Callable[[list[LabelledPart]], None]) -> None:
+        """Split every waiting call by label and hand each call's parts to ``log_parts``
+        (the tracker's; the fold's first step; a host sync per call with tensor labels).
 
         Raises:
             ModifiedInputError: a waiting tensor changed in place; those calls are dropped.
@@ -141,9 +146,7 @@ class Groups:
                         continue
                     try:
                         parts = split_tensor(call)
-                        check_kinds(tracker, call.metrics, [part for part, _, _ in parts])
-                        for part, v, w in parts:
-                            tracker._log_shared(labelled(call.metrics, part), v, w)
+                        log_parts([(labelled(call.metrics, part), v, w) for part, v, w in parts])
                     except (TypeError, ValueError) as error:
                         errors.append(str(error))
         finally:
@@ -163,11 +166,11 @@ def labelled(metrics: Metrics, part: str) -> Metrics:
     return [(f"{name}/{part}", kind) for name, kind in metrics]
 
 
-def check_kinds(tracker: Tracker, metrics: Metrics, parts: list[str]) -> None:
-    """Raise before anything is logged when a label's name is already another kind's."""
-    logged = tracker.accumulators
-    for part in parts:
-        for name, kind in labelled(metrics, part):
+def check_kinds(logged: Mapping[str, Accumulator], parts: list[LabelledPart]) -> None:
+    """Raise before anything is logged when a label's name is already another kind's
+    in ``logged`` (the tracker's metrics of the step)."""
+    for metrics, _, _ in parts:
+        for name, kind in metrics:
             acc = logged.get(name)
             if acc is not None and acc.kind.name != kind:
                 raise ValueError(
@@ -343,7 +346,8 @@ def split_host(prepared: Prepared, codes: np.ndarray, names: list[str]) -> list[
     flat, width = codes.reshape(-1), _width(codes.shape, prepared.shape)
     order = _element_order(np.argsort(flat, kind="stable"), width)
     bounds = np.cumsum(np.bincount(flat, minlength=len(names)) * width)[:-1]
-    values = np.split(prepared.value.reshape(-1)[order], bounds)
+    value = np.asarray(prepared.value)  # a copied 0-d tensor is a python float
+    values = np.split(value.reshape(-1)[order], bounds)
     weight = prepared.weight
     if isinstance(weight, np.ndarray):
         weight = weight.reshape(-1)[order]
@@ -364,6 +368,8 @@ def split_tensor(call: Deferred) -> list[Part]:
     device = next(t.device for t in (value, weight, labels) if isinstance(t, Tensor))
     if value is None:  # a python number with tensor labels
         value = torch.tensor(prepared.number, dtype=torch.float64, device=device)
+    elif type(value) is float:  # a copied 0-d tensor
+        value = torch.tensor(value, dtype=torch.float64, device=device)
     value = torch.as_tensor(value, device=device)
     width = _width(tuple(labels.shape), prepared.shape)
     if names is None:  # tensor labels: sorted, then read (the sync)
@@ -404,4 +410,4 @@ def _element_order(row_order: Any, width: int) -> Any:
     return (row_order[:, None] * width + columns).reshape(-1)
 
 
-__all__ = ["Deferred", "Groups"]
+__all__ = ["Deferred", "Groups", "LabelledPart", "check_kinds"]

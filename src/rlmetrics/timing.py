@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -47,13 +47,23 @@ from rlmetrics._engine.inputs import check_name
 from rlmetrics.errors import TokenCountError
 from rlmetrics.kinds.batch import to_device
 
-if TYPE_CHECKING:
-    from rlmetrics.tracker import LogMethods, Tracker
-
 Clock = Callable[[], float]
 EventFactory = Callable[[], Any]
 """Makes an event with ``record()``, ``query()``, ``synchronize()`` and
 ``elapsed_time(end)`` in milliseconds, as ``torch.cuda.Event(enable_timing=True)``."""
+
+
+class Timed(Protocol):
+    """What timing needs of a Tracker or a prefixed view: its log call by kind name and
+    its tracker's ``DeviceTimers``."""
+
+    @property
+    def device_timers(self) -> DeviceTimers: ...
+
+    def log(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None, *, kind: str,
+    ) -> None: ...  # fmt: skip
 
 
 def rank_and_size(name: str, rank: Any, world_size: Any, group: Any) -> tuple[int, int]:
@@ -149,7 +159,7 @@ def check_count_tensor(name: str, num_tokens: Tensor) -> Tensor:
     return num_tokens.detach().reshape(()).to(torch.float64, copy=True)
 
 
-def log_elapsed(tracker: LogMethods, name: str, seconds: Any, **where: Any) -> None:
+def log_elapsed(tracker: Timed, name: str, seconds: Any, **where: Any) -> None:
     """Log ``seconds`` this rank spent in the stage ``name`` (``where``: rank=,
     world_size=, group=)."""
     kind, value, weight = elapsed_record(name, seconds, **where)
@@ -157,10 +167,10 @@ def log_elapsed(tracker: LogMethods, name: str, seconds: Any, **where: Any) -> N
 
 
 def log_throughput(
-    tracker: LogMethods, name: str, num_tokens: float | Tensor, seconds: Any, **where: Any
+    tracker: Timed, name: str, num_tokens: float | Tensor, seconds: Any, **where: Any
 ) -> None:
     """Log ``num_tokens`` this rank processed in ``seconds``. A tensor count is read at
-    the step's end (``read_device_timers``, from the tracker's fold), where the host
+    the step's end (``DeviceTimers.read``, from the tracker's fold), where the host
     waits anyway: logged then as a number, or, negative or not finite, raised."""
     if not isinstance(num_tokens, Tensor):
         kind, value, weight = throughput_record(name, num_tokens, seconds, **where)
@@ -170,20 +180,15 @@ def log_throughput(
     tokens = check_count_tensor(name, num_tokens)
     rank, size = rank_and_size(name, where.get("rank"), where.get("world_size"),
                                where.get("group"))  # fmt: skip
-    root: Tracker = getattr(tracker, "tracker", tracker)
-    full, kind = getattr(tracker, "prefix", "") + check_name(name), f"rank_throughput@{size}"
-    acc = root.accumulators.get(full)
-    if acc is not None and acc.kind.name != kind:  # as the log call would say at once
-        raise ValueError(f"metric {full!r} is already logged as kind {acc.kind.name!r}; "
-                         f"cannot log it as kind {kind!r}")  # fmt: skip
-    root.pending_timers.append(DeviceCount(tracker, name, tokens, seconds, rank, size))
+    check_name(name)
+    tracker.device_timers.add(DeviceCount(tracker, name, tokens, seconds, rank, size))
 
 
 @dataclass
 class DeviceCount:
     """A throughput call whose tensor token count is not read yet."""
 
-    view: LogMethods  # the tracker or prefixed view it was logged on
+    view: Timed  # the tracker or prefixed view it was logged on
     name: str
     tokens: Tensor  # a float64 copy of the count, 0-d, on its device
     seconds: float
@@ -195,7 +200,7 @@ class DeviceCount:
 class DeviceTimer:
     """A device timer whose events are not read yet."""
 
-    view: LogMethods  # the tracker or prefixed view it was started on
+    view: Timed  # the tracker or prefixed view it was started on
     name: str
     start: Any
     end: Any
@@ -205,7 +210,7 @@ class DeviceTimer:
 
 @contextmanager
 def timer(
-    tracker: LogMethods,
+    tracker: Timed,
     name: str,
     *,
     rank: int | None = None,
@@ -250,8 +255,7 @@ def timer(
         yield
     finally:
         _record(end, stream)
-        root: Tracker = getattr(tracker, "tracker", tracker)
-        root.pending_timers.append(DeviceTimer(tracker, name, begin, end, rank, size))
+        tracker.device_timers.add(DeviceTimer(tracker, name, begin, end, rank, size))
 
 
 def _cuda_events() -> Any:
@@ -265,32 +269,69 @@ def _record(event: Any, stream: Any) -> None:
         event.record(stream)
 
 
-def read_device_timers(tracker: Tracker, wait: bool) -> None:
-    """Log the tracker's pending device timers and tensor token counts (``Tracker._fold``
-    calls this): all of them, waiting for the device, with ``wait``; else the finished
-    timers only (a count is read at the step's end).
+def _full_name(view: Timed, name: str) -> str:
+    """``name`` as logged by ``view`` (a prefixed view adds its prefix)."""
+    return getattr(view, "prefix", "") + name
 
-    Raises:
-        TokenCountError: naming each metric whose count was negative or not finite; those
-            calls are dropped (logged with weight 0, so that the metric exists for a sync
-            to count them as rejected), everything else is logged first.
-    """
-    pending, tracker.pending_timers = tracker.pending_timers, []
-    unread, counts = [], []
-    for timer_ in pending:
-        if isinstance(timer_, DeviceCount):
-            (counts if wait else unread).append(timer_)
-            continue
-        if not wait and not timer_.end.query():
-            unread.append(timer_)
-            continue
-        timer_.end.synchronize()
-        seconds = timer_.start.elapsed_time(timer_.end) / 1000.0
-        log_elapsed(timer_.view, timer_.name, seconds, rank=timer_.rank,
-                    world_size=timer_.world_size)  # fmt: skip
-    tracker.pending_timers[:0] = unread
-    if counts:
-        _log_counts(counts)
+
+class DeviceTimers:
+    """A tracker's device timers and tensor token counts not read yet: ``timer`` and
+    ``throughput`` hand them here, and the tracker's fold has them read and logged
+    (``read``). ``logged_kind``: the kind name a metric of the tracker's step is logged
+    as (None when it is not), so that a count of a name logged as another kind raises
+    at its call, as a log call would."""
+
+    def __init__(self, logged_kind: Callable[[str], str | None]) -> None:
+        self.pending: list[DeviceTimer | DeviceCount] = []
+        self.logged_kind = logged_kind
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def add(self, entry: DeviceTimer | DeviceCount) -> None:
+        """Keep a timer or a count until the fold.
+
+        Raises:
+            ValueError: a count's metric is already logged as another kind.
+        """
+        if isinstance(entry, DeviceCount):
+            full, kind = _full_name(entry.view, entry.name), f"rank_throughput@{entry.world_size}"
+            logged = self.logged_kind(full)
+            if logged is not None and logged != kind:
+                raise ValueError(f"metric {full!r} is already logged as kind {logged!r}; "
+                                 f"cannot log it as kind {kind!r}")  # fmt: skip
+        self.pending.append(entry)
+
+    def clear(self) -> None:
+        """Drop everything not read yet (the tracker was reset)."""
+        self.pending = []
+
+    def read(self, wait: bool) -> None:
+        """Log the pending timers and counts (the tracker's fold calls this): all of
+        them, waiting for the device, with ``wait``; else the finished timers only (a
+        count is read at the step's end).
+
+        Raises:
+            TokenCountError: naming each metric whose count was negative or not finite;
+                those calls are dropped (logged with weight 0, so that the metric exists
+                for a sync to count them as rejected), everything else is logged first.
+        """
+        pending, self.pending = self.pending, []
+        unread, counts = [], []
+        for timer_ in pending:
+            if isinstance(timer_, DeviceCount):
+                (counts if wait else unread).append(timer_)
+                continue
+            if not wait and not timer_.end.query():
+                unread.append(timer_)
+                continue
+            timer_.end.synchronize()
+            seconds = timer_.start.elapsed_time(timer_.end) / 1000.0
+            log_elapsed(timer_.view, timer_.name, seconds, rank=timer_.rank,
+                        world_size=timer_.world_size)  # fmt: skip
+        self.pending[:0] = unread
+        if counts:
+            _log_counts(counts)
 
 
 def _log_counts(counts: list[DeviceCount]) -> None:
@@ -310,7 +351,7 @@ def _log_counts(counts: list[DeviceCount]) -> None:
             continue
         kind, value, _ = throughput_record(count.name, 0.0, count.seconds, **where)
         count.view.log(count.name, value, np.zeros_like(value), kind=kind)
-        full = getattr(count.view, "prefix", "") + count.name
+        full = _full_name(count.view, count.name)
         bad[full] = bad.get(full, 0) + 1
         messages.append(f"metric {full!r}: num_tokens must be finite and >= 0, got {tokens!r}")
     if bad:

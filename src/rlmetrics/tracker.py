@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from operator import attrgetter
@@ -19,25 +19,25 @@ from rlmetrics._engine.inputs import as_number, check_name
 from rlmetrics._engine.layout import Layout
 from rlmetrics._engine.packing import Packing, in_order, local_reduce
 from rlmetrics._engine.record import (
+    TENSOR_WEIGHTS,
     CheckedWeight,
     NumberRecords,
     Prepared,
     prepare,
+    prepare_tensor,
     record_number,
     record_prepared,
-    record_tensor,
 )
 from rlmetrics._engine.results import Reduced
 from rlmetrics._engine.sync import sync_reduce
 from rlmetrics._engine.table import Table
-from rlmetrics._log_methods import KIND_METHODS, RECORDS, LogMethods, PrefixedTracker
 from rlmetrics.errors import RejectedInputError
-from rlmetrics.groups import Groups
+from rlmetrics.groups import Groups, LabelledPart, check_kinds
 from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
 from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.state import TrackerState, check_metric, checked_load
-from rlmetrics.timing import read_device_timers
+from rlmetrics.timing import DeviceTimers, log_elapsed, log_throughput, timer
 
 EMPTY_POLICIES = ("omit", "nan")
 NONFINITE_POLICIES = ("propagate", "skip", "error")
@@ -58,65 +58,226 @@ def _locked(method: _Method) -> _Method:
     return locked  # type: ignore[return-value]
 
 
-_TENSOR_WEIGHTS = frozenset({Tensor, float, int})  # the weights record_tensor takes
+def _alias(name: str, weight: Any, mask: Any) -> Any:
+    """``mask=`` is ``weight=`` by its older name; both at once is an error."""
+    if weight is not None:
+        raise TypeError(f"metric {name!r}: pass weight= or mask= (an alias), not both")
+    return mask
 
 
-def _record_method(kind: str) -> Callable[..., None]:
-    """The Tracker's log call of ``kind`` (``Tracker.mean`` and the others, and
-    ``Tracker._log`` for any kind name), written once: under the tracker's lock, the
-    metric found (or made: a failed first call leaves none), then the value recorded.
-    The common calls, a plain float and a tensor, are recorded from here, not through
-    further methods: on this path a python call costs about what a check does."""
+class LogMethods:
+    """The logging calls shared by ``Tracker`` and its prefixed views.
 
-    def log(
-        self: Tracker, name: str, value: Any, weight: Any = None, mask: Any = None,
+    Every call takes ``weight=``: None (1 per element), a python number, or an array or
+    tensor of the value's shape (a bool mask counts as 0/1). Its meaning is the kind's:
+    a multiplier for ``mean``, ``std`` and ``sum``, a selector (weight > 0) for ``max``,
+    ``min``, ``dist`` and ``last``; a bool mask means the same everywhere. An element
+    with weight 0 contributes nothing, whatever its value. ``mask=`` is an alias of
+    ``weight=``, kept for code written when ``sum``, ``max``, ``min`` and ``dist`` took
+    a mask only (pass it by keyword).
+
+    Every call but ``last`` also takes ``by=``: a label per element (or per row, or one
+    for the call): a python sequence or numpy array of strings or integers, or an integer
+    tensor. Each label's elements are then logged under ``name/<label>``, exactly as if
+    logged alone; ``labels=`` maps labels to the names used (``{0: "gsm8k"}``). Tensor
+    labels are read at the fold (``compute()``), not at the call. See docs/groups.md and
+    ``rlmetrics.groups``.
+
+    Each log call goes to ``_log``, the one path: the Tracker's records the call, a
+    prefixed view's adds its prefix and hands the call to its tracker's.
+    """
+
+    device_timers: DeviceTimers
+    """The tracker's device timers and tensor token counts not read yet (``timing``)."""
+
+    def _log(
+        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
         by: Any = None, labels: Any = None,
     ) -> None:  # fmt: skip
-        if mask is not None or by is not None or labels is not None:
-            LogMethods.log(self, name, value, weight, mask, by, labels, kind=kind)
-            return
-        lock = self._lock  # acquire/release: cheaper than a with block
-        lock.acquire()
-        try:
-            try:
-                acc = self._accumulators.get(name)
-            except TypeError:  # an unhashable name
-                check_name(name)
-                raise
-            if acc is None or acc.kind_name != kind:
-                self._log_new(name, kind, value, weight)
-            elif (
-                (value_type := type(value)) is float
-                and weight is None
-                and acc.flat
-                and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
-            ):  # record_number's work for a plain float, written out
-                numbers = self._numbers
-                numbers.values.append(value)
-                numbers.rows.append(acc.row)
-                self._recorded += 1
-            elif value_type is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
-                self._recorded += 1 + record_tensor(
-                    acc,
-                    name,
-                    value,
-                    weight,
-                    self.nonfinite,
-                    self.host_arrays,
-                    self._checked_weight,
-                    self.copy_cpu_tensors,
-                )
-            else:
-                self._log_value(acc, name, value, weight)
-            if self._recorded > self.record_limit:
-                self._fold_early()
-        finally:
-            lock.release()
+        raise NotImplementedError
 
-    log.__name__ = kind
-    log.__qualname__ = f"Tracker.{kind}"
-    log.__doc__ = getattr(LogMethods, kind, LogMethods.log).__doc__
-    return log
+    def mean(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None,
+    ) -> None:  # fmt: skip
+        """Weighted mean: Σ value·weight / Σ weight."""
+        self._log(name, "mean", value, weight, mask, by, labels)
+
+    def sum(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None,
+    ) -> None:  # fmt: skip
+        """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements)."""
+        self._log(name, "sum", value, weight, mask, by, labels)
+
+    def max(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None,
+    ) -> None:  # fmt: skip
+        """Largest element (of those with weight > 0)."""
+        self._log(name, "max", value, weight, mask, by, labels)
+
+    def min(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None,
+    ) -> None:  # fmt: skip
+        """Smallest element (of those with weight > 0)."""
+        self._log(name, "min", value, weight, mask, by, labels)
+
+    def std(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None,
+    ) -> None:  # fmt: skip
+        """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
+        self._log(name, "std", value, weight, mask, by, labels)
+
+    def last(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None,
+    ) -> None:  # fmt: skip
+        """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
+        A weight of 0 (or False) leaves the previous value in place."""
+        self._log(name, "last", value, weight, mask, by, labels)
+
+    def dist(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None,
+    ) -> None:  # fmt: skip
+        """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
+        self._log(name, "dist", value, weight, mask, by, labels)
+
+    def quantile(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None,
+    ) -> None:  # fmt: skip
+        """Every element with weight > 0 into a fixed-size sketch: the keys ``dist``
+        reports, quantiles within a relative error (see docs/quantiles.md)."""
+        self._log(name, "quantile", value, weight, mask, by, labels)
+
+    def log(
+        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
+        labels: Any = None, *, kind: str,
+    ) -> None:  # fmt: skip
+        """Log into any registered kind (built-in or user-defined) by its name."""
+        self._log(name, kind, value, weight, mask, by, labels)
+
+    def timer(self, name: str, **where: Any) -> AbstractContextManager[None]:
+        """Time the block as this rank's entry into a stage: ``name`` reports the slowest
+        rank's time in the step (a rank's entries summed), ``name/mean``, ``name/min``
+        and ``name/slowest_rank``. ``where``: ``rank=``, ``world_size=`` (default: from
+        the process group), ``group=``, ``device="cuda"`` (CUDA events, read at step
+        end), ``clock=``. See ``rlmetrics.timing``.
+
+        Example:
+            >>> t = Tracker()
+            >>> with t.timer("timing_s/gen", clock=iter([1.0, 3.5]).__next__):
+            ...     pass
+            >>> t.compute()["timing_s/gen"]
+            2.5
+        """
+        return timer(self, name, **where)
+
+    def elapsed(self, name: str, seconds: float, **where: Any) -> None:
+        """Log ``seconds`` (measured elsewhere) as this rank's entry into a stage, as
+        ``timer`` does (``where``: ``rank=``, ``world_size=``, ``group=``)."""
+        log_elapsed(self, name, seconds, **where)
+
+    def throughput(self, name: str, num_tokens: Any, seconds: float, **where: Any) -> None:
+        """Log ``num_tokens`` (a number or a one-element tensor) this rank processed in
+        ``seconds``: ``name`` = Σ tokens / (slowest rank's seconds × ranks), per rank as
+        verl's ``perf/throughput``; ``name/total`` = Σ tokens / slowest rank's seconds."""
+        log_throughput(self, name, num_tokens, seconds, **where)
+
+    def log_shared(
+        self,
+        metrics: Sequence[tuple[str, str]],
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
+        """Log one value (and weight) into several metrics, given as (name, kind) pairs,
+        converting and checking the input once: the same as one ``log`` call per metric,
+        in order, for less (with ``by=``, the labels are grouped once too), all landing
+        in one step (a ``compute()`` in another thread comes before or after them all).
+
+        Example:
+            >>> t = Tracker()
+            >>> t.log_shared([("len/mean", "mean"), ("len/max", "max")], [3, 5])
+            >>> t.compute()
+            {'len/max': 5.0, 'len/mean': 4.0}
+        """
+        metrics = list(metrics)
+        if by is not None or labels is not None:
+            if metrics:
+                self._grouped(metrics, value, weight, mask, by, labels)
+            return
+        if mask is not None:
+            weight = _alias(metrics[0][0] if metrics else "", weight, mask)
+        self._log_shared(metrics, value, weight)
+
+    def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
+        raise NotImplementedError
+
+    def _holding(self) -> AbstractContextManager[Any]:
+        """A context in which several log calls land in one step together (the
+        tracker's lock; ``rl.log_updates`` applies its updates in it)."""
+        raise NotImplementedError
+
+    def _grouped(
+        self, metrics: list[tuple[str, str]], value: Any, weight: Any, mask: Any, by: Any,
+        labels: Any,
+    ) -> None:  # fmt: skip
+        """A call with ``by=`` (or, wrongly, ``labels=`` alone)."""
+        name = metrics[0][0]
+        if mask is not None:
+            weight = _alias(name, weight, mask)
+        if by is None:
+            raise TypeError(f"metric {name!r}: labels= names the labels of by=; pass by= too")
+        self._log_by(metrics, value, weight, by, labels)
+
+    def _log_by(
+        self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
+    ) -> None:
+        raise NotImplementedError
+
+    def prefixed(self, prefix: str) -> PrefixedTracker:
+        """A view that logs every name as ``prefix + name`` into the same tracker."""
+        raise NotImplementedError
+
+
+class PrefixedTracker(LogMethods):
+    """A view of a Tracker that prepends a prefix to every name it logs."""
+
+    def __init__(self, tracker: Tracker, prefix: str) -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string, got {type(prefix).__name__}")
+        self.tracker = tracker
+        self.prefix = prefix
+        self.device_timers = tracker.device_timers
+
+    def _log(
+        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
+        by: Any = None, labels: Any = None,
+    ) -> None:  # fmt: skip
+        self.tracker._log(self.prefix + check_name(name), kind, value, weight, mask, by, labels)
+
+    def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
+        named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
+        self.tracker._log_shared(named, value, weight)
+
+    def _holding(self) -> AbstractContextManager[Any]:
+        return self.tracker._holding()
+
+    def _log_by(
+        self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
+    ) -> None:
+        named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
+        self.tracker._log_by(named, value, weight, by, labels)
+
+    def prefixed(self, prefix: str) -> PrefixedTracker:
+        return PrefixedTracker(self.tracker, self.prefix + prefix)
 
 
 class Tracker(LogMethods):
@@ -210,26 +371,17 @@ class Tracker(LogMethods):
         self._fold_errors: list[ValueError] = []  # of early folds, raised by the next
         self._checked_weight = CheckedWeight()  # the last tensor weight logged
         self._recorded = 0  # elements and calls recorded since the last fold
-        self.pending_timers: list[Any] = []  # device timers, tensor token counts not read yet
+        # device timers and tensor token counts not read yet (``rlmetrics.timing``)
+        self.device_timers = DeviceTimers(self._logged_kind)
         self._groups = Groups()  # calls with by= waiting for the fold
-        self.record_limit = type(self).record_limit  # read by every log call: faster here
+        # read by every log call: instance attributes are found faster than class ones
+        self.record_limit = type(self).record_limit
+        self.host_arrays = type(self).host_arrays
+        self.copy_cpu_tensors = type(self).copy_cpu_tensors
 
     host_arrays: bool = True
     copy_cpu_tensors: bool = True
     record_limit: int = 1 << 22
-
-    _logs_directly = True  # prefixed views call RECORDS' methods, not _log
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass that overrides ``_log`` sees every log call: its kind methods are
-        ``LogMethods``', which call ``_log`` (``rlmetrics.cli.audit.RecordingTracker``), and
-        so do its prefixed views'."""
-        super().__init_subclass__(**kwargs)
-        if cls._log is not Tracker._log:
-            cls._logs_directly = False
-            for kind in KIND_METHODS:
-                if kind not in cls.__dict__:
-                    setattr(cls, kind, getattr(LogMethods, kind))
 
     # -- logging ------------------------------------------------------------------
     def kind(self, kind_name: str) -> Kind:
@@ -238,16 +390,66 @@ class Tracker(LogMethods):
         registered again later is seen)."""
         return self._own_kinds.get(kind_name) or get_kind(kind_name)
 
-    def _log(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
-        """A log call by kind name (prefixed views, ``log(kind=...)``, ``log_shared``):
-        the kind's log method (``_record_method``), made at its first call that logs."""
-        record = RECORDS.get(kind_name)
-        if record is None:
-            record = _record_method(kind_name)
-            record(self, name, value, weight)
-            RECORDS[kind_name] = record  # it logged, so it names a kind: few such names
-        else:
-            record(self, name, value, weight)
+    def _log(
+        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
+        by: Any = None, labels: Any = None,
+    ) -> None:  # fmt: skip
+        """Every log call of this tracker and its views (the kind methods, ``log``): under
+        the tracker's lock, the metric found (or made: a failed first call leaves none),
+        then the value recorded; a plain float and a plain tensor by the shortest way.
+        A call with ``by=`` goes to ``rlmetrics.groups``, which hands back one call per
+        label (``_log_shared``), at once or at the fold.
+
+        A subclass that overrides ``_log`` sees every log call, as made
+        (``rlmetrics.cli.audit.RecordingTracker``)."""
+        if mask is not None or by is not None or labels is not None:
+            if mask is not None:
+                weight = _alias(name, weight, mask)
+            if by is not None or labels is not None:
+                if by is None:
+                    raise TypeError(
+                        f"metric {name!r}: labels= names the labels of by=; pass by= too"
+                    )
+                self._log_by([(name, kind)], value, weight, by, labels)
+                return
+        lock = self._lock
+        lock.acquire()
+        try:
+            try:
+                acc = self._accumulators.get(name)
+            except TypeError:  # an unhashable name
+                check_name(name)
+                raise
+            if acc is None or acc.kind_name != kind:
+                self._log_new(name, kind, value, weight)
+            elif (
+                (value_type := type(value)) is float
+                and weight is None
+                and acc.flat
+                and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
+            ):  # record_number's work for a plain float, written out
+                numbers = self._numbers
+                numbers.values.append(value)
+                numbers.rows.append(acc.row)
+                self._recorded += 1
+            elif value_type is Tensor and (weight is None or type(weight) in TENSOR_WEIGHTS):
+                prepared = prepare_tensor(
+                    name,
+                    value,
+                    weight,
+                    self.host_arrays,
+                    self.copy_cpu_tensors,
+                    self._checked_weight,
+                )
+                self._recorded += 1 + record_prepared(
+                    acc, name, prepared, self.nonfinite, self._numbers
+                )
+            else:
+                self._log_value(acc, name, value, weight)
+            if self._recorded > self.record_limit:
+                self._fold_early()
+        finally:
+            lock.release()
 
     def _log_new(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
         """A metric's first call of the step (or a kind conflict, which raises)."""
@@ -259,22 +461,10 @@ class Tracker(LogMethods):
             raise
 
     def _log_value(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
-        """Record a value the log method does not record itself: tensors (with no weight,
-        a tensor or a python one), python numbers, prepared values (``log_shared``),
-        arrays and the rest."""
+        """Record a value ``_log`` does not record itself: python numbers, prepared values
+        (``log_shared``), tensors, arrays and the rest."""
         value_type = type(value)
-        if value_type is Tensor and (weight is None or type(weight) in _TENSOR_WEIGHTS):
-            self._recorded += 1 + record_tensor(
-                acc,
-                name,
-                value,
-                weight,
-                self.nonfinite,
-                self.host_arrays,
-                self._checked_weight,
-                self.copy_cpu_tensors,
-            )
-        elif (value_type is float or value_type is int) and (
+        if (value_type is float or value_type is int) and (
             weight is None or type(weight) is float or type(weight) is int
         ):
             try:
@@ -286,13 +476,17 @@ class Tracker(LogMethods):
                 raise
             record_number(acc, name, number, weight, self.nonfinite, self._numbers)
             self._recorded += 1
-        else:
-            if value_type is not Prepared:
-                value = prepare(
-                    name, value, weight, host_arrays=self.host_arrays, copy=self.copy_cpu_tensors
-                )
-            record_prepared(acc, name, value, self.nonfinite, self._numbers)
-            self._recorded += 1 + value.size
+            return
+        if value_type is not Prepared:
+            value = prepare(
+                name,
+                value,
+                weight,
+                host_arrays=self.host_arrays,
+                copy=self.copy_cpu_tensors,
+                checked=self._checked_weight,
+            )
+        self._recorded += 1 + record_prepared(acc, name, value, self.nonfinite, self._numbers)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
@@ -315,10 +509,27 @@ class Tracker(LogMethods):
         self, metrics: list[tuple[str, str]], value: Any, weight: Any, by: Any, labels: Any
     ) -> None:
         with self._lock:
-            deferred = self._groups.log(self, metrics, value, weight, by, labels)
-            self._recorded += deferred  # after the call, which may record (host labels)
+            parts, deferred = self._groups.log(
+                metrics,
+                value,
+                weight,
+                by,
+                labels,
+                kind_of=self.kind,
+                host_arrays=self.host_arrays,
+                copy=self.copy_cpu_tensors,
+            )
+            self._log_parts(parts)
+            self._recorded += deferred  # after the parts, which may fold
             if self._recorded > self.record_limit:
                 self._fold_early()
+
+    def _log_parts(self, parts: list[LabelledPart]) -> None:
+        """Log a grouped call's parts, one ``_log_shared`` call per label, after checking
+        that none names a metric of another kind (a call that fails logs nothing)."""
+        check_kinds(self._accumulators, parts)
+        for metrics, value, weight in parts:
+            self._log_shared(metrics, value, weight)
 
     def _fold(self, wait: bool = True) -> None:
         """Reduce every record into the states (see ``rlmetrics._engine.fold``), after logging
@@ -326,9 +537,9 @@ class Tracker(LogMethods):
         and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``).
         Raises the fold's errors, those of the step's early folds included."""
         errors, self._fold_errors = self._fold_errors, []
-        if self.pending_timers:
+        if self.device_timers:
             try:
-                read_device_timers(self, wait)
+                self.device_timers.read(wait)
             except ValueError as error:  # a bad tensor token count: its call dropped
                 errors.append(error)
         try:
@@ -337,7 +548,7 @@ class Tracker(LogMethods):
                 # every call recorded one flat number: no metric holds records of its own
                 flat_only = self._recorded == len(self._numbers.values)
                 try:
-                    self._groups.resolve(self)
+                    self._groups.resolve(self._log_parts)
                 finally:
                     self._recorded = 0
                     accs = list(self._accumulators.values())
@@ -371,6 +582,11 @@ class Tracker(LogMethods):
             acc = self._pool[name] = Accumulator(kind, self._table, self._table.add_row(kind), name)
         self._accumulators[name] = acc
         return acc
+
+    def _logged_kind(self, name: str) -> str | None:
+        """The kind name ``name`` is logged as this step, or None."""
+        acc = self._accumulators.get(name)
+        return None if acc is None else acc.kind.name
 
     def prefixed(self, prefix: str) -> PrefixedTracker:
         return PrefixedTracker(self, prefix)
@@ -533,7 +749,7 @@ class Tracker(LogMethods):
         """Unpickle with a new lock, and each metric on this process's kind object (a
         pickled kind arrives as a copy, which an agreed layout would not recognise)."""
         self.__dict__.update(state)
-        self.__dict__.setdefault("pending_timers", [])
+        self.__dict__.setdefault("device_timers", DeviceTimers(self._logged_kind))
         self._lock = threading.RLock()
         self.__dict__.setdefault("_groups", Groups())  # pickled before groups existed
         self.__dict__.setdefault("_numbers", NumberRecords())
@@ -551,7 +767,7 @@ class Tracker(LogMethods):
     def reset(self) -> None:
         """Forget every metric (a new step begins), the device timers not read yet and
         the calls with ``by=`` not split yet."""
-        self.pending_timers = []
+        self.device_timers.clear()
         self._groups.clear()
         self._numbers.clear()
         self._checked_weight.clear()
@@ -660,10 +876,6 @@ class Tracker(LogMethods):
         kinds = checked_load(state, self.kind)  # a state that fails changes nothing
         self.reset()
         self._merge_checked(state, kinds)
-
-
-for _kind in KIND_METHODS:
-    setattr(Tracker, _kind, RECORDS.setdefault(_kind, _record_method(_kind)))
 
 
 __all__ = ["NUM_COUNTS", "LogMethods", "PrefixedTracker", "Tracker"]

@@ -140,21 +140,43 @@ class Prepared(NamedTuple):
 
     number: float | None  # a python number with a python weight: the number path
     weight_number: float
-    value: np.ndarray | Tensor | None  # as logged (a host copy for arrays)
+    value: np.ndarray | Tensor | float | None  # as logged (a host copy for arrays)
     weight: np.ndarray | Tensor | float | None
     size: int  # elements
     shape: tuple[int, ...]  # of the value as logged, for messages
     check_weights: bool  # weights are an array that is not a bool mask
-    device: torch.device | None  # where the fold runs: None for the host
+    # where the fold runs: None for the host, else the device or a tensor on it (its
+    # device is read only for a metric that has none yet)
+    device: torch.device | Tensor | None
+    versions: tuple[int, ...]  # the recorded tensors' version counters: weight's, value's
 
 
-def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool, copy: bool) -> Prepared:
+_new_tuple = tuple.__new__  # a Prepared from a plain tuple of its fields
+TENSOR_WEIGHTS = frozenset({Tensor, float, int})
+"""The weight types ``prepare_tensor`` takes with a plain tensor value (and None)."""
+
+
+def prepare(
+    name: str,
+    value: Any,
+    weight: Any,
+    *,
+    host_arrays: bool,
+    copy: bool,
+    checked: CheckedWeight | None = None,
+) -> Prepared:
     """Check a value (number, array, tensor) and its weight without reading device
-    tensor data; ``copy``: a CPU tensor is recorded as a copy (``host_copy``).
+    tensor data; ``copy``: a CPU tensor is recorded as a copy (``host_copy``);
+    ``checked``: the tracker's last checked tensor weight (``CheckedWeight``). A plain
+    tensor with no weight, a plain tensor weight or a python one is ``prepare_tensor``'s.
 
     Raises:
         TypeError, ValueError: naming ``name`` and what is wrong.
     """
+    if type(value) is Tensor and (weight is None or type(weight) in TENSOR_WEIGHTS):
+        if checked is None:
+            checked = CheckedWeight()
+        return _new_tuple(Prepared, prepare_tensor(name, value, weight, host_arrays, copy, checked))
     if isinstance(value, MaskedArray) or isinstance(weight, MaskedArray):
         value, weight = unmask(name, value, weight)
     weight_tensor = isinstance(weight, Tensor)  # each isinstance(x, Tensor) costs
@@ -169,11 +191,13 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool, copy: bool
         if number is not None:
             # a tensor is never a number (0-d ones included: reading one would sync)
             if weight is None:
-                return Prepared(number, 1.0, None, None, 1, (), False, None)
+                return _new_tuple(Prepared, (number, 1.0, None, None, 1, (), False, None, ()))
             if not weight_tensor:
                 weight_number = as_number(name, weight, "weight")
                 if weight_number is not None:
-                    return Prepared(number, weight_number, None, None, 1, (), False, None)
+                    return _new_tuple(
+                        Prepared, (number, weight_number, None, None, 1, (), False, None, ())
+                    )
             value = np.array(number)
         else:
             value = numeric_array(name, value)
@@ -187,7 +211,8 @@ def prepare(name: str, value: Any, weight: Any, *, host_arrays: bool, copy: bool
     ):
         tensor = value if isinstance(value, Tensor) else weight  # a 0-d copy is an array
         device = tensor.device if isinstance(tensor, Tensor) else CPU
-    return Prepared(None, 1.0, value, weight, size, shape, check, device)
+    versions = tuple(x._version for x in (weight, value) if isinstance(x, Tensor))
+    return _new_tuple(Prepared, (None, 1.0, value, weight, size, shape, check, device, versions))
 
 
 def _weight(
@@ -245,30 +270,29 @@ class CheckedWeight:
         self.last = self.NOT_CHECKED
 
 
-def record_tensor(
-    acc: Accumulator,
+def prepare_tensor(
     name: str,
     value: Tensor,
     weight: Tensor | float | int | None,
-    nonfinite: str,
     host: bool,
-    checked: CheckedWeight,
     copy: bool,
-) -> int:
-    """Record a plain tensor value with no weight, a plain tensor weight or a python
-    float or int weight; ``host``: CPU tensors go down the host path; ``checked``: the
-    tracker's last checked tensor weight; ``copy``: CPU tensors are recorded as copies
-    (``Tracker.copy_cpu_tensors``). Returns the number of elements recorded.
+    checked: CheckedWeight,
+) -> tuple[Any, ...]:
+    """``prepare`` for a plain tensor value with no weight, a plain tensor weight or a
+    python float or int weight: every tensor log call's checks, returned as a plain
+    tuple of ``Prepared``'s fields (what ``record_prepared`` takes). ``host``: CPU tensors go
+    down the host path; ``copy``: CPU tensors are recorded as copies
+    (``Tracker.copy_cpu_tensors``); ``checked``: the tracker's last checked tensor weight.
 
-    The common call, so ``check_tensor``'s checks are written out here and each tensor
-    attribute is read once, and only when needed (each read is a call into torch): the
-    shape, read for the size and the weight's check, also tells a strided nested tensor
-    (torch gives it none; a jagged one has a layout of its own), so ``is_nested`` is
-    read only then; a CPU tensor is not a meta one, so ``is_meta`` is read only off the
-    CPU; a tensor weight is checked once while it is logged again unchanged
-    (``CheckedWeight``; a CPU weight is still copied at each call). Any refused tensor
-    gets ``tensor_error``'s message. A copied 0-d tensor is recorded as a python float
-    (``tolist`` reads it without a torch operation), with a python weight.
+    The checks of ``inputs.check_tensor``, each tensor attribute read once and only when
+    needed (each read is a call into torch): the shape, read for the size and the
+    weight's check, also tells a strided nested tensor (torch gives it none; a jagged
+    one has a layout of its own), so ``is_nested`` is read only then; a CPU tensor is
+    not a meta one, so ``is_meta`` is read only off the CPU; a plain tensor has no
+    dispatch of its own; a tensor weight is checked once while it is logged again
+    unchanged (``CheckedWeight``; a CPU weight is still copied at each call). Any
+    refused tensor gets ``tensor_error``'s message. A copied 0-d tensor is recorded as
+    a python float (``tolist`` reads it without a torch operation), with a python weight.
     """
     if value.dtype not in REAL_DTYPES or value.layout is not STRIDED:
         raise tensor_error(name, value)
@@ -330,21 +354,18 @@ def record_tensor(
                         version = weight._version
                 else:
                     weight, version = float(weight.tolist()), None
-        elif on_host:  # a CPU value with a device weight
+        elif on_host:  # a CPU value with a device weight: the fold runs there
             on_host = False
-            if acc.record_device is None:
-                acc.record_device = device
-        needs_check = check_data or nonfinite == "error"
+        else:
+            device = None
     else:
         version = None
         if weight is not None:  # a python float or int
             weight = _weight_number(name, weight)
-        needs_check = nonfinite == "error"
+        check_data, device = False, None
         size = shape.numel()
-    if acc.sized:
-        _check_size(acc, name, size, shape)
-    if not on_host and acc.record_device is None:
-        acc.record_device = value.device
+    if not on_host and device is None:
+        device = value
     if cpu and copy and not shape and type(weight) is not Tensor:  # a 0-d tensor's value
         value, value_version = float(value.tolist()), None
         if weight is None:
@@ -362,19 +383,11 @@ def record_tensor(
             value_version = value._version
         if value.requires_grad:
             value = value.detach()  # a view: the record must not keep the graph alive
-    if version is not None:  # a tensor weight's
-        acc.versions.append(version)
-    if value_version is not None:
-        acc.versions.append(value_version)
-    if needs_check:
-        acc.num_checked += 1  # may be rejected: compute() tells
+    if version is None:
+        versions = () if value_version is None else (value_version,)
     else:
-        acc.kept_call = True
-    acc.arrays = True
-    acc.flat = False  # the metric's later numbers follow this record in its own
-    acc.values.append(value)
-    acc.weights.append(weight)
-    return size
+        versions = (version,) if value_version is None else (version, value_version)
+    return (None, 1.0, value, weight, size, shape, check_data, device, versions)
 
 
 def _weight_number(name: str, weight: float | int) -> float:
@@ -389,28 +402,32 @@ def _weight_number(name: str, weight: float | int) -> float:
 
 
 def record_prepared(
-    acc: Accumulator, name: str, prepared: Prepared, nonfinite: str, numbers: NumberRecords
-) -> None:
-    """Record a prepared value into ``acc`` (the metric called ``name``)."""
-    value = prepared.value
+    acc: Accumulator,
+    name: str,
+    prepared: Prepared | tuple[Any, ...],
+    nonfinite: str,
+    numbers: NumberRecords,
+) -> int:
+    """Record a prepared call (a ``Prepared`` or the plain tuple ``prepare_tensor``
+    returns) into ``acc`` (the metric called ``name``); returns the elements recorded (0
+    for a python number, which ``numbers`` takes while the metric has no array record
+    this step)."""
+    number, weight_number, value, weight, size, shape, check_weights, device, versions = prepared
     if value is None:
-        record_number(acc, name, prepared.number, prepared.weight_number, nonfinite, numbers)
-        return
+        record_number(acc, name, number, weight_number, nonfinite, numbers)
+        return 0
     if acc.sized:
-        _check_size(acc, name, prepared.size, prepared.shape)
-    if prepared.check_weights or nonfinite == "error":
+        _check_size(acc, name, size, shape)
+    if check_weights or nonfinite == "error":
         acc.num_checked += 1  # may be rejected: compute() tells
     else:
         acc.kept_call = True
-    weight = prepared.weight
-    if isinstance(weight, Tensor):
-        acc.versions.append(weight._version)
-    if isinstance(value, Tensor):
-        acc.versions.append(value._version)
-    device = prepared.device
+    if versions:
+        acc.versions.extend(versions)
     if device is not None and acc.record_device is None:
-        acc.record_device = device
+        acc.record_device = device.device if isinstance(device, Tensor) else device
     acc.arrays = True
     acc.flat = False  # the metric's later numbers follow this record in its own
     acc.values.append(value)
     acc.weights.append(weight)
+    return size

@@ -130,8 +130,15 @@ class RecordingTracker(Tracker):
         self.calls: list[Call] = []
         self._opt_steps: dict[str, int] = {}
 
-    def _log(self, name: str, kind: str, value: Any, weight: Any) -> None:
-        super()._log(name, kind, value, weight)
+    def _log(
+        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
+        by: Any = None, labels: Any = None,
+    ) -> None:  # fmt: skip
+        super()._log(name, kind, value, weight, mask, by, labels)
+        if by is not None or labels is not None:
+            return  # its labels' parts come back through _log_shared, one call each
+        if mask is not None:
+            weight = mask
         one = Tracker()
         one.log(name, value, weight, kind=kind)
         prefix = name.split("/", 1)[0]
