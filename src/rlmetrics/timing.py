@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -170,7 +170,7 @@ def log_throughput(
     tokens = check_count_tensor(name, num_tokens)
     rank, size = rank_and_size(name, where.get("rank"), where.get("world_size"),
                                where.get("group"))  # fmt: skip
-    root: Tracker = getattr(tracker, "tracker", tracker)
+    root = cast("Tracker", getattr(tracker, "tracker", tracker))  # a view's, or itself
     full, kind = getattr(tracker, "prefix", "") + check_name(name), f"rank_throughput@{size}"
     acc = root.accumulators.get(full)
     if acc is not None and acc.kind.name != kind:  # as the log call would say at once
@@ -242,7 +242,7 @@ def timer(
         if not torch.cuda.is_available():
             raise RuntimeError(f"metric {name!r}: device={device!r} timing needs CUDA, and "
                                "torch sees no CUDA device")  # fmt: skip
-        stream = torch.cuda.current_stream(torch.device(device))
+        stream = torch.cuda.current_stream(device)
         events = _cuda_events
     begin, end = events(), events()
     _record(begin, stream)
@@ -250,7 +250,7 @@ def timer(
         yield
     finally:
         _record(end, stream)
-        root: Tracker = getattr(tracker, "tracker", tracker)
+        root = cast("Tracker", getattr(tracker, "tracker", tracker))  # a view's, or itself
         root.pending_timers.append(DeviceTimer(tracker, name, begin, end, rank, size))
 
 
@@ -276,7 +276,8 @@ def read_device_timers(tracker: Tracker, wait: bool) -> None:
             to count them as rejected), everything else is logged first.
     """
     pending, tracker.pending_timers = tracker.pending_timers, []
-    unread, counts = [], []
+    unread: list[DeviceTimer | DeviceCount] = []
+    counts: list[DeviceCount] = []
     for timer_ in pending:
         if isinstance(timer_, DeviceCount):
             (counts if wait else unread).append(timer_)

@@ -329,7 +329,8 @@ def record_tensor(
                         weight = tracked(weight)
                         version = weight._version
                 else:
-                    weight, version = float(weight.tolist()), None
+                    # a 0-d tensor's tolist() is its number (torch types it as a list)
+                    weight, version = float(weight.tolist()), None  # type: ignore[arg-type]
         elif on_host:  # a CPU value with a device weight
             on_host = False
             if acc.record_device is None:
@@ -346,7 +347,7 @@ def record_tensor(
     if not on_host and acc.record_device is None:
         acc.record_device = value.device
     if cpu and copy and not shape and type(weight) is not Tensor:  # a 0-d tensor's value
-        value, value_version = float(value.tolist()), None
+        value, value_version = float(value.tolist()), None  # type: ignore[arg-type]
         if weight is None:
             weight = 1.0
     elif cpu and copy and not shape:  # a 0-d one with a device weight: an array
@@ -377,7 +378,7 @@ def record_tensor(
     return size
 
 
-def _weight_number(name: str, weight: float | int) -> float:
+def _weight_number(name: str, weight: Tensor | float | int) -> float:
     """A python weight of a tensor value, as a checked float."""
     try:
         weight = float(weight)
@@ -392,10 +393,11 @@ def record_prepared(
     acc: Accumulator, name: str, prepared: Prepared, nonfinite: str, numbers: NumberRecords
 ) -> None:
     """Record a prepared value into ``acc`` (the metric called ``name``)."""
-    value = prepared.value
-    if value is None:
-        record_number(acc, name, prepared.number, prepared.weight_number, nonfinite, numbers)
+    number = prepared.number  # a python number and weight (then no value), or None
+    if number is not None:
+        record_number(acc, name, number, prepared.weight_number, nonfinite, numbers)
         return
+    value = prepared.value
     if acc.sized:
         _check_size(acc, name, prepared.size, prepared.shape)
     if prepared.check_weights or nonfinite == "error":
