@@ -78,6 +78,7 @@ test-trl: .venv-trl/.ready
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
 
 format: $(VENV)/.dev
 	$(VENV)/bin/ruff format src tests benchmarks

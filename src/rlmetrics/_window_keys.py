@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlmetrics.kinds import Kind, MetricState
+from rlmetrics.kinds.base import carries_extra
 
 
 def window_key(part: str, name: str) -> str:
@@ -92,7 +93,7 @@ def empty_state(kind: Kind, num_nonfinite: float) -> MetricState:
         kind.name,
         (0.0,) * kind.num_sums,
         (-math.inf,) * kind.num_maxes,
-        kind.empty_extra() if kind.has_extra else None,
+        kind.empty_extra() if carries_extra(kind) else None,
         num_nonfinite,
         kind.fingerprint(),
     )

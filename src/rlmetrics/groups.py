@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -114,7 +114,7 @@ class Groups:
         check_shape(name, tuple(codes.shape), prepared.shape)
         on_host = not isinstance(prepared.value, Tensor) and not isinstance(prepared.weight, Tensor)
         if names is not None and on_host:
-            parts = split_host(prepared, codes, names)
+            parts = split_host(prepared, cast(np.ndarray, codes), names)  # host codes
             return [(labelled(metrics, part), v, w) for part, v, w in parts], 0
         tensors = (prepared.value, prepared.weight, codes)
         versions = tensor_states(tensors)
@@ -373,7 +373,7 @@ def split_tensor(call: Deferred) -> list[Part]:
     value = torch.as_tensor(value, device=device)
     width = _width(tuple(labels.shape), prepared.shape)
     if names is None:  # tensor labels: sorted, then read (the sync)
-        sorted_labels, row_order = torch.sort(labels.reshape(-1), stable=True)
+        sorted_labels, row_order = torch.sort(cast(Tensor, labels).reshape(-1), stable=True)
         uniques, counts = torch.unique_consecutive(sorted_labels, return_counts=True)
         parts = [label_part(call.metrics[0][0], label, call.mapping) for label in uniques.tolist()]
         sizes = [count * width for count in counts.tolist()]

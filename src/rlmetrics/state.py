@@ -11,6 +11,7 @@ import numpy as np
 from rlmetrics._engine.results import Reduced
 from rlmetrics.errors import MalformedStateError
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
+from rlmetrics.kinds.base import carries_extra
 from rlmetrics.kinds.dist import as_array
 
 STATE_VERSION = 2
@@ -137,9 +138,10 @@ class TrackerState:
             )
         _no_unknown_keys(data, _STATE_KEYS, where)
         raw = data.get("metrics")
-        _expect(
-            isinstance(raw, Mapping), f"{where}['metrics']", f"expected a dict, got {_type(raw)}"
-        )
+        if not isinstance(raw, Mapping):
+            raise MalformedStateError(
+                f"malformed {where}['metrics']: expected a dict, got {_type(raw)}"
+            )
         metrics = {}
         for name, m in raw.items():
             at = f"{where}['metrics'][{name!r}]"
@@ -199,7 +201,7 @@ def check_metric(name: str, metric: object, kind: Kind) -> None:
             f"metric {name!r}: kind {kind.name!r} is configured as {kind.fingerprint()!r} "
             f"here but as {metric.fingerprint!r} where the merged state was made"
         )
-    empty = kind.empty_extra() if kind.has_extra else None
+    empty = kind.empty_extra() if carries_extra(kind) else None
     # a fixed-length tuple of numbers (std's triples); an empty one may grow (a user's)
     if (
         isinstance(empty, tuple)
@@ -266,12 +268,11 @@ def _no_unknown_keys(data: Mapping[str, Any], known: frozenset[str], where: str)
 
 
 def _numbers(values: object, where: str) -> tuple[float, ...]:
-    _expect(
-        isinstance(values, list | tuple) and all(map(_is_real, values)),
-        where,
-        f"expected a list of numbers, got {values!r:.200}",
-    )
-    return tuple(float(x) for x in values)  # type: ignore[union-attr]
+    if not (isinstance(values, list | tuple) and all(map(_is_real, values))):
+        raise MalformedStateError(
+            f"malformed {where}: expected a list of numbers, got {values!r:.200}"
+        )
+    return tuple(float(x) for x in values)
 
 
 # An extra's python types, written as JSON-friendly data: a plain list is a tuple, a
@@ -331,12 +332,11 @@ def _from_plain(data: Any, where: str) -> Any:
     if cls is not dict:
         return data
     tag = next((key for key in _TAG_KEYS if key in data), None)
-    _expect(
-        tag is not None and set(data) == _TAG_KEYS[tag],
-        where,
-        f"expected a tagged extra (a dict with the keys of one of {list(_TAG_KEYS.values())}), "
-        f"got a dict with keys {sorted(map(str, data))}",
-    )
+    if tag is None or set(data) != _TAG_KEYS[tag]:
+        raise MalformedStateError(
+            f"malformed {where}: expected a tagged extra (a dict with the keys of one of "
+            f"{list(_TAG_KEYS.values())}), got a dict with keys {sorted(map(str, data))}"
+        )
     items = data[tag]  # an array's nested lists, or a scalar's number
     _expect(
         isinstance(items, list) or tag in ("ndarray", "scalar"),

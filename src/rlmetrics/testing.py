@@ -323,8 +323,8 @@ def _check_same_call(
         digest.update(f"{key}|{value.dtype}|{tuple(value.shape)}|".encode())
         digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
     digest.update(repr([(label, epochs) for label, _, epochs in runs]).encode())
-    value = float(int.from_bytes(digest.digest(), "little") >> 12)  # 52 bits: exact
-    both = torch.tensor([value, -value], dtype=torch.float64, device=device)
+    mark = float(int.from_bytes(digest.digest(), "little") >> 12)  # 52 bits: exact
+    both = torch.tensor([mark, -mark], dtype=torch.float64, device=device)
     all_reduce_max(both, group)
     if both[0].item() != -both[1].item():
         raise ValueError(
@@ -394,9 +394,10 @@ def _splits(
         shares = np.array_split(rows, num_ranks)
         for mbs in sizes:
             yield f"ranks={num_ranks} micro_batch_size={mbs}", [_chunks(s, mbs) for s in shares]
-        for budget in budgets or ():
-            split = [_budget_chunks(s, tokens, budget) for s in shares]
-            yield f"ranks={num_ranks} token_budget={budget}", split
+        if tokens is not None:  # no mask: no token budgets
+            for budget in budgets or ():
+                split = [_budget_chunks(s, tokens, budget) for s in shares]
+                yield f"ranks={num_ranks} token_budget={budget}", split
         if options.get("empty_pieces", True):
             split = [_with_empties(_chunks(s, sizes[0])) for s in shares]
             yield f"ranks={num_ranks} micro_batch_size={sizes[0]} +empty pieces", split

@@ -247,7 +247,7 @@ def timer(
         if not torch.cuda.is_available():
             raise RuntimeError(f"metric {name!r}: device={device!r} timing needs CUDA, and "
                                "torch sees no CUDA device")  # fmt: skip
-        stream = torch.cuda.current_stream(torch.device(device))
+        stream = torch.cuda.current_stream(device)
         events = _cuda_events
     begin, end = events(), events()
     _record(begin, stream)
@@ -317,7 +317,8 @@ class DeviceTimers:
                 for a sync to count them as rejected), everything else is logged first.
         """
         pending, self.pending = self.pending, []
-        unread, counts = [], []
+        unread: list[DeviceTimer | DeviceCount] = []
+        counts: list[DeviceCount] = []
         for timer_ in pending:
             if isinstance(timer_, DeviceCount):
                 (counts if wait else unread).append(timer_)

@@ -725,7 +725,8 @@ class Tracker(LogMethods):
                     f"metric {name!r} is kind {acc.kind.name!r} here but {kind_name!r} in the "
                     "merged state"
                 )
-            kind = acc.kind if acc is not None else self.kind(kind_name)
+            # str: a metric without a kind (not a MetricState) is then an unknown kind
+            kind = acc.kind if acc is not None else self.kind(str(kind_name))
             check_metric(name, metric, kind)
             kinds[name] = kind
         return kinds

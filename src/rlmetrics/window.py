@@ -369,7 +369,10 @@ class Window:
         ``merged``, and a name keeps one kind in every part."""
         kinds: dict[str, str] = {}
         # (where, state, whether its kinds replace: None for a step's, which has both)
-        parts = [("state_dict['merged']", merged, False), ("state_dict['latest']", latest, True)]
+        parts: list[tuple[str, TrackerState, bool | None]] = [
+            ("state_dict['merged']", merged, False),
+            ("state_dict['latest']", latest, True),
+        ]
         parts += [(f"state_dict['per_step'][{i}]", s, None) for i, s in enumerate(per_step)]
         for where, state, replacing in parts:
             for name, kind in checked_load(state, self.tracker.kind, where).items():

@@ -39,8 +39,9 @@ from rlmetrics._engine.fold_plan import FUSED, Fused, Layout, Plan, plan_for
 from rlmetrics._engine.record import NumberRecords
 from rlmetrics._engine.table import Table
 from rlmetrics.errors import ModifiedInputError
-from rlmetrics.kinds.base import Accumulator, Kind
+from rlmetrics.kinds.base import Accumulator, carries_extra
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
+from rlmetrics.kinds.extra import ExtraKind
 from rlmetrics.kinds.rows import Rows
 
 
@@ -226,12 +227,12 @@ def _fold_records(
                     table.replace_device(positions, sums, maxes, part.count() > 0)
             else:
                 added.append((i, sums.reshape(-1), maxes.reshape(-1)))
-            if kind.has_extra:
+            if carries_extra(kind):
                 _fold_extras(table, kind, positions[0], kind.reduce_extra(part), part)
         if added:
             if len(added) == 1:  # the columnar kinds', or one kind's
                 key, sums, maxes = added[0]
-                keys = (key,)
+                keys: tuple[int, ...] = (key,)
             else:
                 keys = tuple(key for key, _, _ in added)
                 sums, maxes = (joined([a[j] for a in added], device) for j in (1, 2))
@@ -284,7 +285,7 @@ def _span_columns(
 
 
 def _fold_extras(
-    table: Table, kind: Kind, rows: np.ndarray, extras: list[Any], batch: Batch
+    table: Table, kind: ExtraKind, rows: np.ndarray, extras: list[Any], batch: Batch
 ) -> None:
     if batch.on_host:
         for row, extra in zip(rows.tolist(), extras, strict=True):
@@ -306,6 +307,7 @@ def _batch(
     together, in call order), its layout, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
     if not accs:  # python numbers only: checked when logged, one element per call
+        assert numbers is not None  # a host fold without accumulators has numbers
         cached = plan.numbers_layout(numbers)
         layout = cached.layout
         if numbers.weight_at:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,7 +109,7 @@ def plain_clone(tensor: Tensor) -> Tensor:
     return tensor.clone()
 
 
-def unmask(name: str, value: object, weight: object) -> tuple[object, object]:
+def unmask(name: str, value: Any, weight: Any) -> tuple[Any, Any]:
     """A numpy masked array's data, and a weight that is 0 where it is masked (masked
     elements contribute nothing); a masked weight is 0 where masked. Other inputs pass
     through unchanged."""

@@ -8,6 +8,7 @@ an extra payload) its piece of the gather buffer.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -65,7 +66,8 @@ class Layout:
         self.names = [name for name, _ in ordered]
         self.kinds = [kind for _, kind in ordered]
         self.index = {name: i for i, name in enumerate(self.names)}
-        self.keys = dict.fromkeys(self.names)  # copied and filled: no resize per result
+        # copied and filled: no resize per result
+        self.keys: dict[str, float] = dict.fromkeys(self.names, math.nan)
         members: dict[int, list[int]] = {}
         for i, kind in enumerate(self.kinds):
             members.setdefault(id(kind), []).append(i)

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from rlmetrics._engine.table import Table
 from rlmetrics.errors import RejectedInputError
 from rlmetrics.kinds.base import NUM_COUNTS, Accumulator
 from rlmetrics.kinds.batch import to_device
+from rlmetrics.kinds.extra import ExtraKind
 
 
 @dataclass(eq=False)
@@ -46,7 +47,7 @@ class Packing:
     max_map: np.ndarray  # per table MAX slot
     extra_rows: list[tuple[int, Accumulator | None]]  # (size slot, accumulator)
     version: int  # the table's row version the maps were built for
-    device_maps: dict[Any, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+    device_maps: dict[Any, tuple[Tensor, ...]] = field(default_factory=dict)
     sizes: Any = None  # the group's padded sizes it was made for (sync only)
     logged_all: bool = True  # this rank logged every name of the layout
 
@@ -60,7 +61,7 @@ class Packing:
         accs: list[Accumulator | None],
         table: Table,
         sum_part: int | None = None,
-        end: Sequence[float] = (),
+        end: Sequence[float] | np.ndarray = (),
     ) -> Packing:
         """The packing of ``layout`` (``sum_part``: default, the layout's SUM slots)."""
         sum_part = layout.num_sums if sum_part is None else sum_part
@@ -116,10 +117,12 @@ class Packing:
             if acc is not None:
                 part = table.device_part
                 dev_extra = None if part is None else part.extras.get(acc.row)
-                host[position] = acc.kind.extra_size(table.extras[acc.row], dev_extra)
+                host[position] = cast(ExtraKind, acc.kind).extra_size(
+                    table.extras[acc.row], dev_extra
+                )
         return host
 
-    def _device_maps(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    def _device_maps(self, device: torch.device) -> tuple[Tensor, ...]:
         maps = self.device_maps.get(device)
         if maps is None:
             maps = self.device_maps[device] = tuple(
@@ -171,7 +174,7 @@ def pack_extras(
     layout = packing.layout
     extra_accs = [acc for (_, acc) in packing.extra_rows]
     for place, acc, size in zip(layout.extra_placements, extra_accs, sizes, strict=True):
-        kind = place.kind
+        kind = cast(ExtraKind, place.kind)  # an extra placement's
         extra, dev_extra = kind.empty_extra(), None
         if acc is not None:
             extra = table.extras[acc.row]
@@ -222,7 +225,9 @@ def unpack(
     if layout.extra_placements:
         sizes = extra_sizes(layout, maxes)
         vector, objects = pack_extras(packing, table, sizes, device)
-        pieces = gather(vector, objects) if gather else ([vector.cpu().numpy()], [objects])
+        pieces: tuple[list[Any], list[Any]] = (
+            gather(vector, objects) if gather else ([vector.cpu().numpy()], [objects])
+        )
         extras = _split_extras(layout, *pieces, sizes)
     keep = None if logged is None or logged.all() else logged > 0
     return Reduced(layout, sums, maxes[: layout.num_maxes], extras, keep, nonfinite)
@@ -254,7 +259,7 @@ def _split_extras(
     merged: dict[str, object] = {}
     offset = 0  # every rank's buffer has the same layout (the group's padded sizes)
     for place, size in zip(layout.extra_placements, sizes, strict=True):
-        kind = place.kind
+        kind = cast(ExtraKind, place.kind)  # an extra placement's
         if place.name in (objects[0] if objects else {}):
             pieces = [rank_objects[place.name] for rank_objects in objects]
             merged[place.name] = reduce(kind.merge_extra, pieces, kind.empty_extra())

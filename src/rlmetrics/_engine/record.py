@@ -21,7 +21,7 @@ grad is detached (one view), so the record does not keep its autograd graph aliv
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -353,7 +353,8 @@ def prepare_tensor(
                         weight = tracked(weight)
                         version = weight._version
                 else:
-                    weight, version = float(weight.tolist()), None
+                    # a 0-d tensor's tolist() is its number (torch types it as a list)
+                    weight, version = float(weight.tolist()), None  # type: ignore[arg-type]
         elif on_host:  # a CPU value with a device weight: the fold runs there
             on_host = False
         else:
@@ -367,7 +368,7 @@ def prepare_tensor(
     if not on_host and device is None:
         device = value
     if cpu and copy and not shape and type(weight) is not Tensor:  # a 0-d tensor's value
-        value, value_version = float(value.tolist()), None
+        value, value_version = float(value.tolist()), None  # type: ignore[arg-type]
         if weight is None:
             weight = 1.0
     elif cpu and copy and not shape:  # a 0-d one with a device weight: an array
@@ -390,7 +391,7 @@ def prepare_tensor(
     return (None, 1.0, value, weight, size, shape, check_data, device, versions)
 
 
-def _weight_number(name: str, weight: float | int) -> float:
+def _weight_number(name: str, weight: Tensor | float | int) -> float:
     """A python weight of a tensor value, as a checked float."""
     try:
         weight = float(weight)
@@ -413,8 +414,8 @@ def record_prepared(
     for a python number, which ``numbers`` takes while the metric has no array record
     this step)."""
     number, weight_number, value, weight, size, shape, check_weights, device, versions = prepared
-    if value is None:
-        record_number(acc, name, number, weight_number, nonfinite, numbers)
+    if value is None:  # a python number and weight
+        record_number(acc, name, cast(float, number), weight_number, nonfinite, numbers)
         return 0
     if acc.sized:
         _check_size(acc, name, size, shape)

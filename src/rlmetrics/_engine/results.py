@@ -119,9 +119,9 @@ class Reduced:
             present = np.concatenate(shown)[layout.by_name]
         plain = not suffixed and self.nonfinite is None and self.keep is None
         if plain and np.count_nonzero(present) == len(present):
-            out = layout.keys.copy()
-            out.update(zip(layout.names, value.tolist(), strict=True))
-            return out
+            result = layout.keys.copy()
+            result.update(zip(layout.names, value.tolist(), strict=True))
+            return result
         return _laid_out(layout.names, value, present, suffixed, self.nonfinite, self.keep, empty)
 
 

@@ -197,7 +197,9 @@ class _GroupSync:
         if layout is None or not self.agreed.holds(layout):
             layout = self.layout = self.agreed.guess(accumulators)
         fits = layout is not None and layout.fits(accumulators)
-        tail = [0.0, layout.digest, -layout.digest] if fits else [1.0, 0.0, 0.0]
+        tail = (
+            [0.0, layout.digest, -layout.digest] if fits and layout is not None else [1.0, 0.0, 0.0]
+        )
         layout = layout or _NO_LAYOUT
         accs = in_order(accumulators if fits else {}, layout)
         end = np.zeros(sizes.maxes - layout.num_maxes)

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState
+from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState, carries_extra
 from rlmetrics.kinds.batch import to_device
+from rlmetrics.kinds.extra import ExtraKind
 
 Positions = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, SUM and MAX positions
 
@@ -59,7 +60,7 @@ class Table:
         self.maxes = np.full(16, -math.inf)
         self.counts = np.zeros((16, NUM_COUNTS))
         self.extras: dict[int, Any] = {}  # row -> host extra (extra kinds only)
-        self.extra_kinds: dict[int, Kind] = {}
+        self.extra_kinds: dict[int, ExtraKind] = {}
         self.device_part: DevicePart | None = None
         self.version = 0  # changes when rows are renumbered (``compacted``)
         self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
@@ -99,7 +100,7 @@ class Table:
             self.counts = np.concatenate((self.counts, np.zeros_like(self.counts)))
         if self.device_part is not None:  # the device half keeps the host's capacity
             self.device_for(self.device_part.device)
-        if kind.has_extra:
+        if carries_extra(kind):
             self.extras[row] = kind.empty_extra()
             self.extra_kinds[row] = kind
         return row
@@ -128,7 +129,7 @@ class Table:
         self.sums[sum_at : sum_at + s] = 0.0
         self.maxes[max_at : max_at + m] = -math.inf
         self.counts[row] = 0.0
-        if kind.has_extra:
+        if carries_extra(kind):
             self.extras[row] = kind.empty_extra()
         part = self.device_part
         if part is not None:
@@ -251,7 +252,7 @@ class Table:
         if self.device_part is not None:
             self.device_part.counts[:, -1] = 0.0
 
-    def whole_extra(self, row: int, kind: Kind) -> Any:
+    def whole_extra(self, row: int, kind: ExtraKind) -> Any:
         """Row ``row``'s extra on the host, both halves merged (may sync)."""
         part = self.device_part
         dev_extra = None if part is None else part.extras.get(row)
@@ -265,7 +266,7 @@ class Table:
         self.sums[sum_at : sum_at + s] += state.sums
         self.maxes[max_at : max_at + m] = np.maximum(self.maxes[max_at : max_at + m], state.maxes)
         self.counts[row, 0] += state.num_nonfinite
-        if kind.has_extra:
+        if carries_extra(kind):
             self.extras[row] = kind.merge_extra(self.extras[row], state.extra)
 
     def is_empty(self, row: int, kind: Kind) -> bool:
@@ -275,7 +276,7 @@ class Table:
             return False
         if (self.maxes[max_at : max_at + m] != -math.inf).any():
             return False
-        if not kind.has_extra:
+        if not carries_extra(kind):
             return True
         try:
             return bool(self.extras[row] == kind.empty_extra())

@@ -51,6 +51,8 @@ class MetricsField:
     """
 
     __slots__ = ("parts", "replica")
+    parts: tuple[tuple[str, TrackerState], ...]
+    replica: bool
 
     def __init__(self, parts: Sequence[tuple[str, TrackerState]], replica: bool = False) -> None:
         object.__setattr__(self, "parts", tuple(parts))
@@ -204,7 +206,8 @@ def collect(
     if all(d.batch_dims == 0 and d.is_empty() for d in data):
         result: TensorDictBase = TensorDict({}, batch_size=[])
     else:
-        result = torch.cat(data, dim=0)
+        # TensorDict handles torch.cat (__torch_function__); torch's stubs take Tensors only
+        result = torch.cat(data, dim=0)  # type: ignore[arg-type, assignment]
     if fields:
         _set_field(result, MetricsField(fields[0].union(*fields[1:]).parts))
     return result

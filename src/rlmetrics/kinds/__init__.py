@@ -110,7 +110,13 @@ def check_kind(kind: Kind) -> None:
     segments, lengths = np.array([0, 0, 2]), [2, 0, 1]
     for batch in (
         Batch(values, weights, segments, lengths, [2, 1]),
-        DeviceBatch(*map(torch.from_numpy, (values, weights, segments)), lengths, [2, 1]),
+        DeviceBatch(
+            torch.from_numpy(values),
+            torch.from_numpy(weights),
+            torch.from_numpy(segments),
+            lengths,
+            [2, 1],
+        ),
     ):
         _probe_reduce(kind, label, batch)
 

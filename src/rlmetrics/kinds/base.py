@@ -19,12 +19,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
 
 from rlmetrics.kinds.batch import Array, Batch
+
+if TYPE_CHECKING:
+    from rlmetrics.kinds.extra import ExtraKind
 
 NUM_COUNTS = 2
 """Framework counts every metric carries besides its kind's slots: [num_nonfinite,
@@ -72,7 +75,7 @@ class MetricState:
             self.kind,
             tuple(a + b for a, b in zip(self.sums, other.sums, strict=True)),
             tuple(nan_max(a, b) for a, b in zip(self.maxes, other.maxes, strict=True)),
-            kind.merge_extra(self.extra, other.extra) if kind.has_extra else None,
+            kind.merge_extra(self.extra, other.extra) if carries_extra(kind) else None,
             self.num_nonfinite + other.num_nonfinite,
             self.fingerprint or other.fingerprint,
         )
@@ -81,6 +84,12 @@ class MetricState:
 Rows = tuple[dict[str, np.ndarray], np.ndarray]
 """What ``Kind.result_rows`` returns: per result suffix, the metrics' values; and
 whether each metric is present."""
+
+
+def carries_extra(kind: Kind) -> TypeGuard[ExtraKind]:
+    """Whether ``kind`` has an extra payload (``has_extra``). ``register_kind`` accepts
+    has_extra=True only on an ``ExtraKind``, so the type checker may narrow to it."""
+    return kind.has_extra
 
 
 def nan_max(a: float, b: float) -> float:

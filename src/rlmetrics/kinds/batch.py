@@ -198,6 +198,8 @@ class Batch:
             if not self.rows.keyed:
                 return self._by_row(np.add, x)
             keys, size = self.segments, self.num_rows
+        elif size is None:
+            raise TypeError("sum_by: keys take a size")
         return np.bincount(keys, weights=x, minlength=size)[:size]
 
     def zero_unselected(self) -> None:
@@ -325,6 +327,8 @@ class DeviceBatch(Batch):
     def sum_by(self, x: Tensor, keys: Tensor | None = None, size: int | None = None) -> Tensor:
         if keys is None:
             keys, size = self.segments, self.num_rows
+        elif size is None:
+            raise TypeError("sum_by: keys take a size")
         out = torch.zeros(size, dtype=torch.float64, device=self.values.device)
         return out.index_add_(0, keys, x.to(torch.float64))
 

@@ -12,7 +12,7 @@ import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 
 class LoggerWarning(RuntimeWarning):
@@ -36,7 +36,19 @@ class Logger(Protocol):
         ...
 
 
-def has_state(logger: object) -> bool:
+class StatefulLogger(Logger, Protocol):
+    """A backend that checkpoints its position in the run (see ``has_state``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The backend's position, to save with the trainer's checkpoint."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a ``state_dict()``."""
+        ...
+
+
+def has_state(logger: object) -> TypeGuard[StatefulLogger]:
     """Whether ``logger`` checkpoints its position (``state_dict``/``load_state_dict``)."""
     return callable(getattr(logger, "state_dict", None)) and callable(
         getattr(logger, "load_state_dict", None)

@@ -57,7 +57,7 @@ class ConsoleLogger:
         self.digits = digits
         self.plain = (console is None and not available("rich")) if plain is None else plain
         self.file = file
-        self.console = None
+        self.console: Any = None  # a rich Console (plain=False)
         if not self.plain:
             try:
                 from rich.console import Console

@@ -285,8 +285,8 @@ class MlflowLogger:
                 refused.append((metric, err))
                 if not logged and len(refused) >= min(FAILED_ALONE_LIMIT, len(batch)):
                     raise batch_error from err
-        for metric, err in refused:
-            self._reject(metric.key, err)
+        for metric, error in refused:
+            self._reject(metric.key, error)
 
     def _reject(self, key: str, err: Exception) -> None:
         self._rejected.add(key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from rlmetrics.loggers.base import FailureReporter, as_float, missing_extra
 
@@ -35,7 +35,7 @@ class WandbLogger:
         dir: str | os.PathLike | None = None,
         name: str | None = None,
         config: Mapping[str, Any] | None = None,
-        mode: str | None = None,
+        mode: Literal["online", "offline", "disabled"] | None = None,
         **init_kwargs: Any,
     ) -> None:
         try:

@@ -64,6 +64,8 @@ def seq_values(
     if agg == "seq-mean-token-mean":
         return sums / bool_mask(mask).sum(-1).clamp_min(1).to(sums.dtype)
     if agg == "seq-mean-token-sum-norm":
+        if norm_constant is None:
+            raise ValueError("seq_values: agg='seq-mean-token-sum-norm' needs norm_constant")
         return sums / float(norm_constant)
     raise ValueError(f"seq_values: {agg!r} is not a seq-mean mode")
 

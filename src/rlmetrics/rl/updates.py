@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from rlmetrics.tracker import LogMethods
@@ -60,7 +61,7 @@ def _log_group(tracker: LogMethods, group: list[MetricUpdate]) -> None:
 
 def bool_mask(mask: Tensor) -> Tensor:
     """``mask`` (bool, int or float 0/1) as a bool tensor."""
-    return mask if mask.dtype == bool else mask != 0
+    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def masked(values: Tensor, mask: Tensor) -> Tensor:

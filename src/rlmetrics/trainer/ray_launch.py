@@ -127,7 +127,8 @@ def start_actors(cfg: TrainConfig) -> list[Any]:
     """D actors (1 CPU each) in one gloo group, in rank order."""
     world, timeout = cfg.run.dp, cfg.run.timeout
     remote = ray.remote(num_cpus=1)(RayRank)
-    actors = [remote.remote(cfg, rank, world) for rank in range(world)]
+    # handles: ray's ActorHandle types the actor's methods as plain callables, not remote ones
+    actors: list[Any] = [remote.remote(cfg, rank, world) for rank in range(world)]
     try:
         addresses = ray.get([actor.address.remote() for actor in actors], timeout=timeout)
     except ray.exceptions.GetTimeoutError as err:

@@ -225,8 +225,10 @@ def train(
     done = 0 if resumed is None else resumed["step"]
     history: list[dict[str, float]] = []
     show = rank == 0 if report is None else report
-    resume = {"resume_step": done, "logger_state": resumed and resumed["loggers"]}
-    with Reporter(config, **resume) if show else nullcontext() as reporter:
+    logger_state = resumed and resumed["loggers"]
+    with (
+        Reporter(config, resume_step=done, logger_state=logger_state) if show else nullcontext()
+    ) as reporter:
         for step in range(done + 1, config.run.steps + 1):
             metrics = train_step(r, step, tracker)
             history.append(metrics)

@@ -11,7 +11,7 @@ Metrics go into the step's Tracker with their meaning, never with that scale.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +175,8 @@ def actor_loss(actor: TinyGPT, cfg: AlgoConfig) -> LossFn:
     def loss_fn(mb: Batch, counts: rl.BatchCounts) -> tuple[Tensor, list[rl.MetricUpdate]]:
         logits = policy_logits(actor, mb, cfg.temperature)
         logp = token_log_probs(logits, mb["tokens"][:, 1:])
-        mask, common = mb["mask"], {"counts": counts, "agg": cfg.loss_agg}
+        mask = mb["mask"]
+        common: dict[str, Any] = {"counts": counts, "agg": cfg.loss_agg}
         pg = rl.ppo_policy_loss(
             logp, mb["old_log_probs"], mb["advantages"], mask, clip_low=cfg.clip_low,
             clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, **common,
@@ -210,17 +211,24 @@ def critic_loss(critic: TinyGPT, cfg: AlgoConfig) -> LossFn:
 
 
 # -- the optimisation loop ------------------------------------------------------------
-def all_reduce_grads(params: list[Tensor], world_size: int, group: Any) -> None:
+def all_reduce_grads(params: Sequence[Tensor], world_size: int, group: Any) -> None:
     """Average gradients over ranks: one packed all_reduce(SUM), then divide by D."""
     if world_size == 1:
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([_grad(p).reshape(-1) for p in params])
     dist.all_reduce(flat, group=group)
     flat /= world_size
     offset = 0
     for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        _grad(p).copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
+
+
+def _grad(param: Tensor) -> Tensor:
+    """``param``'s gradient, which the backward pass gave every parameter."""
+    if param.grad is None:
+        raise RuntimeError("all_reduce_grads: a parameter has no gradient (no backward pass?)")
+    return param.grad
 
 
 def optimizer_step(

@@ -90,7 +90,7 @@ class FullyAsyncMetricsAggregator(MetricsAggregator):
                 return kind
         return "mean"
 
-    def get_aggregated_metrics(  # type: ignore[override]
+    def get_aggregated_metrics(
         self, rollout_resource_utilization: float | None = None
     ) -> dict[str, Any]:
         """One value per key, plus the cycle's utilisation when it can be computed.

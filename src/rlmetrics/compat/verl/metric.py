@@ -6,7 +6,7 @@ them (see ``rlmetrics.compat.verl`` for the whole story)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from typing import Any
 
@@ -27,7 +27,7 @@ class AggregationType(Enum):
     MAX = "max"
 
 
-_NUMPY_REDUCE = {
+_NUMPY_REDUCE: dict[AggregationType, Callable[..., Any]] = {
     AggregationType.MEAN: np.mean,
     AggregationType.SUM: np.sum,
     AggregationType.MIN: np.min,
@@ -117,7 +117,8 @@ class Metric:
                 raise ValueError(
                     f"Aggregation type mismatch: {self.aggregation} != {values.aggregation}"
                 )
-            values, weights = list(values.values), list(values.weights)
+            weights = list(values.weights)
+            values = list(values.values)
         values = list(values)
         weights = [1.0] * len(values) if weights is None else list(weights)
         if len(weights) != len(values):

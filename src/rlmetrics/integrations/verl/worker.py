@@ -18,6 +18,7 @@ Names this module does not produce keep verl's value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ RECORDED_LOSSES = (ppo_loss, value_loss)
 """The loss functions whose metrics are made exact (others pass through unchanged)."""
 
 
-def _same_dispatch(parent: Any):
+def _same_dispatch(parent: Any) -> Callable[[Any], Any]:
     """Give an override the parent's verl dispatch registration (``@register``)."""
 
     def decorate(method: Any) -> Any:
