@@ -55,13 +55,17 @@ def run_ranks(
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
     allow_missing: tuple[int, ...] = (),
+    start_method: str = "spawn",
 ) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
     Returns {rank: ("ok", result) | ("error", text)}. Raises AssertionError when a rank
     not listed in ``allow_missing`` reports nothing within ``timeout`` seconds.
+    ``start_method="fork"`` starts the ranks in milliseconds instead of seconds, so a test
+    in the fast suite can use it; only for a ``fn`` that needs no CUDA and no thread of the
+    parent (a forked child has neither).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     procs = [

@@ -13,7 +13,8 @@ import torch
 from rlmetrics import Tracker, TrackerState, rl
 from rlmetrics.rl.updates import extremes, token_mean
 from rlmetrics.testing import assert_partition_invariant
-from rlmetrics.trainer.launch import exit_now
+
+from gloo_ranks import ok_results, run_ranks
 
 
 def ragged_batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -229,23 +230,14 @@ def test_global_counts_without_a_process_group_are_local() -> None:
     assert (counts.num_tokens.item(), counts.num_seqs.item(), counts.grad_scale) == (3, 2, 1.0)
 
 
-def _counts_worker(rank: int, path: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-    try:
-        mask = torch.ones(rank + 1, 3, dtype=torch.bool)  # 3 tokens on rank 0, 6 on rank 1
-        counts = rl.global_counts(mask)
-        assert (counts.num_tokens.item(), counts.num_seqs.item(), counts.grad_scale) == (9, 3, 2)
-        assert rl.global_counts(mask, grad_reduce="sum").grad_scale == 1.0
-        with pytest.raises(ValueError, match="counts=None with 2 ranks"):
-            rl.ppo_policy_loss(*(torch.zeros(1, 3),) * 3, mask[:1])
-    finally:
-        dist.destroy_process_group()
-    exit_now(0)  # a finished rank skips teardown, where gloo's threads can abort it
+def _counts_on_rank(rank: int, world_size: int) -> None:
+    mask = torch.ones(rank + 1, 3, dtype=torch.bool)  # 3 tokens on rank 0, 6 on rank 1
+    counts = rl.global_counts(mask)
+    assert (counts.num_tokens.item(), counts.num_seqs.item(), counts.grad_scale) == (9, 3, 2)
+    assert rl.global_counts(mask, grad_reduce="sum").grad_scale == 1.0
+    with pytest.raises(ValueError, match="counts=None with 2 ranks"):
+        rl.ppo_policy_loss(*(torch.zeros(1, 3),) * 3, mask[:1])
 
 
-def test_global_counts_all_reduce_over_gloo(tmp_path) -> None:
-    torch.multiprocessing.start_processes(
-        _counts_worker, args=(str(tmp_path / "store"),), nprocs=2, start_method="fork"
-    )
+def test_global_counts_all_reduce_over_gloo() -> None:
+    ok_results(run_ranks(_counts_on_rank, 2, start_method="fork"))
