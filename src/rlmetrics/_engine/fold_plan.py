@@ -5,19 +5,17 @@ each kind's metrics reduce as one slice of the batch, except the columnar kinds
 (``Kind.columnar``), which come first and reduce together (``Fused``). A ``Layout``
 puts the records' elements and calls into that order (a stable sort by metric) and
 says where each metric's begin. Both are kept across steps while the same metrics come
-back (``plan_for``; a plan keeps the layout of its flat numbers while their row list is
-the same).
+back (``rlmetrics._engine.plan.StepPlan.fold_plan``; a plan keeps the layout of its
+flat numbers while their row list is the same).
 """
 
 from __future__ import annotations
 
-import weakref
 from itertools import accumulate
 from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from rlmetrics._engine.record import NumberRecords
 from rlmetrics._engine.table import Table
@@ -228,24 +226,3 @@ class Plan:
     def number_rows(self, numbers: NumberRecords) -> np.ndarray:
         """Per flat number, its metric's place in this plan."""
         return self.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
-
-
-def plan_for(table: Table, device: torch.device | None, accs: list[Accumulator]) -> Plan:
-    """The plan of ``accs`` folding on ``device`` (None: the host), kept per table and
-    device for as long as the same accumulators come (a steady-state step)."""
-    plans = _PLANS.get(table)
-    if plans is None:
-        plans = _PLANS[table] = {}
-    cached = plans.get(device)
-    if cached is not None and cached[0] == accs:  # identity
-        return cached[1]
-    plan = Plan(accs, table)
-    plans[device] = (accs, plan)
-    return plan
-
-
-# Per table (weakly: a compacted table replaces it), the last plan per device, with the
-# accumulators it was made for.
-_PLANS: weakref.WeakKeyDictionary[Table, dict[Any, tuple[list[Accumulator], Plan]]] = (
-    weakref.WeakKeyDictionary()
-)
