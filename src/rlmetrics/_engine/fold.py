@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics._engine.assemble import Parts, assemble, joined, on_backend, part_size
-from rlmetrics._engine.fold_plan import FUSED, Fused, Layout, Plan
+from rlmetrics._engine.fold_plan import Layout, Plan
 from rlmetrics._engine.plan import StepPlan
 from rlmetrics._engine.record import NumberRecords
 from rlmetrics._engine.table import Table
@@ -209,17 +209,14 @@ def _fold_records(
     nonfinite: str,
 ) -> None:
     """Fold one backend's records (the host's: ``numbers`` or the host records of
-    ``accs``; a device's: the records of ``accs``): one batch for all; the columnar
-    kinds reduce together, every other kind its own rows; all that adds lands in
-    ``table`` with one indexed add and one indexed max."""
+    ``accs``; a device's: the records of ``accs``): one batch for all, each kind reduces
+    its own rows; all that adds lands in ``table`` with one indexed add and one indexed
+    max."""
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
         batch, layout, counts = _batch(plan, numbers, accs, device, nonfinite)
         element_at, call_at = layout.element_at, layout.call_at
-        added: list[tuple[int, Array, Array]] = []  # (group or FUSED, flat sums, flat maxes)
-        first = plan.num_columnar  # the groups of columnar kinds reduce together
-        if first and element_at[plan.bounds[first]]:  # else none of them was logged
-            added.append((FUSED, *_reduce_fused(steps, batch, layout, plan.fused(table))))
-        for i in range(first, len(plan.groups)):
+        added: list[tuple[int, Array, Array]] = []  # (group, flat sums, flat maxes)
+        for i in range(len(plan.groups)):
             start, stop = plan.bounds[i], plan.bounds[i + 1]
             elements = slice(element_at[start], element_at[stop])
             if elements.start == elements.stop:
@@ -240,7 +237,7 @@ def _fold_records(
             if kind.has_extra:
                 _fold_extras(table, kind, positions[0], kind.reduce_extra(part), part)
         if added:
-            if len(added) == 1:  # the columnar kinds', or one kind's
+            if len(added) == 1:
                 key, sums, maxes = added[0]
                 keys = (key,)
             else:
@@ -253,47 +250,6 @@ def _fold_records(
                 table.add_device(sum_positions, sums, max_positions, maxes, steps.index_on)
         if counts is not None:
             table.add_counts(plan.rows, counts)
-
-
-def _reduce_fused(
-    steps: StepPlan, batch: Batch, layout: Layout, fused: Fused
-) -> tuple[Array, Array]:
-    """The slots of the columnar kinds' rows (the first ``fused.num_rows``), flat in
-    ``fused``'s order: each column reduced once over the elements of its groups."""
-    rows = fused.num_rows
-    if rows != batch.num_rows:
-        elements, calls = layout.element_at[rows], layout.call_at[rows]
-        batch = batch.part(slice(0, rows), slice(0, elements), slice(0, calls))
-    if batch.on_host and batch.rows.keyed:  # small: every column over all elements at once
-        sums, maxes = batch.column_sums(fused.sum_columns), batch.column_maxes(fused.max_columns)
-    else:
-        sums = _span_columns(batch, layout, fused.sum_columns, fused.sum_spans, Batch.column_sum)
-        maxes = _span_columns(batch, layout, fused.max_columns, fused.max_spans, Batch.column_max)
-    if batch.on_host:
-        return sums[fused.sum_source], maxes[fused.max_source]
-    device = batch.values.device
-    return (
-        sums[steps.index_on(fused.sum_source, device)],
-        maxes[steps.index_on(fused.max_source, device)],
-    )
-
-
-def _span_columns(
-    batch: Batch, layout: Layout, names: list[str], spans: list[tuple[int, int]], reduce: Any
-) -> Array:
-    """``reduce`` (``Batch.column_sum`` or ``column_max``) of each column of ``names``
-    over the rows of its span only, laid end to end, ``batch.num_rows`` values each (the
-    rows out of a column's span left 0: no slot reads them)."""
-    out = []
-    for name, (start, stop) in zip(names, spans, strict=True):
-        if stop - start == batch.num_rows:
-            out.append(reduce(batch, name))
-            continue
-        elements = slice(layout.element_at[start], layout.element_at[stop])
-        calls = slice(layout.call_at[start], layout.call_at[stop])
-        part = batch.part(slice(start, stop), elements, calls)
-        out += [batch.zeros(start), reduce(part, name), batch.zeros(batch.num_rows - stop)]
-    return batch.xp.concatenate(out) if out else batch.zeros(0)
 
 
 def _fold_extras(
