@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,12 +35,17 @@ from rlmetrics._engine.table import Table
 from rlmetrics.kinds.base import Accumulator
 from rlmetrics.kinds.batch import to_device
 
-if TYPE_CHECKING:
-    from rlmetrics._engine.sync import GroupSync
-
 MAX_DEVICE_INDICES = 256
 """Device index copies kept before the cache is emptied (arrays of metric sets that
 came and went)."""
+
+
+class GroupPacking(Protocol):
+    """A tracker's state for one process group (``rlmetrics._engine.sync.GroupSync``),
+    as far as the plan needs it."""
+
+    def forget_packing(self) -> None:
+        """Drop what was made from the table's rows; keep what names metrics only."""
 
 
 def same_metrics(made_for: list[Accumulator], accs: list[Accumulator]) -> bool:
@@ -67,7 +72,7 @@ class StepPlan:
         self._folds: dict[torch.device | None, tuple[list[Accumulator], Plan]] = {}
         self._local: tuple[list[Accumulator], Packing] | None = None
         self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
-        self.group_syncs: weakref.WeakKeyDictionary[Any, GroupSync] = weakref.WeakKeyDictionary()
+        self.group_syncs: weakref.WeakKeyDictionary[Any, GroupPacking] = weakref.WeakKeyDictionary()
 
     def __reduce__(self) -> tuple[type[StepPlan], tuple[()]]:
         return StepPlan, ()  # a copy starts empty: its entries name the original's objects

@@ -198,7 +198,7 @@ def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> GroupSync:
     group's first sync in this process (so on every rank's), the schema agreed first."""
     cache = tracker.plan.group_syncs
     sync = cache.get(group)
-    if sync is not None:
+    if isinstance(sync, GroupSync):
         return sync
     device, layout = comm_device(group), None
     agreed = _GROUP_LAYOUTS.get(group)
