@@ -469,11 +469,12 @@ class Spread(Kind):
 
 
 def test_a_kind_stated_by_its_columns_matches_numpy() -> None:
-    """A kind that declares its slots as columns needs no reduce: the fold reduces it
-    with the built-in columnar kinds; its results are numpy's on the selected elements."""
+    """A kind that declares its slots as columns needs no reduce (``Kind.reduce``
+    reduces its columns), beside the built-in kinds; its results are numpy's on the
+    selected elements."""
     kind = register_kind(Spread())
     try:
-        assert (kind.num_sums, kind.num_maxes) == (2, 2) and kind.columnar
+        assert (kind.num_sums, kind.num_maxes) == (2, 2)
         rng = np.random.default_rng(3)
         t = Tracker()
         data: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -481,7 +482,7 @@ def test_a_kind_stated_by_its_columns_matches_numpy() -> None:
             name = f"s{call % 5}"
             x, w = rng.normal(size=7), rng.choice([0.0, 0.5, 2.0], size=7)
             t.log(name, torch.from_numpy(x) if call % 2 else x, weight=w, kind=kind.name)
-            t.mean(f"m{call % 3}", float(x[0]))  # a built-in columnar kind beside it
+            t.mean(f"m{call % 3}", float(x[0]))  # a built-in kind beside it
             data.setdefault(name, []).append((x, w))
         got = t.compute()
         for name, calls in data.items():
@@ -501,8 +502,7 @@ def test_a_kind_declaring_an_unknown_column_is_refused() -> None:
 
 
 def _reduced_alone(kind: Kind) -> Kind:
-    """``kind`` under another name, reducing its columns apart from the other kinds
-    (its own ``reduce``, so the fold does not fuse it)."""
+    """``kind`` under another name, with a ``reduce`` of its own (the default's)."""
     cls = type(kind)
     return type(f"Alone{cls.__name__}", (cls,), {
         "name": f"alone_{kind.name}", "reduce": lambda self, batch: Kind.reduce(self, batch),
@@ -510,17 +510,15 @@ def _reduced_alone(kind: Kind) -> Kind:
 
 
 @pytest.mark.parametrize("nonfinite", ["propagate", "skip", "error"])
-def test_columnar_kinds_reduced_together_equal_each_reduced_alone(nonfinite: str) -> None:
-    """The fold reduces every columnar kind in one pass (each column once over all their
-    elements, then each slot read from its column): bit for bit what each kind's own
-    reduce gives, with numbers, masked arrays, tensors on both paths, NaN and inf, empty
-    metrics, a replacing and an extra kind interleaved, and a mid-step fold (dist,
-    with an extra besides its columns, is not fused; its mean sums its values in the
-    order they are kept, which need not be the twin's)."""
+def test_declared_column_kinds_equal_their_twins_with_an_own_reduce(nonfinite: str) -> None:
+    """Kinds stated by their columns (mean, sum, max, min) give bit for bit what a twin
+    with a ``reduce`` of its own gives, with numbers, masked arrays, tensors on both
+    paths, NaN and inf, empty metrics, a replacing and an extra kind interleaved, and a
+    mid-step fold (dist's mean sums its values in the order they are kept, which need
+    not be the twin's)."""
     builtin = [get_kind(name) for name in ("mean", "sum", "max", "min")]
     alone = [register_kind(_reduced_alone(kind)) for kind in builtin]
     try:
-        assert all(k.columnar for k in builtin) and not any(k.columnar for k in alone)
         rng = np.random.default_rng(11)
         t = Tracker(nonfinite=nonfinite)
         for step in range(3):

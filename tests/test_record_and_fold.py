@@ -690,9 +690,9 @@ def test_tensors_of_several_dtypes_in_one_step_fold_exactly(host_arrays: bool) -
 
 @pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "tensor path"])
 def test_a_large_step_matches_numpy_whatever_its_records(host_arrays: bool) -> None:
-    """A step past the small-batch size (sums by segment, each column over its kinds'
-    rows only): masked float32 tensors with NaN and inf under the mask, 0-d tensors,
-    python numbers and every columnar kind, split into micro-batches in two ways, report
+    """A step past the small-batch size (sums by segment): masked float32 tensors with
+    NaN and inf under the mask, 0-d tensors, python numbers and every kind stated by its
+    columns, split into micro-batches in two ways, report
     numpy's values on the whole batch (exact for max, min and counts)."""
     rng = np.random.default_rng(5)
     n = 9000  # per metric: two metrics pass rows.SMALL together

@@ -16,8 +16,8 @@ from torch import Tensor
 from rlmetrics._engine.collectives import as_timeout, should_sync
 from rlmetrics._engine.fold import fold, joined_errors
 from rlmetrics._engine.inputs import as_number, check_name
-from rlmetrics._engine.layout import Layout
-from rlmetrics._engine.packing import Packing, in_order, local_reduce
+from rlmetrics._engine.packing import local_reduce
+from rlmetrics._engine.plan import StepPlan
 from rlmetrics._engine.record import (
     TENSOR_WEIGHTS,
     CheckedWeight,
@@ -362,10 +362,10 @@ class Tracker(LogMethods):
         self._accumulators: dict[str, Accumulator] = {}
         # every name's accumulator, kept across steps and cleared on reuse: no
         # allocation per name per step, and the sync code can recognise a step's
-        # accumulators as the last one's (see rlmetrics._engine.sync._GroupSync)
+        # accumulators as the last one's (see rlmetrics._engine.plan)
         self._pool: dict[str, Accumulator] = {}
         self._table = Table()  # every pooled metric's folded state, a row each
-        self._local: tuple[list[Accumulator], Packing] | None = None  # compute(sync=False)
+        self._plan = StepPlan()  # every cache kept between steps
         self._lock = threading.RLock()  # see "Threads" above
         self._numbers = NumberRecords()  # python-number calls since the last fold
         self._fold_errors: list[ValueError] = []  # of early folds, raised by the next
@@ -552,7 +552,14 @@ class Tracker(LogMethods):
                 finally:
                     self._recorded = 0
                     accs = list(self._accumulators.values())
-                    fold(accs, self._numbers, self._table, self.nonfinite, flat_only=flat_only)
+                    fold(
+                        accs,
+                        self._numbers,
+                        self._table,
+                        self._plan,
+                        self.nonfinite,
+                        flat_only=flat_only,
+                    )
         except ValueError as error:  # calls dropped (ModifiedInputError, by= calls)
             errors.append(error)
         if errors:
@@ -617,6 +624,11 @@ class Tracker(LogMethods):
         """The folded states, a row per metric (for the sync code)."""
         return self._table
 
+    @property
+    def plan(self) -> StepPlan:
+        """Every cache this tracker keeps between steps (for the fold and sync code)."""
+        return self._plan
+
     @_locked
     def device(self) -> torch.device:
         """Where this tracker's tensors live (the CPU when it holds none)."""
@@ -663,14 +675,9 @@ class Tracker(LogMethods):
     def _local_reduce(self) -> Reduced:
         """This process's step in packed form (one host transfer)."""
         self._fold()
-        accs = list(self._accumulators.values())
-        local, table = self._local, self._table
-        if local is None or local[0] != accs or local[1].version != table.version:
-            layout = Layout([(name, acc.kind) for name, acc in self._accumulators.items()])
-            packing = Packing.make(layout, in_order(self._accumulators, layout), table)
-            local = self._local = (accs, packing)
+        table = self._table
         try:
-            return local_reduce(local[1], table)
+            return local_reduce(self._plan.local_packing(self._accumulators, table), table)
         except RejectedInputError:
             self._forget_rejected()
             raise
@@ -738,12 +745,11 @@ class Tracker(LogMethods):
             self._table.load(acc.row, metric, acc.kind)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the local packing cache and the lock (the sync state per
-        process group lives in ``rlmetrics._engine.sync``, not here)."""
+        """Pickle without the caches (``StepPlan``) and the lock."""
         with self._lock:
             self._fold()
-            state = {**self.__dict__, "_local": None}
-            del state["_lock"]
+            state = dict(self.__dict__)
+            del state["_lock"], state["_plan"]
             return {**state, "_pool": dict(self._accumulators)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -752,6 +758,7 @@ class Tracker(LogMethods):
         self.__dict__.update(state)
         self.__dict__.setdefault("device_timers", DeviceTimers(self._logged_kind))
         self._lock = threading.RLock()
+        self._plan = StepPlan()
         self.__dict__.setdefault("_groups", Groups())  # pickled before groups existed
         self.__dict__.setdefault("_numbers", NumberRecords())
         self.__dict__.setdefault("_checked_weight", CheckedWeight())

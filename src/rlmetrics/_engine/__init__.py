@@ -8,6 +8,8 @@
              results.py                  reduced buffers back into results
     sync     sync.py, collectives.py,    one collective per step; the schema the ranks
              agreed.py                   agreed on; collectives that time out
+    plan     plan.py                     StepPlan: every cache a tracker keeps between
+                                         steps, with one invalidation rule
 
 Nothing here is imported by users: the public names are in ``rlmetrics`` and its
 public modules (see docs/architecture.md).

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from rlmetrics._engine.assemble import Parts, assemble, joined, on_backend, part_size
-from rlmetrics._engine.fold_plan import FUSED, Fused, Layout, Plan, plan_for
+from rlmetrics._engine.fold_plan import Layout, Plan
+from rlmetrics._engine.plan import StepPlan
 from rlmetrics._engine.record import NumberRecords
 from rlmetrics._engine.table import Table
 from rlmetrics.errors import ModifiedInputError
@@ -75,13 +76,15 @@ def fold(
     accs: list[Accumulator],
     numbers: NumberRecords,
     table: Table,
+    steps: StepPlan,
     nonfinite: str,
     *,
     flat_only: bool = False,
 ) -> None:
     """Reduce the records of ``accs`` (their own, and the tracker's flat ``numbers``)
-    into their rows of ``table``; clear the records, also when a reduce raises (no
-    metric of ``accs`` holds records after a fold).
+    into their rows of ``table``, with the fold plans and device indices ``steps``
+    keeps; clear the records, also when a reduce raises (no metric of ``accs`` holds
+    records after a fold).
 
     Host data folds first, then each device's: a metric's flat numbers were all logged
     before its first tensor record, so a kind that keeps the latest value sees them in
@@ -96,7 +99,7 @@ def fold(
     try:
         # outside autograd: a logged tensor may have been made to require grad since
         with torch.no_grad() if with_records else nullcontext():
-            modified = _fold_all(accs, with_records, numbers, table, nonfinite)
+            modified = _fold_all(accs, with_records, numbers, table, steps, nonfinite)
         dropped = {acc.name: len(acc.values) for acc in modified}
     finally:
         numbers.clear()
@@ -116,6 +119,7 @@ def _fold_all(
     with_records: list[Accumulator],
     numbers: NumberRecords,
     table: Table,
+    steps: StepPlan,
     nonfinite: str,
 ) -> list[Accumulator]:
     """``fold``'s work, backend by backend; returns the metrics whose tensors changed
@@ -132,34 +136,39 @@ def _fold_all(
         else:
             on_device.setdefault(acc.record_device, []).append(acc)
     if numbers.values or host:
-        plan = plan_for(table, None, accs)
+        plan = steps.fold_plan(table, None, accs)
         if numbers.values:  # first, as an early fold would: their own cached layout
-            _fold_records(table, plan, numbers, [], None, nonfinite)
+            _fold_records(table, steps, plan, numbers, [], None, nonfinite)
         if host:
-            modified += _fold_aligned(table, plan, host, None, nonfinite)
+            modified += _fold_aligned(table, steps, plan, host, None, nonfinite)
     for device, members in on_device.items():
-        plan = plan_for(table, device, members)
-        modified += _fold_aligned(table, plan, plan.members, device, nonfinite)
+        plan = steps.fold_plan(table, device, members)
+        modified += _fold_aligned(table, steps, plan, plan.members, device, nonfinite)
     return modified
 
 
 def _fold_aligned(
-    table: Table, plan: Plan, accs: list[Accumulator], device: torch.device | None, nonfinite: str
+    table: Table,
+    steps: StepPlan,
+    plan: Plan,
+    accs: list[Accumulator],
+    device: torch.device | None,
+    nonfinite: str,
 ) -> list[Accumulator]:
     """Fold one backend's records (``_fold_records``); returns the metrics left out
     because a record's value and weight sizes no longer agree (``_Misaligned``: found
     before anything is folded, so the others fold as if they came alone)."""
     try:
-        _fold_records(table, plan, None, accs, device, nonfinite)
+        _fold_records(table, steps, plan, None, accs, device, nonfinite)
         return []
     except _Misaligned as error:
         misaligned = error.accs
     kept = [acc for acc in accs if acc not in misaligned]  # identity
     if kept:
         if device is not None:  # a device's plan is made for its metrics alone
-            plan = plan_for(table, device, kept)
+            plan = steps.fold_plan(table, device, kept)
             kept = plan.members
-        _fold_records(table, plan, None, kept, device, nonfinite)
+        _fold_records(table, steps, plan, None, kept, device, nonfinite)
     return misaligned
 
 
@@ -193,6 +202,7 @@ def _misaligned(acc: Accumulator) -> bool:
 
 def _fold_records(
     table: Table,
+    steps: StepPlan,
     plan: Plan,
     numbers: NumberRecords | None,
     accs: list[Accumulator],
@@ -200,17 +210,14 @@ def _fold_records(
     nonfinite: str,
 ) -> None:
     """Fold one backend's records (the host's: ``numbers`` or the host records of
-    ``accs``; a device's: the records of ``accs``): one batch for all; the columnar
-    kinds reduce together, every other kind its own rows; all that adds lands in
-    ``table`` with one indexed add and one indexed max."""
+    ``accs``; a device's: the records of ``accs``): one batch for all, each kind reduces
+    its own rows; all that adds lands in ``table`` with one indexed add and one indexed
+    max."""
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
         batch, layout, counts = _batch(plan, numbers, accs, device, nonfinite)
         element_at, call_at = layout.element_at, layout.call_at
-        added: list[tuple[int, Array, Array]] = []  # (group or FUSED, flat sums, flat maxes)
-        first = plan.num_columnar  # the groups of columnar kinds reduce together
-        if first and element_at[plan.bounds[first]]:  # else none of them was logged
-            added.append((FUSED, *_reduce_fused(table, batch, layout, plan.fused(table))))
-        for i in range(first, len(plan.groups)):
+        added: list[tuple[int, Array, Array]] = []  # (group, flat sums, flat maxes)
+        for i in range(len(plan.groups)):
             start, stop = plan.bounds[i], plan.bounds[i + 1]
             elements = slice(element_at[start], element_at[stop])
             if elements.start == elements.stop:
@@ -222,15 +229,16 @@ def _fold_records(
             if kind.replaces:  # a row with no selected value keeps the old one
                 if batch.on_host:
                     every = part.all_selected and part.rows_full()
-                    table.replace(positions, sums, maxes, None if every else part.count() > 0)
+                    present = None if every else part.count() > 0
+                    table.replace(positions, sums, maxes, present, steps.index_on)
                 else:
-                    table.replace_device(positions, sums, maxes, part.count() > 0)
+                    table.replace_device(positions, sums, maxes, part.count() > 0, steps.index_on)
             else:
                 added.append((i, sums.reshape(-1), maxes.reshape(-1)))
             if carries_extra(kind):
                 _fold_extras(table, kind, positions[0], kind.reduce_extra(part), part)
         if added:
-            if len(added) == 1:  # the columnar kinds', or one kind's
+            if len(added) == 1:
                 key, sums, maxes = added[0]
                 keys: tuple[int, ...] = (key,)
             else:
@@ -240,48 +248,9 @@ def _fold_records(
             if batch.on_host:
                 table.add(sum_positions, sums, max_positions, maxes)
             else:
-                table.add_device(sum_positions, sums, max_positions, maxes)
+                table.add_device(sum_positions, sums, max_positions, maxes, steps.index_on)
         if counts is not None:
             table.add_counts(plan.rows, counts)
-
-
-def _reduce_fused(table: Table, batch: Batch, layout: Layout, fused: Fused) -> tuple[Array, Array]:
-    """The slots of the columnar kinds' rows (the first ``fused.num_rows``), flat in
-    ``fused``'s order: each column reduced once over the elements of its groups."""
-    rows = fused.num_rows
-    if rows != batch.num_rows:
-        elements, calls = layout.element_at[rows], layout.call_at[rows]
-        batch = batch.part(slice(0, rows), slice(0, elements), slice(0, calls))
-    if batch.on_host and batch.rows.keyed:  # small: every column over all elements at once
-        sums, maxes = batch.column_sums(fused.sum_columns), batch.column_maxes(fused.max_columns)
-    else:
-        sums = _span_columns(batch, layout, fused.sum_columns, fused.sum_spans, Batch.column_sum)
-        maxes = _span_columns(batch, layout, fused.max_columns, fused.max_spans, Batch.column_max)
-    if batch.on_host:
-        return sums[fused.sum_source], maxes[fused.max_source]
-    device = batch.values.device
-    return (
-        sums[table.index_on(fused.sum_source, device)],
-        maxes[table.index_on(fused.max_source, device)],
-    )
-
-
-def _span_columns(
-    batch: Batch, layout: Layout, names: list[str], spans: list[tuple[int, int]], reduce: Any
-) -> Array:
-    """``reduce`` (``Batch.column_sum`` or ``column_max``) of each column of ``names``
-    over the rows of its span only, laid end to end, ``batch.num_rows`` values each (the
-    rows out of a column's span left 0: no slot reads them)."""
-    out = []
-    for name, (start, stop) in zip(names, spans, strict=True):
-        if stop - start == batch.num_rows:
-            out.append(reduce(batch, name))
-            continue
-        elements = slice(layout.element_at[start], layout.element_at[stop])
-        calls = slice(layout.call_at[start], layout.call_at[stop])
-        part = batch.part(slice(start, stop), elements, calls)
-        out += [batch.zeros(start), reduce(part, name), batch.zeros(batch.num_rows - stop)]
-    return batch.xp.concatenate(out) if out else batch.zeros(0)
 
 
 def _fold_extras(

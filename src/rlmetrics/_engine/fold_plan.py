@@ -1,23 +1,20 @@
 """Which metrics a fold reduces, grouped by kind, and where their elements go.
 
 A ``Plan`` orders the metrics of one fold (the host's or one device's) kind by kind;
-each kind's metrics reduce as one slice of the batch, except the columnar kinds
-(``Kind.columnar``), which come first and reduce together (``Fused``). A ``Layout``
+each kind's metrics reduce as one slice of the batch. A ``Layout``
 puts the records' elements and calls into that order (a stable sort by metric) and
 says where each metric's begin. Both are kept across steps while the same metrics come
-back (``plan_for``; a plan keeps the layout of its flat numbers while their row list is
-the same).
+back (``rlmetrics._engine.plan.StepPlan.fold_plan``; a plan keeps the layout of its
+flat numbers while their row list is the same).
 """
 
 from __future__ import annotations
 
-import weakref
 from itertools import accumulate
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from rlmetrics._engine.record import NumberRecords
 from rlmetrics._engine.table import Table
@@ -25,9 +22,6 @@ from rlmetrics.kinds.base import Accumulator
 from rlmetrics.kinds.rows import Rows
 
 _get_row = attrgetter("row")
-
-FUSED = -1
-"""``Plan.positions``'s key for the columnar groups reduced together."""
 
 
 class Layout(NamedTuple):
@@ -125,58 +119,15 @@ class Group:
         return self._positions
 
 
-class Fused(NamedTuple):
-    """How the leading columnar groups of a plan reduce together: each column once over
-    the elements of the groups that declare it (its ``*_spans``: the plan rows from the
-    first such group to the last), one value per plan row, then each slot of each row
-    read from its column's row (``*_source``, into the columns' per-row values laid end
-    to end) into its table position (``*_positions``)."""
-
-    num_rows: int  # the plan rows of the columnar groups: 0 .. num_rows - 1
-    sum_columns: list[str]
-    sum_spans: list[tuple[int, int]]
-    sum_source: np.ndarray
-    sum_positions: np.ndarray
-    max_columns: list[str]
-    max_spans: list[tuple[int, int]]
-    max_source: np.ndarray
-    max_positions: np.ndarray
-
-    @staticmethod
-    def make(groups: list[Group], table: Table) -> Fused:
-        num_rows = sum(len(group.members) for group in groups)
-        made: list[Any] = []
-        for slots in (1, 2):  # the SUM, then the MAX slots (``Group.positions``' order)
-            spans: dict[str, tuple[int, int]] = {}  # per column, in order of first use
-            sources, positions = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-            first = 0
-            for group in groups:
-                kind, at = group.kind, group.positions(table)[slots]
-                last = first + len(group.members)
-                for j, name in enumerate(kind.sum_columns if slots == 1 else kind.max_columns):
-                    column = list(spans).index(name) if name in spans else len(spans)
-                    spans[name] = (spans.get(name, (first, last))[0], last)
-                    sources.append(column * num_rows + np.arange(first, last))
-                    positions.append(at[:, j])
-                first = last
-            made += [list(spans), list(spans.values())]
-            made += [np.concatenate(sources), np.concatenate(positions)]
-        return Fused(num_rows, *made)
-
-
 class Plan:
-    """The metrics of one fold grouped by kind (``members`` in that order, the columnar
-    kinds first), and where each table row's metric is in that order (``index``: -1 for
-    a row not in it)."""
+    """The metrics of one fold grouped by kind (``members`` in that order), and where
+    each table row's metric is in that order (``index``: -1 for a row not in it)."""
 
     def __init__(self, accs: list[Accumulator], table: Table) -> None:
         by_kind: dict[int, list[Accumulator]] = {}
         for acc in accs:
             by_kind.setdefault(id(acc.kind), []).append(acc)
         self.groups = [Group(members) for members in by_kind.values()]
-        self.groups.sort(key=lambda group: not group.kind.columnar)  # stable
-        self.num_columnar = sum(group.kind.columnar for group in self.groups)
-        self._fused: Fused | None = None
         self.members = [acc for group in self.groups for acc in group.members]
         self.bounds = list(accumulate((len(group.members) for group in self.groups), initial=0))
         self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
@@ -185,28 +136,16 @@ class Plan:
         self._numbers: NumbersLayout | None = None
         self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
-    def fused(self, table: Table) -> Fused:
-        """How the columnar groups (the first ``num_columnar``) reduce together."""
-        if self._fused is None:
-            self._fused = Fused.make(self.groups[: self.num_columnar], table)
-        return self._fused
-
     def positions(self, groups: tuple[int, ...], table: Table) -> tuple[np.ndarray, np.ndarray]:
         """The SUM and MAX positions of the rows of ``groups`` (indices into
-        ``self.groups``; ``FUSED`` for the columnar groups as ``Fused`` orders their
-        slots), flat, in order; kept per set of groups."""
+        ``self.groups``), flat, in order; kept per set of groups."""
         cached = self._positions.get(groups)
         if cached is None:
             sums, maxes = [], []
             for i in groups:
-                if i == FUSED:
-                    fused = self.fused(table)
-                    sums.append(fused.sum_positions)
-                    maxes.append(fused.max_positions)
-                else:
-                    _, sum_positions, max_positions = self.groups[i].positions(table)
-                    sums.append(sum_positions.reshape(-1))
-                    maxes.append(max_positions.reshape(-1))
+                _, sum_positions, max_positions = self.groups[i].positions(table)
+                sums.append(sum_positions.reshape(-1))
+                maxes.append(max_positions.reshape(-1))
             cached = self._positions[groups] = (np.concatenate(sums), np.concatenate(maxes))
         return cached
 
@@ -228,24 +167,3 @@ class Plan:
     def number_rows(self, numbers: NumberRecords) -> np.ndarray:
         """Per flat number, its metric's place in this plan."""
         return self.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
-
-
-def plan_for(table: Table, device: torch.device | None, accs: list[Accumulator]) -> Plan:
-    """The plan of ``accs`` folding on ``device`` (None: the host), kept per table and
-    device for as long as the same accumulators come (a steady-state step)."""
-    plans = _PLANS.get(table)
-    if plans is None:
-        plans = _PLANS[table] = {}
-    cached = plans.get(device)
-    if cached is not None and cached[0] == accs:  # identity
-        return cached[1]
-    plan = Plan(accs, table)
-    plans[device] = (accs, plan)
-    return plan
-
-
-# Per table (weakly: a compacted table replaces it), the last plan per device, with the
-# accumulators it was made for.
-_PLANS: weakref.WeakKeyDictionary[Table, dict[Any, tuple[list[Accumulator], Plan]]] = (
-    weakref.WeakKeyDictionary()
-)

@@ -31,7 +31,7 @@ class Packing:
     end (the logged marks, padding and tail at sync, see ``rlmetrics._engine.agreed``) follows
     the MAX slots.
 
-    Built once per set of metrics (the sync and the local path cache it): packing a
+    Built once per set of metrics (a tracker's ``StepPlan`` keeps it): packing a
     step is then one indexed assignment per array into ``host`` (made empty, with
     its end), plus one indexed add per array for a device half. Slots of rows outside
     ``accs`` (names not logged this step, always empty) go to a scratch slot past the
@@ -46,7 +46,6 @@ class Packing:
     count_map: np.ndarray  # per table count (rows x NUM_COUNTS, row-major)
     max_map: np.ndarray  # per table MAX slot
     extra_rows: list[tuple[int, Accumulator | None]]  # (size slot, accumulator)
-    version: int  # the table's row version the maps were built for
     device_maps: dict[Any, tuple[Tensor, ...]] = field(default_factory=dict)
     sizes: Any = None  # the group's padded sizes it was made for (sync only)
     logged_all: bool = True  # this rank logged every name of the layout
@@ -87,7 +86,7 @@ class Packing:
             count_map[row * NUM_COUNTS : (row + 1) * NUM_COUNTS] = np.arange(
                 place.count_offset, place.count_offset + NUM_COUNTS
             )
-        maps = host, sum_map, count_map, max_map, extra_rows, table.version
+        maps = host, sum_map, count_map, max_map, extra_rows
         return cls(layout, sum_part, *maps)
 
     def pack(self, table: Table, device: torch.device) -> Tensor:

@@ -48,6 +48,7 @@ from rlmetrics._engine.collectives import (
 )
 from rlmetrics._engine.layout import Layout
 from rlmetrics._engine.packing import Packing, in_order, restore_nans, unpack, with_nan_counts
+from rlmetrics._engine.plan import same_metrics
 from rlmetrics._engine.results import Reduced
 from rlmetrics._engine.table import Table
 from rlmetrics.kinds import kind_names
@@ -155,17 +156,15 @@ def agree_schema(
 
 
 @dataclass(eq=False)
-class _GroupSync:
-    """What a tracker keeps per process group between steps: its agreed layout (None
-    until it has one), the group's ``GroupLayouts`` (the same on every rank), the device
-    collectives run on, the host buffer a CPU gather writes into, and the last step's
-    packing.
+class GroupSync:
+    """What a tracker keeps per process group between steps (in its ``StepPlan``): its
+    agreed layout (None until it has one), the group's ``GroupLayouts`` (the same on
+    every rank), the device collectives run on, the host buffer a CPU gather writes
+    into, and the last step's packing.
 
-    The packing is reused when a step's accumulators are the same objects, in the same
-    order, as the last one's and the group's padded sizes are the same object: a Tracker
-    keeps each name's accumulator across steps (while its kind stays) and never files
-    one object under two names, so the same objects mean the same names and kinds, and
-    the layout still fits.
+    The packing is reused by ``StepPlan``'s rule (the same accumulators, rows not
+    renumbered) while it was made for the current layout and the group's padded sizes
+    are the same object.
     """
 
     layout: Layout | None
@@ -189,8 +188,7 @@ class _GroupSync:
             packing is not None
             and packing.layout is self.layout
             and packing.sizes is sizes
-            and packing.version == table.version  # else rows were renumbered
-            and current == self.seen  # identity
+            and same_metrics(self.seen, current)
         ):
             return packing
         layout = self.layout
@@ -218,6 +216,11 @@ class _GroupSync:
             self.rows = [torch.from_numpy(row) for row in self.gathered]
         return self.gathered, self.rows
 
+    def forget_packing(self) -> None:
+        """Drop the last packing (the table's rows were renumbered); the agreed layout
+        stays, since it names metrics, not rows."""
+        self.packing, self.seen = None, []
+
 
 _NO_LAYOUT = Layout([])  # what a rank without a layout the group holds packs
 
@@ -226,29 +229,12 @@ _NO_LAYOUT = Layout([])  # what a rank without a layout the group holds packs
 _GROUP_LAYOUTS: weakref.WeakKeyDictionary[Any, GroupLayouts] = weakref.WeakKeyDictionary()
 
 
-# Per tracker (weakly), its sync state per process group: kept here rather than on the
-# tracker, so a pickled or copied tracker starts without it.
-_SYNCS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, _GroupSync]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def group_syncs(tracker: Any) -> weakref.WeakKeyDictionary[Any, _GroupSync]:
-    """The tracker's sync state per process group (empty before its first sync), keyed
-    by the group object (weakly), never by id(): a group created after another was
-    destroyed may reuse its id on some ranks only."""
-    cache = _SYNCS.get(tracker)
-    if cache is None:
-        cache = _SYNCS[tracker] = weakref.WeakKeyDictionary()
-    return cache
-
-
-def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> _GroupSync:
-    """The tracker's sync state for ``group``; on the group's first sync in this
-    process (so on every rank's), the schema agreed first."""
-    cache = group_syncs(tracker)
+def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> GroupSync:
+    """The tracker's sync state for ``group`` (kept in its ``StepPlan``); on the
+    group's first sync in this process (so on every rank's), the schema agreed first."""
+    cache = tracker.plan.group_syncs
     sync = cache.get(group)
-    if sync is not None:
+    if isinstance(sync, GroupSync):
         return sync
     device, layout = comm_device(group), None
     agreed = _GROUP_LAYOUTS.get(group)
@@ -257,7 +243,7 @@ def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> _GroupSync:
         layout = agree_schema(tracker, group, device, wait)
         agreed.use(layout)
     # else the step itself tells whether this rank's guess is its peers' layout
-    sync = cache[group] = _GroupSync(layout, agreed, device, dist.get_world_size(group))
+    sync = cache[group] = GroupSync(layout, agreed, device, dist.get_world_size(group))
     return sync
 
 
@@ -273,6 +259,7 @@ def sync_reduce(
     wait = as_timeout(timeout)
     sync = _group_sync(tracker, pg, wait)
     accumulators, table = tracker.accumulators, tracker.table
+    tracker.plan.valid_for(table)
     for _ in range(2):
         packing = sync.packing_for(accumulators, table)
         sums, maxes = _reduce(packing, table, sync, pg, wait)
@@ -292,7 +279,7 @@ def sync_reduce(
 
 
 def _reduce(
-    packing: Packing, table: Table, sync: _GroupSync, group: Any, wait: timedelta | None
+    packing: Packing, table: Table, sync: GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The packed SUM part and MAX part (its end included) reduced over ``group``, on
     the host (one device-to-host copy): one gather up to ``GATHER_LIMIT`` gathered

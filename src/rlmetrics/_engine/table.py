@@ -13,6 +13,7 @@ record folded on, without a host sync). Sums add across the halves, maxes take t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from rlmetrics.kinds.batch import to_device
 from rlmetrics.kinds.extra import ExtraKind
 
 Positions = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, SUM and MAX positions
+IndexOn = Callable[[np.ndarray, torch.device], Tensor]  # an index array's device copy
 
 
 @dataclass(eq=False)
@@ -63,22 +65,7 @@ class Table:
         self.extra_kinds: dict[int, ExtraKind] = {}
         self.device_part: DevicePart | None = None
         self.version = 0  # changes when rows are renumbered (``compacted``)
-        self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
         self._starts: tuple[np.ndarray, np.ndarray] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_indices": {}}
-
-    def index_on(self, positions: np.ndarray, device: torch.device) -> Tensor:
-        """``positions`` (an index array the fold keeps across steps) on ``device``,
-        copied there once per array rather than once per step."""
-        key = (id(positions), device)
-        cached = self._indices.get(key)
-        if cached is None or cached[0] is not positions:
-            if len(self._indices) > 256:  # arrays of metric sets that came and went
-                self._indices.clear()
-            cached = self._indices[key] = (positions, to_device(positions, device))
-        return cached[1]
 
     @property
     def num_rows(self) -> int:
@@ -163,11 +150,16 @@ class Table:
         self.maxes[max_positions] = np.maximum(self.maxes[max_positions], maxes)
 
     def replace(
-        self, positions: Positions, sums: np.ndarray, maxes: np.ndarray, present: Any
+        self,
+        positions: Positions,
+        sums: np.ndarray,
+        maxes: np.ndarray,
+        present: Any,
+        index_on: IndexOn,
     ) -> None:
         """Fold host rows of a replacing kind in (``positions`` as ``positions`` gives
         them): the rows ``present`` (with a new value; None: all) replace their old
-        value, on both halves."""
+        value, on both halves (``index_on`` puts positions on the device half's device)."""
         _, sum_pos, max_pos = positions
         if present is not None:
             sum_pos, max_pos, sums, maxes = (a[present] for a in (sum_pos, max_pos, sums, maxes))
@@ -175,22 +167,32 @@ class Table:
         self.maxes[max_pos] = maxes
         part = self.device_part
         if part is not None and sum_pos.size:
-            part.sums[self.index_on(sum_pos, part.device)] = 0.0
-            part.maxes[self.index_on(max_pos, part.device)] = -math.inf
+            part.sums[index_on(sum_pos, part.device)] = 0.0
+            part.maxes[index_on(max_pos, part.device)] = -math.inf
 
     def add_device(
-        self, sum_positions: np.ndarray, sums: Tensor, max_positions: np.ndarray, maxes: Tensor
+        self,
+        sum_positions: np.ndarray,
+        sums: Tensor,
+        max_positions: np.ndarray,
+        maxes: Tensor,
+        index_on: IndexOn,
     ) -> None:
-        """Fold device rows in as ``add`` does, without a host sync (positions kept
-        across steps: their device copies are cached)."""
+        """Fold device rows in as ``add`` does, without a host sync (``index_on``
+        gives the positions' device copies, made once per array)."""
         part = self.device_for(sums.device)
         sums, maxes = sums.to(part.device), maxes.to(part.device)
-        max_index = self.index_on(max_positions, part.device)
-        part.sums.index_add_(0, self.index_on(sum_positions, part.device), sums)
+        max_index = index_on(max_positions, part.device)
+        part.sums.index_add_(0, index_on(sum_positions, part.device), sums)
         part.maxes[max_index] = torch.maximum(part.maxes[max_index], maxes)
 
     def replace_device(
-        self, positions: Positions, sums: Tensor, maxes: Tensor, present: Tensor
+        self,
+        positions: Positions,
+        sums: Tensor,
+        maxes: Tensor,
+        present: Tensor,
+        index_on: IndexOn,
     ) -> None:
         """Fold device rows of a replacing kind in (no host sync): the rows ``present``
         (a device bool per row) replace the old value, which spans both halves: the host
@@ -198,8 +200,8 @@ class Table:
         part = self.device_for(sums.device)
         sums, maxes = sums.to(part.device), maxes.to(part.device)
         _, sum_pos, max_pos = positions
-        sum_index = self.index_on(sum_pos, part.device)
-        max_index = self.index_on(max_pos, part.device)
+        sum_index = index_on(sum_pos, part.device)
+        max_index = index_on(max_pos, part.device)
         old_sums = part.sums[sum_index] + to_device(self.sums[sum_pos], part.device)
         old_maxes = torch.maximum(
             part.maxes[max_index], to_device(self.maxes[max_pos], part.device)

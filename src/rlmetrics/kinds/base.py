@@ -146,17 +146,6 @@ class Kind:
         """Whether the declared columns are exactly the slots (none declared: no slots)."""
         return (self.num_sums, self.num_maxes) == (len(self.sum_columns), len(self.max_columns))
 
-    @property
-    def columnar(self) -> bool:
-        """Whether the fold may reduce this kind together with the other columnar kinds:
-        its slots are its declared columns, nothing else (no own ``reduce``, no extra,
-        not replacing)."""
-        return (
-            type(self).reduce is Kind.reduce
-            and not (self.has_extra or self.replaces)
-            and self.slots_declared
-        )
-
     def fingerprint(self) -> str:
         """What must match across processes for two states of this kind to merge: the
         name and slot layout. Kinds with parameters that change the meaning of their

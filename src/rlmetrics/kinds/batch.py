@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.rows import SMALL, Array, Rows
+from rlmetrics.kinds.rows import Array, Rows
 
 COLUMNS = ("value", "negated_value", "weight", "weighted_value", "selected")
 """The per-element columns a kind can declare its slots with (``Batch.column``): the
@@ -30,13 +30,6 @@ value, its negation, the weight, value × weight, and 1 where selected (weight >
 SUM slot sums its column over a metric's elements (one that is not selected has value
 and weight 0 by then: it adds nothing); a MAX slot takes its column's max over the
 selected elements (-inf when there is none)."""
-
-STACK_LIMIT = SMALL
-"""Elements (all columns together) up to which a host batch reduces several columns
-with one operation (``Batch.column_sums``): in a small batch each operation's fixed
-cost outweighs copying the columns into one array; in a large one the copy costs more.
-A device batch reduces column by column, so that the number of torch operations does
-not depend on how many elements were logged."""
 
 
 class Batch:
@@ -147,34 +140,12 @@ class Batch:
         return column if self.one_per_row else self.max_by(column)
 
     def column_sums(self, names: Sequence[str]) -> Array:
-        """``column_sum`` of each of ``names``, laid end to end (num_rows values each).
-        A small batch joins the columns and sums them by (row, column) at once (each
-        sum adds its elements in ``column_sum``'s order: the same bits)."""
-        if not self._stacks(len(names)):
-            return self._joined([self.column_sum(name) for name in names])
-        keys, _, _ = self.rows.stacked(len(names), self.constant)
-        ones = self.rows.ones(self.xp, self.values) if self.all_selected else None
-        columns = [ones if ones is not None and name == "selected" else self.column(name)
-                   for name in names]  # fmt: skip
-        return self.sum_by(self.xp.concatenate(columns), keys, len(names) * self.num_rows)
+        """``column_sum`` of each of ``names``, laid end to end (num_rows values each)."""
+        return self._joined([self.column_sum(name) for name in names])
 
     def column_maxes(self, names: Sequence[str]) -> Array:
-        """``column_max`` of each of ``names``, laid end to end; a small batch joins the
-        columns and maxes them by (row, column) at once."""
-        if not self._stacks(len(names)):
-            return self._joined([self.column_max(name) for name in names])
-        columns = [self.column(name) for name in names]
-        if not self.all_selected:
-            columns = [self.where(self.selected(), column, -math.inf) for column in columns]
-        joined = self.xp.concatenate(columns)
-        _, starts, nonempty = self.rows.stacked(len(names), self.constant)
-        size = len(names) * self.num_rows
-        return self._by_segments(np.maximum, joined, starts, nonempty, size)
-
-    def _stacks(self, columns: int) -> bool:
-        """Whether ``columns`` columns reduce with one operation (a small host batch)."""
-        rows = self.rows  # a part of a large batch sums as the batch does
-        return columns > 1 and rows.keyed and len(self.values) * columns <= STACK_LIMIT
+        """``column_max`` of each of ``names``, laid end to end."""
+        return self._joined([self.column_max(name) for name in names])
 
     def _joined(self, per_row: list[Array]) -> Array:
         """Per-row arrays laid end to end (an empty float64 array for none)."""
@@ -348,9 +319,6 @@ class DeviceBatch(Batch):
     def max_by(self, x: Tensor) -> Tensor:
         out = torch.full((self.num_rows,), -math.inf, dtype=torch.float64, device=x.device)
         return out.scatter_reduce_(0, self.segments, x.to(torch.float64), "amax")
-
-    def _stacks(self, columns: int) -> bool:
-        return False  # column by column: a number of operations that no size changes
 
     def columns(self, *columns: Tensor) -> Tensor:
         if not columns:

@@ -1,9 +1,8 @@
 """Where a batch's elements belong (``Rows``), and what follows from it, derived once.
 
 A fold keeps the rows of its python numbers across steps (``rlmetrics._engine.fold_plan``),
-so everything here that follows from them (row starts, counts, each kind's part, the
-keys that reduce several columns at once) is computed on a steady-state step's first
-fold only.
+so everything here that follows from them (row starts, counts, each kind's part) is
+computed on a steady-state step's first fold only.
 """
 
 from __future__ import annotations
@@ -82,13 +81,6 @@ class Rows:
             counts.flags.writeable = False
         return counts
 
-    def ones(self, xp: Any, like: Array) -> Array:
-        """A float64 1 per element, on the backend of ``like`` (namespace ``xp``)."""
-        ones = self._memo.get("ones")
-        if ones is None:
-            ones = self._memo["ones"] = xp.ones_like(like)
-        return ones
-
     def last_index(self) -> np.ndarray:
         """Per row (all full), the position of its last element."""
         index = self._memo.get("last")
@@ -105,22 +97,6 @@ class Rows:
             ones = np.ones(self.num_rows, dtype=np.int64)
             rows = self._memo["one_each"] = Rows(constant(index), ones, ones, index, True)
         return rows
-
-    def stacked(self, columns: int, constant: Any) -> tuple[Array, np.ndarray, Any]:
-        """For ``columns`` per-element columns laid end to end: per element its key
-        (row + column × num_rows, on the segments' backend), per key with an element
-        where its elements start (host), and which keys have one (None: all)."""
-        key = ("stacked", columns)
-        stacked = self._memo.get(key)
-        if stacked is None:
-            offsets = np.arange(columns)[:, None]
-            starts = (self.starts() + offsets * len(self.segments)).reshape(-1)
-            nonempty = None if self.full() else np.tile(self.lengths > 0, columns)
-            if nonempty is not None:
-                starts = starts[nonempty]
-            keys = (self.segments[None, :] + constant(offsets * self.num_rows)).reshape(-1)
-            stacked = self._memo[key] = (keys, starts, nonempty)
-        return stacked
 
     def part(self, rows: slice, elements: slice, calls: slice) -> Rows:
         """The rows ``rows`` (whose elements and calls are ``elements`` and ``calls``),
