@@ -17,7 +17,7 @@ it costs every contender the same). Contenders, each given the input the way its
 pass it:
 
 * rlmetrics: ``Tracker.mean(name, value, weight=mask)`` (host data takes the host path);
-* rlmetrics tensor path: the same call with ``Tracker.host_arrays = False`` and
+* rlmetrics tensor path: the same call with ``Tracker.reduce_host_data_with_numpy = False`` and
   ``copy_cpu_tensors = False``, which send CPU tensors down the path a CUDA tensor
   takes, recorded by reference (on a GPU its torch ops run asynchronously; their host
   cost is the dispatch measured here);
@@ -79,13 +79,17 @@ def make_calls() -> dict[tuple[str, str], tuple[Call, Call]]:
     inputs = {"python float": (scalar, None), "0-d tensor": (zero_d, None)}
     inputs["1k tensor + bool mask"] = (values, mask)
     masks = [torch.rand(1000) > 0.3 for _ in range(FRESH_MASKS)]
-    if not hasattr(Tracker, "host_arrays"):  # setting it would pass silently
-        raise RuntimeError("Tracker.host_arrays is gone: the tensor path needs another switch")
+    if not hasattr(Tracker, "reduce_host_data_with_numpy"):  # setting it would pass silently
+        raise RuntimeError(
+            "Tracker.reduce_host_data_with_numpy is gone: the tensor path needs another switch"
+        )
     calls: dict[tuple[str, str], tuple[Call, Call]] = {}
     for label, (value, weight) in inputs.items():
         for contender in CONTENDERS[:2]:
             tracker = Tracker()
-            tracker.host_arrays = tracker.copy_cpu_tensors = contender == "rlmetrics"
+            tracker.reduce_host_data_with_numpy = tracker.copy_cpu_tensors = (
+                contender == "rlmetrics"
+            )
             calls[contender, label] = (
                 (lambda t=tracker, v=value: t.mean("loss", v))
                 if weight is None
@@ -114,7 +118,7 @@ def add_fresh_mask_calls(
     label = INPUTS[3]
     for contender in CONTENDERS[:2]:
         tracker = Tracker()
-        tracker.host_arrays = tracker.copy_cpu_tensors = contender == "rlmetrics"
+        tracker.reduce_host_data_with_numpy = tracker.copy_cpu_tensors = contender == "rlmetrics"
         tracker_masks = itertools.cycle(masks)
         calls[contender, label] = (
             lambda t=tracker, ws=tracker_masks: t.mean("loss", values, weight=next(ws)),

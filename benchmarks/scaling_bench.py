@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
 
 import scaling_model as model
@@ -142,8 +142,8 @@ class VerlSync:
         self.metrics = {f"actor/metric_{i:04d}_name": v for i, v in enumerate(values)}
 
     def run(self) -> Any:
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, self.metrics)
+        every: list[Any] = [None] * tdist.get_world_size()
+        tdist.all_gather_object(every, self.metrics)
         merged: dict[str, list[float]] = {}
         for metrics in every:
             for key, values in metrics.items():
@@ -196,7 +196,7 @@ def contenders(spec: dict[str, Any]) -> list[Any]:
     """The case's contenders. rlmetrics' get a process group of their own: a group pads
     its buffers to the largest of the layouts recently agreed over it, so cases sharing
     one would measure the largest case's buffers."""
-    group = dist.new_group(list(range(dist.get_world_size())))
+    group = tdist.new_group(list(range(tdist.get_world_size())))
     out: list[Any] = [RlSync(spec, "gather", group), RlSync(spec, "pair", group)]
     if "std" not in spec and "bucket" not in spec:
         out.append(VerlSync(spec))
@@ -214,7 +214,7 @@ def written() -> int:
 def issued(contender: Any) -> list[tuple[str, int]]:
     """(op, bytes per rank) of every collective one run issues (untimed)."""
     seen: list[tuple[str, int]] = []
-    gather, reduce, barrier = dist.all_gather, dist.all_reduce, dist.barrier
+    gather, reduce, barrier = tdist.all_gather, tdist.all_reduce, tdist.barrier
 
     def spy_gather(out: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         seen.append(("all_gather", tensor.nbytes))
@@ -230,13 +230,13 @@ def issued(contender: Any) -> list[tuple[str, int]]:
 
     spies = {"all_gather": spy_gather, "all_reduce": spy_reduce, "barrier": spy_barrier}
     originals = {"all_gather": gather, "all_reduce": reduce, "barrier": barrier}
-    for module in (dist, c10d):
+    for module in (tdist, c10d):
         for name, spy in spies.items():
             setattr(module, name, spy)
     try:
         contender.run()
     finally:
-        for module in (dist, c10d):
+        for module in (tdist, c10d):
             for name, original in originals.items():
                 setattr(module, name, original)
     return seen
@@ -245,7 +245,7 @@ def issued(contender: Any) -> list[tuple[str, int]]:
 def measure(contender: Any, rng: np.random.Generator, rank: int) -> tuple[int, int, int]:
     """One timed sync: (wall ns, process CPU ns, bytes written)."""
     contender.prepare(rng, rank)
-    dist.barrier()
+    tdist.barrier()
     gc.disable()
     before = written()
     start, cpu = time.perf_counter_ns(), time.process_time_ns()
@@ -280,7 +280,7 @@ def bench_case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 def worker(rank: int, world: int, port: int, queue: Any) -> None:
     """One rank: every case; rank 0 sends every rank's samples."""
     torch.set_num_threads(1)
-    dist.init_process_group(
+    tdist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
@@ -288,7 +288,7 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         for spec in cases(world):
             mine = bench_case(spec, rank, world)
             every: list[Any] = [None] * world
-            dist.all_gather_object(every, mine)
+            tdist.all_gather_object(every, mine)
             results.append((spec["case"], every))
         if rank == 0:
             queue.put(results)
@@ -296,7 +296,7 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         queue.put(f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        tdist.destroy_process_group()
 
 
 def run_world(world: int, timeout: float) -> list[tuple[str, list[dict]]]:

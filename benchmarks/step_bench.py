@@ -17,7 +17,7 @@ tokens with a bool mask (entropies, ratios, clip flags), and the step ends with 
 values of every metric. Contenders, each used as its users use it:
 
 * rlmetrics: the log calls, then ``compute(sync=False)`` (host path for CPU data);
-* rlmetrics tensor path: the same with ``Tracker.host_arrays = False`` and
+* rlmetrics tensor path: the same with ``Tracker.reduce_host_data_with_numpy = False`` and
   ``copy_cpu_tensors = False`` (the path a CUDA tensor takes, recorded by reference; on
   a GPU its torch ops would run asynchronously);
 * torchmetrics: one ``MeanMetric`` (or ``SumMetric``, ``MaxMetric``, ``MinMetric``) per
@@ -71,9 +71,9 @@ def inputs(args: argparse.Namespace) -> list[list[tuple[str, str, object, object
     return batches
 
 
-def rlmetrics_step(batches: list, host_arrays: bool) -> Step:
+def rlmetrics_step(batches: list, reduce_host_data_with_numpy: bool) -> Step:
     tracker = Tracker()
-    tracker.host_arrays = tracker.copy_cpu_tensors = host_arrays
+    tracker.reduce_host_data_with_numpy = tracker.copy_cpu_tensors = reduce_host_data_with_numpy
     methods = {kind: getattr(tracker, kind) for kind in KINDS}
 
     def step() -> dict[str, float]:

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 from results_md import write_section
@@ -140,7 +140,7 @@ def aligned(compute: Callable, totals: dict[str, float]) -> Callable:
     """``compute`` after a barrier timed apart: waiting for a slower rank is not its cost."""
 
     def barrier(group: Any = None) -> None:
-        dist.barrier(group=group)
+        tdist.barrier(group=group)
 
     wait = timed(barrier, totals, "wait")
 
@@ -221,15 +221,15 @@ def _rank(rank: int, world: int, port: int, cfg: Any, out: str, alternate: bool)
 
     torch.set_num_threads(1)
     overhead = timer_overhead()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))  # fmt: skip
     steps: list[dict[str, float]] = []
     try:
         install(rank, steps, alternate)
         train(cfg, rank, world)
-        dist.barrier()
+        tdist.barrier()
     finally:
-        dist.destroy_process_group()
+        tdist.destroy_process_group()
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps((overhead, steps)))
 
 

@@ -341,7 +341,7 @@ def section(
             f"{sync_ops.CALLS[-1]:,} log calls of {sync_ops.NUM_METRICS} metrics of 0-d CPU "
             "tensors (rank 0; a `TorchDispatchMode` counting every op through torch's "
             "dispatcher, the c10d collective included; the tensor path "
-            "is the one a CUDA tensor takes, `host_arrays = False`):",
+            "is the one a CUDA tensor takes, `reduce_host_data_with_numpy = False`):",
             "",
             *sync_ops.markdown(ops),
             "",

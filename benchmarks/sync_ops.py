@@ -7,7 +7,7 @@ Issue 18's target: the count is the same whatever the number of log calls in the
 one ``compute()`` under ``op_count.OpCounter``: the collective is counted when it goes
 through torch's dispatcher. One untimed step first agrees the schema, as a training
 run's first step does. Both paths are counted: the host path (CPU tensors, the
-tracker's default) and the tensor path (``host_arrays = False``, what a CUDA tensor
+tracker's default) and the tensor path (``reduce_host_data_with_numpy = False``, what a CUDA tensor
 takes). Only the public API is used.
 """
 
@@ -31,9 +31,11 @@ def compute_ops(calls: int, path: str) -> tuple[int, str]:
     """(ops, ops by name) of one steady-state ``compute()`` after ``calls`` log calls."""
     tracker = Tracker()
     if path == "tensor path":
-        if not hasattr(Tracker, "host_arrays"):  # setting it would pass silently
-            raise RuntimeError("Tracker.host_arrays is gone: the tensor path needs a switch")
-        tracker.host_arrays = False
+        if not hasattr(Tracker, "reduce_host_data_with_numpy"):  # setting it would pass silently
+            raise RuntimeError(
+                "Tracker.reduce_host_data_with_numpy is gone: the tensor path needs a switch"
+            )
+        tracker.reduce_host_data_with_numpy = False
     names = [f"ops/{i}" for i in range(NUM_METRICS)]
     logs = [getattr(tracker, KINDS[i % len(KINDS)]) for i in range(NUM_METRICS)]
     rng = np.random.default_rng(0)  # the same values on every rank

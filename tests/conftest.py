@@ -10,8 +10,9 @@ from rlmetrics import Tracker
 @pytest.fixture(params=["host", "tensor"])
 def log_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test twice: host data (CPU tensors, arrays, lists) accumulated with numpy,
-    then through the tensor path that device tensors take (``Tracker.host_arrays``)."""
-    monkeypatch.setattr(Tracker, "host_arrays", request.param == "host")
+    then through the tensor path that device tensors take
+    (``Tracker.reduce_host_data_with_numpy``)."""
+    monkeypatch.setattr(Tracker, "reduce_host_data_with_numpy", request.param == "host")
     return request.param
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 
 import rlmetrics._engine.sync as rd
 from rlmetrics import Tracker
@@ -101,14 +101,14 @@ def test_cuda_log_calls_never_sync_and_match_the_cpu(policy: str) -> None:
 
 @pytest.fixture
 def nccl_group() -> Iterator[None]:
-    dist.init_process_group(
+    tdist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     torch.cuda.set_device(0)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        tdist.destroy_process_group()
 
 
 @pytest.mark.parametrize("gather_limit", [rd.GATHER_LIMIT, 0], ids=["gather", "all_reduce"])
@@ -120,7 +120,7 @@ def test_nccl_compute_equals_local(
     for _ in range(3):  # the first step agrees the schema, later ones reuse it
         log_battery(t, cuda_data)
         synced = t.compute()
-    assert rd.comm_device(dist.group.WORLD).type == "cuda"
+    assert rd.comm_device(tdist.group.WORLD).type == "cuda"
     assert_close(synced, expected("propagate"))
 
 

@@ -23,6 +23,7 @@ from rlmetrics import (
     unregister_kind,
 )
 from rlmetrics.kinds import Batch, check_kind, get_kind
+from rlmetrics.kinds.base import result_of
 from rlmetrics.kinds.histogram import Histogram
 
 from gloo_ranks import ok_results, run_ranks
@@ -399,7 +400,7 @@ def test_merging_states_of_differently_sized_kinds_raises() -> None:
 
 
 class RowsMean(Kind):
-    """A weighted mean whose result is stated once, vectorised (``result_rows``)."""
+    """A weighted mean whose result is stated once, vectorised (``result_columns``)."""
 
     name = "test_rows_mean"
     num_sums = 2
@@ -410,17 +411,17 @@ class RowsMean(Kind):
             batch.columns()
         )
 
-    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: Any) -> tuple:
+    def result_columns(self, sums: np.ndarray, maxes: np.ndarray, *_: Any) -> tuple:
         present = sums[:, 1] != 0
         return {"": sums[:, 0] / np.where(present, sums[:, 1], 1.0)}, present
 
 
 class OneByOneMean(RowsMean):
     """The same mean stated per metric (``result``): the framework's default
-    ``result_rows`` calls it for each metric."""
+    ``result_columns`` calls it for each metric."""
 
     name = "test_one_by_one_mean"
-    result_rows = Kind.result_rows
+    result_columns = Kind.result_columns
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         total, weight = state.sums
@@ -429,7 +430,8 @@ class OneByOneMean(RowsMean):
 
 def test_a_result_stated_either_way_reports_the_same() -> None:
     """A kind states its result once, vectorised or per metric; both report the same
-    values (among built-in kinds), and each kind's other entry point follows."""
+    values (among built-in kinds), and ``result_of`` reads one metric of either. The
+    default runs one way only: ``result_columns`` calls ``result``, never the reverse."""
     kinds = [register_kind(RowsMean()), register_kind(OneByOneMean())]
     try:
         t = Tracker()
@@ -450,7 +452,9 @@ def test_a_result_stated_either_way_reports_the_same() -> None:
         for kind in kinds:
             assert f"{kind.name}/empty" not in got
             metric = state.metrics[f"{kind.name}/05"]
-            assert kind.result(metric) == {"": got[f"{kind.name}/05"]}
+            assert result_of(kind, metric) == {"": got[f"{kind.name}/05"]}
+        with pytest.raises(NotImplementedError, match="neither result nor result_columns"):
+            kinds[0].result(state.metrics[f"{kinds[0].name}/05"])
         assert list(got) == sorted(got)
     finally:
         for kind in kinds:
@@ -464,7 +468,7 @@ class Spread(Kind):
     sum_columns = ("selected", "weight")
     max_columns = ("value", "negated_value")
 
-    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: Any) -> tuple:
+    def result_columns(self, sums: np.ndarray, maxes: np.ndarray, *_: Any) -> tuple:
         return {"n": sums[:, 0], "range": maxes[:, 0] + maxes[:, 1]}, sums[:, 0] != 0
 
 
@@ -534,7 +538,7 @@ def test_declared_column_kinds_equal_their_twins_with_an_own_reduce(nonfinite: s
                     x[0] = rng.choice([math.nan, math.inf, -math.inf])
                 value: Any = float(x[0]) if number else x
                 if not number and rng.random() < 0.5:
-                    t.host_arrays = bool(rng.random() < 0.5)
+                    t.reduce_host_data_with_numpy = bool(rng.random() < 0.5)
                     value = torch.from_numpy(x)
                 for kind in (builtin[i], alone[i]):
                     with contextlib.suppress(ValueError):  # "error" refuses a number at once

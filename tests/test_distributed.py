@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 
 from rlmetrics import SyncTimeoutError, Tracker, TrackerState
 from rlmetrics._engine import sync as rd
@@ -127,8 +127,8 @@ def test_empty_ranks_and_changing_names(three_ranks: Session) -> None:
 
 
 def subgroups(rank: int, world: int) -> dict:
-    evens = dist.new_group([0, 2])
-    odds = dist.new_group([1, 3])
+    evens = tdist.new_group([0, 2])
+    odds = tdist.new_group([1, 3])
     tracker = Tracker()
     tracker.sum("rank_sum", float(rank))
     tracker.mean("rank_mean", float(rank))
@@ -188,7 +188,7 @@ def configured_differently(rank: int, world: int) -> dict[str, Any]:
     values = [float(v) for v in range(4 * rank, 4 * rank + 4)]
     quantiles = (0.5,) if rank == 0 else (0.9,)
 
-    def dist(t: Tracker) -> None:
+    def tdist(t: Tracker) -> None:
         t.dist("d", values)
 
     def one_rank_logs(t: Tracker) -> None:
@@ -213,13 +213,13 @@ def configured_differently(rank: int, world: int) -> dict[str, Any]:
         t.mean("m", 1.0)
 
     cases = {
-        "dist": (dist, quantiles),
+        "dist": (tdist, quantiles),
         "dist/one_rank_logs": (one_rank_logs, quantiles),
         "quantile": (sketch, quantiles),
         "histogram/quantiles": (histogram(quantiles=quantiles), (0.5,)),
         "histogram/report_bins": (histogram(report_bins=rank == 0), (0.5,)),
-        "window": (dist, quantiles),
-        "same": (dist, (0.25, 0.75)),
+        "window": (tdist, quantiles),
+        "same": (tdist, (0.25, 0.75)),
         "unregistered": (only_rank_0_registers, (0.5,)),  # last: on main, rank 0 waits
     }
     out = {}
@@ -365,13 +365,13 @@ def count_collectives(rank: int, world: int, num_metrics: int, limit: int | None
     """Collectives per compute() for steps 1-3 (steady state from step 2); ``limit``
     replaces rd.GATHER_LIMIT (0: the all_reduce pair, whatever the size). Over a new
     group of every rank: nothing agreed over it yet, as in a fresh process."""
-    group = dist.new_group(list(range(world)))
+    group = tdist.new_group(list(range(world)))
     counts = {"n": 0}
     with pytest.MonkeyPatch.context() as patch:
         if limit is not None:
             patch.setattr(rd, "GATHER_LIMIT", limit)
         for name in COLLECTIVES:
-            original = getattr(dist, name, None)
+            original = getattr(tdist, name, None)
             if original is None:  # all_gather_single: new in torch 2.13
                 continue
 
@@ -379,7 +379,7 @@ def count_collectives(rank: int, world: int, num_metrics: int, limit: int | None
                 counts["n"] += 1
                 return _original(*args, **kwargs)
 
-            patch.setattr(dist, name, wrapped)
+            patch.setattr(tdist, name, wrapped)
         kinds = ("mean", "sum", "max", "min", "last")
         tracker = Tracker()
         per_step = []
@@ -522,7 +522,8 @@ def log_step(tracker: Tracker, calls: list[tuple[str, str, object]]) -> None:
 
 def changing_steps(rank: int, world: int) -> list[dict]:
     tracker = Tracker(nonfinite="skip")
-    tracker.host_arrays = False  # tensors take the tensor path (device parts) on the CPU
+    # tensors take the tensor path (device parts) on the CPU
+    tracker.reduce_host_data_with_numpy = False
     outs = []
     for step in STEPS:
         log_step(tracker, step[rank])
@@ -537,7 +538,7 @@ def test_steps_that_reuse_reorder_and_change_their_metrics(two_ranks: Session) -
     assert per_rank[0] == per_rank[1]
     for got, step in zip(per_rank[0], STEPS, strict=True):
         single = Tracker(nonfinite="skip")
-        single.host_arrays = False
+        single.reduce_host_data_with_numpy = False
         for calls in step:
             log_step(single, calls)
         assert got == single.compute(), step

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from rlmetrics import Tracker
 from rlmetrics._engine import sync as rd
-from rlmetrics._engine.agreed import RECENT
+from rlmetrics._engine.group_layouts import RECENT
 
 from gloo_ranks import ok_results, run_together
 

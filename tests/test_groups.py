@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -88,18 +88,20 @@ def batches(draw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
     return x, w, codes, [0, *cuts, n]
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.parametrize("value_form", ["numpy", "tensor"])
 @pytest.mark.parametrize("label_form", LABEL_FORMS)
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=25, deadline=None)
 @given(batch=batches())
 def test_each_label_equals_numpy_over_the_whole_batch_for_any_split(
-    batch: tuple, kind: str, label_form: str, value_form: str, host_arrays: bool
+    batch: tuple, kind: str, label_form: str, value_form: str, reduce_host_data_with_numpy: bool
 ) -> None:
     x, w, codes, bounds = batch
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     for lo, hi in itertools.pairwise(bounds):
         value, weight = x[lo:hi], w[lo:hi]
         if value_form == "tensor":
@@ -369,7 +371,7 @@ def grouped_steps(rank: int, world: int) -> tuple[list[tuple[dict, int]], int]:
     the collectives of a steady step that logs the same kinds without ``by=``."""
     from test_distributed_caches import count_collectives
 
-    group, plain_group = (dist.new_group(list(range(world))) for _ in range(2))
+    group, plain_group = (tdist.new_group(list(range(world))) for _ in range(2))
     t, plain = Tracker(), Tracker()
     out = []
     with pytest.MonkeyPatch.context() as patch:

@@ -24,15 +24,19 @@ def _expected(calls: list[tuple[str, str, np.ndarray]]) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_each_step_reports_its_own_values_only(host_arrays: bool, data: st.DataObject) -> None:
+def test_each_step_reports_its_own_values_only(
+    reduce_host_data_with_numpy: bool, data: st.DataObject
+) -> None:
     """Steps that log the same metrics (one packing, one buffer), some of them not at
     all in a step: each step's compute() and state() equal numpy on that step's values
     (a CPU tensor on the device path adds its rows into the reused host buffer)."""
     tracker = Tracker()
-    tracker.host_arrays = host_arrays
+    tracker.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     names = [f"m{i}/{kind}" for i, kind in enumerate(KINDS)]
     for _ in range(4):
         calls = []

@@ -163,7 +163,7 @@ def test_numbers_host_arrays_and_the_device_path_give_the_same_counts() -> None:
         states = []
         for route in ("numbers", "host", "device"):
             t = Tracker()
-            t.host_arrays = route != "device"
+            t.reduce_host_data_with_numpy = route != "device"
             if route == "numbers":
                 for i, value in enumerate(x.tolist()):
                     t.log(
@@ -291,17 +291,17 @@ def rank_tracker(rank: int) -> Tracker:
 
 def count_collectives() -> dict[str, int]:
     """Count this rank's all_gather and all_reduce calls from now on."""
-    import torch.distributed as dist
+    import torch.distributed as tdist
 
     counts = {"n": 0}
     for name in ("all_gather", "all_reduce"):
-        original = getattr(dist, name)
+        original = getattr(tdist, name)
 
         def wrapped(*args: Any, _original: Callable = original, **kwargs: Any) -> Any:
             counts["n"] += 1
             return _original(*args, **kwargs)
 
-        setattr(dist, name, wrapped)
+        setattr(tdist, name, wrapped)
     return counts
 
 

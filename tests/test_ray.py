@@ -91,10 +91,10 @@ class Worker:
     """A data-parallel rank: a gloo group with its peers, a fresh Tracker per call."""
 
     def __init__(self, rank: int, world: int, port: int) -> None:
-        import torch.distributed as dist
+        import torch.distributed as tdist
 
         torch.set_num_threads(1)
-        dist.init_process_group(
+        tdist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,

@@ -36,14 +36,18 @@ CALLS = {  # (method, inputs made before counting, keyword arguments)
 }
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
-def test_a_tensor_log_call_dispatches_no_torch_op(call: tuple, host_arrays: bool) -> None:
+def test_a_tensor_log_call_dispatches_no_torch_op(
+    call: tuple, reduce_host_data_with_numpy: bool
+) -> None:
     """A tensor recorded by reference (a device tensor's record) costs no torch op."""
     method, make, kwargs = call
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     inputs = [make() for _ in range(4)]
     log = getattr(t, method)
     log("x", *inputs[0], **kwargs)  # a name's first call creates its accumulator
@@ -55,16 +59,18 @@ def test_a_tensor_log_call_dispatches_no_torch_op(call: tuple, host_arrays: bool
     assert t.compute()  # and the records reduce
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 def test_a_cpu_tensor_log_call_dispatches_one_clone_per_tensor_at_most(
-    call: tuple, host_arrays: bool
+    call: tuple, reduce_host_data_with_numpy: bool
 ) -> None:
     """A CPU tensor is recorded as a copy: a 0-d one read as a number (no torch op), any
     other cloned (one ``aten.clone`` per tensor argument, nothing else)."""
     method, make, kwargs = call
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     inputs = [make() for _ in range(4)]
     log = getattr(t, method)
     log("x", *inputs[0], **kwargs)
@@ -93,13 +99,17 @@ def log_step(t: Tracker, calls: int, rng: np.random.Generator) -> None:
     t.mean("python", float(rng.normal()))
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
-def test_compute_dispatches_as_many_torch_ops_for_100_calls_as_for_10000(host_arrays: bool):
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
+def test_compute_dispatches_as_many_torch_ops_for_100_calls_as_for_10000(
+    reduce_host_data_with_numpy: bool,
+):
     rng = np.random.default_rng(0)
     counts = []
     for calls in (100, 10_000):
         t = Tracker()
-        t.host_arrays = host_arrays
+        t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
         t.record_limit = 10**9  # one fold, at compute()
         log_step(t, calls, rng)
         with OpCounter() as counter:
@@ -109,12 +119,16 @@ def test_compute_dispatches_as_many_torch_ops_for_100_calls_as_for_10000(host_ar
     assert counts[0] == counts[1], counts
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.parametrize("where", ["value", "weight", "a view's base"])
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
-def test_a_tensor_changed_in_place_before_compute_raises_naming_it(where: str, host_arrays: bool):
+def test_a_tensor_changed_in_place_before_compute_raises_naming_it(
+    where: str, reduce_host_data_with_numpy: bool
+):
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     base = torch.tensor([1.0, 2.0, 3.0, 4.0])
     value, weight = base[:2], torch.tensor([1.0, 1.0])
     t.mean("kept", torch.tensor([5.0]))
@@ -125,11 +139,15 @@ def test_a_tensor_changed_in_place_before_compute_raises_naming_it(where: str, h
     assert t.compute() == {"kept": 5.0}  # the rest of the step is intact
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
-def test_a_tensor_that_requires_grad_is_recorded_detached(host_arrays: bool) -> None:
+def test_a_tensor_that_requires_grad_is_recorded_detached(
+    reduce_host_data_with_numpy: bool,
+) -> None:
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     x = torch.ones(3, requires_grad=True)
     loss, weight = (x * 2).sum(), x.sum() * 0 + 2
     t.mean("loss", loss)
@@ -151,18 +169,20 @@ REFUSED = {  # label -> (a tensor the log call refuses, the message's end)
 }
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.parametrize("role", ["value", "weight"])
 @pytest.mark.parametrize("label", REFUSED)
 def test_a_refused_tensor_raises_in_the_call_and_records_nothing(
-    label: str, role: str, host_arrays: bool
+    label: str, role: str, reduce_host_data_with_numpy: bool
 ) -> None:
     """Each check of the tensor log call, on both paths, for the value and the weight:
     the error names the metric and the argument, and the metric's records (versions
     included) are as before the call."""
     bad, message = REFUSED[label]
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     t.mean("m", torch.tensor([1.0, 3.0]))
     acc = t.accumulators["m"]
     before = (len(acc.values), len(acc.weights), list(acc.versions), acc.arrays)
@@ -173,15 +193,17 @@ def test_a_refused_tensor_raises_in_the_call_and_records_nothing(
     assert t.compute() == {"m": 2.0}
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_call_refused_after_its_weight_was_checked_leaves_the_versions_aligned(
-    host_arrays: bool,
+    reduce_host_data_with_numpy: bool,
 ) -> None:
     """A call that fails a later check (``last`` takes one value) records no version
     counter: the calls around it are checked against their own versions at the fold."""
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     weight = torch.ones(2)
     weight.add_(1)  # a version counter of 1, unlike the records around it
     t.last("lr", torch.tensor(1.0))
@@ -191,16 +213,18 @@ def test_a_call_refused_after_its_weight_was_checked_leaves_the_versions_aligned
     assert t.compute() == {"lr": 2.0}
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_weight_logged_again_is_checked_again_after_any_in_place_change(
-    host_arrays: bool,
+    reduce_host_data_with_numpy: bool,
 ) -> None:
     """One mask for many metrics is checked once (``CheckedWeight``); an in-place change
     between two calls, even one that changes only its shape, is seen by the next call
     (its check runs again) and by the fold (the calls before it are dropped)."""
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     mask = torch.tensor([True, False, True, True])
     t.mean("a", torch.arange(4.0), weight=mask)
     t.sum("b", torch.arange(4.0), weight=mask)
@@ -213,10 +237,12 @@ def test_a_weight_logged_again_is_checked_again_after_any_in_place_change(
     assert t.compute() == {"d": 1.0}  # the mask's first three elements: (0 + 2) / 2
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_tensor_given_data_of_another_size_by_assignment_is_dropped_naming_it(
-    host_arrays: bool,
+    reduce_host_data_with_numpy: bool,
 ) -> None:
     """``tensor.data = other`` changes a tensor's data and shape but not its version
     counter: neither the fold's version check nor the next call's (its weight check
@@ -225,7 +251,7 @@ def test_a_tensor_given_data_of_another_size_by_assignment_is_dropped_naming_it(
     the step is folded (the misaligned records raised numpy's or torch's error, naming
     no metric, and the whole step was lost)."""
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     t.mean("kept", torch.tensor([5.0, 7.0]), weight=torch.tensor([1.0, 3.0]))
     t.sum("number", 2.0)
     weight = torch.ones(4)
@@ -241,17 +267,19 @@ def test_a_tensor_given_data_of_another_size_by_assignment_is_dropped_naming_it(
     assert t.compute() == {"kept": 6.5, "number": 2.0}
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_weight_made_to_require_grad_between_calls_is_recorded_detached(
-    host_arrays: bool,
+    reduce_host_data_with_numpy: bool,
 ) -> None:
     """A weight made to require grad between two calls: the later call records it
     detached though its check was kept (``requires_grad_`` leaves the version as it
     was), and the fold, outside autograd, reads the earlier calls' records too (a value
     made to require grad as well)."""
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     weight = torch.tensor([0.5, 1.0])
     t.mean("a", torch.tensor([1.0, 4.0]), weight=weight)
     value = torch.tensor([2.0, 4.0])
@@ -284,16 +312,18 @@ def test_a_tracker_keeps_no_logged_weight_alive_after_its_step(by: str | None) -
         assert t._checked_weight.last is CheckedWeight.NOT_CHECKED, end
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.usefixtures("cpu_tensors_by_reference")
 def test_a_tensor_changed_before_an_early_fold_raises_at_compute_naming_it(
-    host_arrays: bool,
+    reduce_host_data_with_numpy: bool,
 ) -> None:
     """A fold past ``record_limit`` runs inside a later, unrelated log call: that call
     records as usual, and ``compute()`` raises the early folds' errors, every metric
     they dropped named (a second early fold's too), then returns the rest."""
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     t.record_limit = 6
     first, second = torch.ones(3), torch.ones(3)
     t.mean("a", first)
@@ -308,8 +338,12 @@ def test_a_tensor_changed_before_an_early_fold_raises_at_compute_naming_it(
     assert t.compute() == {"n": 6.0}
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
-def test_the_record_folds_past_its_bound_with_the_same_result(host_arrays: bool) -> None:
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
+def test_the_record_folds_past_its_bound_with_the_same_result(
+    reduce_host_data_with_numpy: bool,
+) -> None:
     """A bound small enough to fold every few calls gives the one-fold result (to
     rounding), for every kind, and keeps the records short."""
     rng = np.random.default_rng(3)
@@ -317,7 +351,7 @@ def test_the_record_folds_past_its_bound_with_the_same_result(host_arrays: bool)
     results = []
     for limit in (10**9, 20):
         t = Tracker()
-        t.host_arrays = host_arrays
+        t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
         t.record_limit = limit
         for i, (x, keep) in enumerate(chunks):
             for kind in KINDS:
@@ -339,9 +373,9 @@ def test_the_record_folds_past_its_bound_with_the_same_result(host_arrays: bool)
 def test_records_of_numbers_and_tensors_keep_call_order_for_last() -> None:
     """``last`` reads the latest selected call, whatever mixes of python numbers, host
     arrays and device-path tensors came before it."""
-    for host_arrays in (True, False):
+    for reduce_host_data_with_numpy in (True, False):
         t = Tracker()
-        t.host_arrays = host_arrays
+        t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
         t.last("lr", 1.0)
         t.last("lr", torch.tensor(2.0))
         t.last("lr", 3.0)
@@ -356,7 +390,7 @@ def test_mixed_shapes_and_dtypes_reduce_in_call_order() -> None:
     rng = np.random.default_rng(1)
     parts = []
     t = Tracker(quantiles=(0.0, 0.25, 0.5, 1.0))
-    t.host_arrays = False
+    t.reduce_host_data_with_numpy = False
     for i in range(30):
         shape = [(), (3,), (2, 2), (1, 4)][i % 4]
         x = rng.normal(size=shape)
@@ -381,10 +415,10 @@ def test_the_device_half_grows_with_the_names_logged_after_it() -> None:
     after it grow the table past that size. Every read of the device half (a host
     `last` replacing a device value, a metric's state, packing) must still line up."""
     t = Tracker()
-    t.host_arrays = False
+    t.reduce_host_data_with_numpy = False
     t.last("lr", torch.tensor(1.0, dtype=torch.float64))
     t.state()  # folds: the device half exists from here on, sized for one metric
-    t.host_arrays = True
+    t.reduce_host_data_with_numpy = True
     for i in range(40):  # past the table's first capacity
         t.mean(f"host/{i:02d}", float(i))
     t.last("lr", 3.0)  # a host value replaces the device one
@@ -418,7 +452,7 @@ def test_random_step_sequences_match_numpy(seed: int) -> None:
             kind = data[name][0] if name in data else rng.choice(list(SEQUENCE_KINDS))
             x = rng.uniform(-5.0, 5.0)
             path = rng.choice(["float", "array", "tensor", "tensor path"])
-            t.host_arrays = path != "tensor path"
+            t.reduce_host_data_with_numpy = path != "tensor path"
             value: Any = x
             if path == "array":
                 value = np.array([x])
@@ -485,14 +519,18 @@ NUMBERS = {  # label -> a number type's 2.5 (or 2 / True), as a log call may rec
 }
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.parametrize("label", NUMBERS)
-def test_every_number_type_logs_as_its_float(label: str, host_arrays: bool) -> None:
+def test_every_number_type_logs_as_its_float(label: str, reduce_host_data_with_numpy: bool) -> None:
     """A number of any real type, as a value or a weight (with a number, an array or a
     tensor as the other), logs as ``float(number)`` does."""
     number = NUMBERS[label]
     got, expected = Tracker(), Tracker()
-    got.host_arrays = expected.host_arrays = host_arrays
+    got.reduce_host_data_with_numpy = expected.reduce_host_data_with_numpy = (
+        reduce_host_data_with_numpy
+    )
     for t, x in ((got, number), (expected, float(number))):
         t.mean("value", x)
         t.mean("value, number weight", x, weight=3.0)
@@ -503,9 +541,13 @@ def test_every_number_type_logs_as_its_float(label: str, host_arrays: bool) -> N
     assert got.compute() == expected.compute()
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "device path"])
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "device path"]
+)
 @pytest.mark.parametrize("by", [None, np.array([0, 1, 1, 0])], ids=["plain", "by labels"])
-def test_host_arrays_are_copied_whatever_their_dtype(by: Any, host_arrays: bool) -> None:
+def test_host_arrays_are_copied_whatever_their_dtype(
+    by: Any, reduce_host_data_with_numpy: bool
+) -> None:
     """Bool and float64 arrays (recorded as plain copies), int and float32 arrays and
     lists (converted), as values and weights, change nothing when the caller reuses them,
     and log as their float64 values do."""
@@ -519,7 +561,9 @@ def test_host_arrays_are_copied_whatever_their_dtype(by: Any, host_arrays: bool)
     }
     mask = np.array([True, True, False, True])
     got, expected = Tracker(), Tracker()
-    got.host_arrays = expected.host_arrays = host_arrays
+    got.reduce_host_data_with_numpy = expected.reduce_host_data_with_numpy = (
+        reduce_host_data_with_numpy
+    )
     for label, x in inputs.items():
         as_float = np.asarray(x, dtype=np.float64).copy()
         for t, value, weight in ((got, x, mask), (expected, as_float, mask * 1.0)):
@@ -561,18 +605,18 @@ def _records(acc: Any) -> tuple:
         [w for _, w in pairs],
         list(acc.versions),
         acc.arrays,
-        acc.num_checked,
-        acc.kept_call,
+        acc.num_deferred_checks,
+        acc.accepted_a_call,
         acc.record_device,
     )
 
 
 def _outcome(record: Any, kind: str) -> tuple:
-    from rlmetrics._engine.table import Table
-    from rlmetrics.kinds import Accumulator, get_kind
+    from rlmetrics._engine.table import StateTable
+    from rlmetrics.kinds import MetricRecords, get_kind
 
-    table = Table()
-    acc = Accumulator(get_kind(kind), table, table.add_row(get_kind(kind)), "m")
+    table = StateTable()
+    acc = MetricRecords(get_kind(kind), table, table.add_row(get_kind(kind)), "m")
     try:
         size = record(acc)
     except (TypeError, ValueError) as error:
@@ -668,12 +712,16 @@ def test_max_and_min_of_signed_zeros_keep_the_later_of_equal_values(calls: int) 
             assert got[f"min/{i}"].hex() == low.hex(), (step, values)
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "tensor path"])
-def test_tensors_of_several_dtypes_in_one_step_fold_exactly(host_arrays: bool) -> None:
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "tensor path"]
+)
+def test_tensors_of_several_dtypes_in_one_step_fold_exactly(
+    reduce_host_data_with_numpy: bool,
+) -> None:
     """Tensors of one shape but other dtypes, folded together: each converts to float64
     on its own (an int64 beyond float32's precision beside float32 tensors stays exact)."""
     t = Tracker()
-    t.host_arrays = host_arrays
+    t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     big = torch.tensor([2**40 + 1, 3], dtype=torch.int64)
     small = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float32)
     half = torch.tensor([0.5, 1.5], dtype=torch.bfloat16)
@@ -688,8 +736,10 @@ def test_tensors_of_several_dtypes_in_one_step_fold_exactly(host_arrays: bool) -
     assert got["x"] == pytest.approx(reference("mean", "x", expected, None)["x"], rel=1e-12)
 
 
-@pytest.mark.parametrize("host_arrays", [True, False], ids=["host path", "tensor path"])
-def test_a_large_step_matches_numpy_whatever_its_records(host_arrays: bool) -> None:
+@pytest.mark.parametrize(
+    "reduce_host_data_with_numpy", [True, False], ids=["host path", "tensor path"]
+)
+def test_a_large_step_matches_numpy_whatever_its_records(reduce_host_data_with_numpy: bool) -> None:
     """A step past the small-batch size (sums by segment): masked float32 tensors with
     NaN and inf under the mask, 0-d tensors, python numbers and every kind stated by its
     columns, split into micro-batches in two ways, report
@@ -704,7 +754,7 @@ def test_a_large_step_matches_numpy_whatever_its_records(host_arrays: bool) -> N
     results = []
     for cuts in ([n], [1000, 4500, 4501, n]):
         t = Tracker()
-        t.host_arrays = host_arrays
+        t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
         start = 0
         for stop in cuts:
             part = slice(start, stop)
@@ -751,7 +801,7 @@ def test_a_device_tensor_record_sees_the_changes_its_version_counter_counts(chan
     torch (DLPack) moves no counter, and the fold reads the changed values. Run on the
     CPU through the device path, CPU tensors kept by reference as device tensors are."""
     t = Tracker()
-    t.host_arrays = False
+    t.reduce_host_data_with_numpy = False
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
     t.sum("x", x)
     t.sum("kept", torch.tensor([5.0]))

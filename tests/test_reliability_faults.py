@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 
 from rlmetrics import SyncTimeoutError, Tracker
 from rlmetrics._engine import sync as rd
@@ -30,7 +30,7 @@ SLACK = 5.0  # process and gloo overhead allowed on a shared 2-core machine
 
 def exit_on_call(patch: pytest.MonkeyPatch, collective: str, n: int) -> None:
     """Make this process die (os._exit) on its ``n``-th call of ``dist.<collective>``."""
-    original = getattr(dist, collective)
+    original = getattr(tdist, collective)
     calls = {"n": 0}
 
     def wrapped(*args, **kwargs):
@@ -39,7 +39,7 @@ def exit_on_call(patch: pytest.MonkeyPatch, collective: str, n: int) -> None:
             os._exit(3)
         return original(*args, **kwargs)
 
-    patch.setattr(dist, collective, wrapped)
+    patch.setattr(tdist, collective, wrapped)
 
 
 # -- a rank dies in the middle of a step -----------------------------------------------------
@@ -274,11 +274,11 @@ def test_kind_disagreement_raises_on_every_rank_naming_kinds_and_ranks(
 
 def only_mine_on_two(rank: int, world: int) -> list[dict] | None:
     """``only_mine`` over a group of ranks 0 and 1 (every rank must create it)."""
-    group = dist.new_group([0, 1])
+    group = tdist.new_group([0, 1])
     return only_mine(rank, group) if rank < 2 else None
 
 
-def only_mine(rank: int, group: dist.ProcessGroup) -> list[dict]:
+def only_mine(rank: int, group: tdist.ProcessGroup) -> list[dict]:
     """Every step each rank also logs a name that no other rank has."""
     tracker = Tracker()
     outs = []
@@ -350,9 +350,9 @@ def recreated_group(rank: int, world: int, port: int) -> dict:
             raise AssertionError("compute() returned although rank 2 died")
         except SyncTimeoutError:
             pass
-        dist.destroy_process_group()
+        tdist.destroy_process_group()
         gc.collect()
-        dist.init_process_group(
+        tdist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
@@ -364,7 +364,7 @@ def recreated_group(rank: int, world: int, port: int) -> dict:
         new_world = agreements["n"]
         outs, ids = [], []
         for cycle in range(8):
-            group = dist.new_group([0, 1])
+            group = tdist.new_group([0, 1])
             ids.append(id(group))
             before = agreements["n"]
             # a name set that fits the previous cycle's layout on rank 1 only: a stale
@@ -373,7 +373,7 @@ def recreated_group(rank: int, world: int, port: int) -> dict:
             if rank == 0:
                 tracker.sum(f"cycle{cycle}", 1.0)
             outs.append((tracker.compute(group=group, timeout=30), agreements["n"] - before))
-            dist.destroy_process_group(group)
+            tdist.destroy_process_group(group)
             del group
             gc.collect()
         return {

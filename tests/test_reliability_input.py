@@ -427,14 +427,14 @@ def test_inference_tensors_are_logged_as_they_were(kind: str, weighted: str, ins
 @pytest.fixture
 def one_rank_group(tmp_path):
     """A one-process gloo group (a file store: no port), destroyed after the test."""
-    import torch.distributed as dist
+    import torch.distributed as tdist
 
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    store = tdist.FileStore(str(tmp_path / "store"), 1)
+    tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        tdist.destroy_process_group()
 
 
 def _fake_tensor() -> torch.Tensor:

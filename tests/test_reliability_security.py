@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 
 from rlmetrics import Tracker
 from rlmetrics._engine import sync as rd
@@ -135,7 +135,7 @@ def hostile_schema(rank: int, world: int, marker: str, mode: str) -> str:
     """Rank 1 sends a pickle (or a code-like JSON schema) instead of its schema; no rank
     may execute anything. Built-in kinds never touch pickle at all. Over a new group
     (nothing agreed yet, so the schema travels), the patches undone afterwards."""
-    group = dist.new_group(list(range(world)))
+    group = tdist.new_group(list(range(world)))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rd, "pickle", NoPickle())
         tracker = Tracker()

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmetrics import Tracker
-from rlmetrics._engine.agreed import layout_sizes
-from rlmetrics._engine.layout import Layout
+from rlmetrics._engine.group_layouts import layout_sizes
+from rlmetrics._engine.layout import BufferLayout
 from rlmetrics.kinds import get_kind
 from rlmetrics.kinds.histogram import Histogram
 
@@ -37,7 +37,7 @@ def test_buffer_sizes_equal_the_layouts(kinds: list[str], edges: list[int]) -> N
         (f"h{i}", Histogram(name=f"scaling_h{i}", edges=np.linspace(0.0, 1.0, count)))
         for i, count in enumerate(edges)
     ]
-    sizes = layout_sizes(Layout(schema))
+    sizes = layout_sizes(BufferLayout(schema))
     buf = model.buffers(kinds, [count + 1 for count in edges])
     gather = sizes.sums + sizes.maxes  # the pair's SUM part adds a NaN count per MAX float
     assert (buf.gather, *buf.pair) == (gather, gather, sizes.maxes)
@@ -54,7 +54,7 @@ def test_ring_allreduce_sends_2_r_minus_1_over_r(total: int, ranks: int) -> None
 
 def _issued(rank: int, world: int, n: int, dists: int) -> list[tuple[str, int]]:
     """(op, bytes per rank) of every collective of a steady-state compute()."""
-    import torch.distributed as dist
+    import torch.distributed as tdist
 
     tracker = Tracker()
     seen: list[tuple[str, int]] = []
@@ -67,15 +67,15 @@ def _issued(rank: int, world: int, n: int, dists: int) -> list[tuple[str, int]]:
         tracker.compute()
 
     step()  # agrees the schema
-    gather, reduce = dist.all_gather, dist.all_reduce
-    dist.all_gather = lambda out, t, **k: (
+    gather, reduce = tdist.all_gather, tdist.all_reduce
+    tdist.all_gather = lambda out, t, **k: (
         seen.append(("all_gather", t.nbytes)) or gather(out, t, **k)
     )
-    dist.all_reduce = lambda t, **k: seen.append(("all_reduce", t.nbytes)) or reduce(t, **k)
+    tdist.all_reduce = lambda t, **k: seen.append(("all_reduce", t.nbytes)) or reduce(t, **k)
     try:
         step()
     finally:
-        dist.all_gather, dist.all_reduce = gather, reduce
+        tdist.all_gather, tdist.all_reduce = gather, reduce
     return seen
 
 

@@ -310,7 +310,8 @@ def test_any_split_and_merge_order_gives_the_single_stream_state(world, entries,
     pieces = [Tracker() for _ in range(rnd.randint(1, 5))]
     for tracker in pieces:
         tracker.record_limit = rnd.choice((0, 3, 1 << 22))  # some fold mid-step
-        tracker.host_arrays = rnd.random() < 0.5  # some reduce through the tensor path
+        # some reduce through the tensor path
+        tracker.reduce_host_data_with_numpy = rnd.random() < 0.5
     for rank, s in entries:
         piece = rnd.choice(pieces)
         piece.elapsed("t", s, rank=rank, world_size=world)

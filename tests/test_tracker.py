@@ -520,10 +520,10 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 def test_cpu_and_array_data_reduce_on_the_host_device_tensors_do_not() -> None:
     t = Tracker()
-    t.host_arrays = True
+    t.reduce_host_data_with_numpy = True
     t.mean("cpu", torch.ones(3))
     t.mean("array", np.ones(3))
-    t.host_arrays = False
+    t.reduce_host_data_with_numpy = False
     t.mean("tensor_path", torch.ones(3))
     devices = {name: acc.record_device for name, acc in t.accumulators.items()}
     assert devices == {"cpu": None, "array": None, "tensor_path": torch.device("cpu")}
@@ -844,7 +844,7 @@ def test_a_reused_accumulator_starts_empty() -> None:
         t.max("k", -1.0)  # "k" was a mean: another kind, another accumulator
 
     t = Tracker(nonfinite="skip")
-    t.host_arrays = False
+    t.reduce_host_data_with_numpy = False
     t.mean("x", torch.tensor([1.0, math.nan]))  # device part and a non-finite count
     t.dist("d", [1.0, 2.0, 3.0])
     t.mean("k", 5.0)
@@ -854,7 +854,7 @@ def test_a_reused_accumulator_starts_empty() -> None:
     second_step(t)
     assert t.accumulators["x"] is kept
     fresh = Tracker(nonfinite="skip")
-    fresh.host_arrays = False
+    fresh.reduce_host_data_with_numpy = False
     second_step(fresh)
     assert t.compute() == fresh.compute()
 

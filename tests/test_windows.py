@@ -447,17 +447,17 @@ def gloo_data(
 
 def count_collectives(patch: pytest.MonkeyPatch) -> dict[str, int]:
     """Count this rank's all_gather and all_reduce calls until ``patch`` is undone."""
-    import torch.distributed as dist
+    import torch.distributed as tdist
 
     counts = {"n": 0}
     for name in ("all_gather", "all_reduce", "all_gather_into_tensor", "broadcast"):
-        original = getattr(dist, name)
+        original = getattr(tdist, name)
 
         def wrapped(*args: object, _original: object = original, **kwargs: object) -> object:
             counts["n"] += 1
             return _original(*args, **kwargs)  # type: ignore[operator]
 
-        patch.setattr(dist, name, wrapped)
+        patch.setattr(tdist, name, wrapped)
     return counts
 
 
@@ -466,9 +466,9 @@ def gloo_windows(
 ) -> list[tuple[object, list, int]]:
     """Log this rank's share of every step; per step: (step() result, per-step values,
     collectives issued by step())."""
-    import torch.distributed as dist
+    import torch.distributed as tdist
 
-    group = dist.new_group(list(range(world)))  # nothing agreed yet over it
+    group = tdist.new_group(list(range(world)))  # nothing agreed yet over it
     tracker = Tracker()
     window = Window(tracker, every=STEPS_PER_WINDOW, group=group, timeout=60, per_step=True)
     out = []
@@ -574,9 +574,9 @@ ASYNC_LENGTHS = (2, 3, 1, 4, 2)  # iterations per logged step
 def gloo_async(rank: int, world: int) -> list[tuple[dict, int]]:
     """Windows closed by flush() after a varying number of iterations (every=None):
     per window, (report, collectives of the flush)."""
-    import torch.distributed as dist
+    import torch.distributed as tdist
 
-    group = dist.new_group(list(range(world)))
+    group = tdist.new_group(list(range(world)))
     tracker = Tracker()
     window = Window(tracker, every=None, group=group, timeout=60)
     out = []

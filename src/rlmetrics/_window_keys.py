@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlmetrics.kinds import Kind, MetricState
-from rlmetrics.kinds.base import carries_extra
+from rlmetrics.kinds.base import carries_extra, result_of
 
 
 def window_key(part: str, name: str) -> str:
@@ -84,7 +84,7 @@ def latest_of(
 
 def has_value(kind: Kind, state: MetricState, name: str) -> bool:
     """Whether ``state`` reports a value (a ``last`` logged with weight 0 only does not)."""
-    return kind.result(state, name) is not None
+    return result_of(kind, state, name) is not None
 
 
 def empty_state(kind: Kind, num_nonfinite: float) -> MetricState:

@@ -41,7 +41,7 @@ from rlmetrics._engine.inputs import (
 )
 from rlmetrics._engine.record import Prepared, prepare
 from rlmetrics.errors import ModifiedInputError
-from rlmetrics.kinds import Accumulator, Kind
+from rlmetrics.kinds import Kind, MetricRecords
 
 LABEL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 """Tensor dtypes ``by=`` takes (integer labels)."""
@@ -84,12 +84,13 @@ class Groups:
         labels: Any,
         *,
         kind_of: Callable[[str], Kind],
-        host_arrays: bool,
+        reduce_host_data_with_numpy: bool,
         copy: bool,
     ) -> tuple[list[LabelledPart], int]:
         """Split one grouped call into ``metrics``: at once for host labels with host
         data, else kept for the fold. ``kind_of``: the tracker's kind of a kind name;
-        ``host_arrays``, ``copy``: the tracker's settings (``rlmetrics._engine.record.prepare``).
+        ``reduce_host_data_with_numpy``, ``copy``: the tracker's settings
+        (``rlmetrics._engine.record.prepare``).
 
         Returns:
             the parts for the tracker to log now (one per label present; empty when the
@@ -104,7 +105,9 @@ class Groups:
         for metric, kind_name in metrics:
             check_groupable(check_name(metric), kind_of(kind_name))
         mapping = check_mapping(name, labels)
-        prepared = prepare(name, value, weight, host_arrays=host_arrays, copy=copy)
+        prepared = prepare(
+            name, value, weight, reduce_host_data_with_numpy=reduce_host_data_with_numpy, copy=copy
+        )
         if isinstance(by, Tensor):
             codes, names = check_label_tensor(name, by), None
             if copy and codes.is_cpu:  # its labels now, as with any CPU tensor
@@ -166,7 +169,7 @@ def labelled(metrics: Metrics, part: str) -> Metrics:
     return [(f"{name}/{part}", kind) for name, kind in metrics]
 
 
-def check_kinds(logged: Mapping[str, Accumulator], parts: list[LabelledPart]) -> None:
+def check_kinds(logged: Mapping[str, MetricRecords], parts: list[LabelledPart]) -> None:
     """Raise before anything is logged when a label's name is already another kind's
     in ``logged`` (the tracker's metrics of the step)."""
     for metrics, _, _ in parts:
@@ -182,8 +185,8 @@ def check_kinds(logged: Mapping[str, Accumulator], parts: list[LabelledPart]) ->
 def check_groupable(name: str, kind: Kind) -> None:
     """Kinds that keep one value per call (``last``) or split calls into parts take no
     ``by=``: a label's elements would not make a call of their own."""
-    if kind.replaces or kind.parts != 1:
-        why = "keeps one replicated value per call" if kind.replaces else "splits each call"
+    if kind.keeps_latest or kind.parts != 1:
+        why = "keeps one replicated value per call" if kind.keeps_latest else "splits each call"
         raise TypeError(
             f"metric {name!r}: by= does not apply to kind {kind.name!r}, which {why}; log "
             "each group's value under its own name instead"

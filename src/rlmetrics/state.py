@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics._engine.results import Reduced
+from rlmetrics._engine.results import ReducedStep
 from rlmetrics.errors import MalformedStateError
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
-from rlmetrics.kinds.base import carries_extra
+from rlmetrics.kinds.base import carries_extra, result_of
 from rlmetrics.kinds.dist import as_array
 
 STATE_VERSION = 2
@@ -91,7 +91,9 @@ class TrackerState:
         own: dict[str, Kind] = {}
         if quantiles is not None:
             own = {"dist": Dist(quantiles), "quantile": QuantileSketch(quantiles=quantiles)}
-        reduced = Reduced.from_states(self.metrics, lambda name: own.get(name) or get_kind(name))
+        reduced = ReducedStep.from_states(
+            self.metrics, lambda name: own.get(name) or get_kind(name)
+        )
         return reduced.results(empty=empty)
 
     def to_dict(self) -> dict[str, Any]:
@@ -237,7 +239,7 @@ def checked_load(
             size, count = as_array(metric.extra).size, metric.sums[0]
             _expect(size == count, at, f"a 'dist' state counts {count:g} values but holds {size}")
         try:
-            kind.result(metric, name)
+            result_of(kind, metric, name)
         except Exception as error:  # a user kind's result may raise anything
             raise MalformedStateError(
                 f"malformed {at}: its kind {metric.kind!r} cannot compute it "

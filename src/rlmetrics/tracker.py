@@ -28,12 +28,12 @@ from rlmetrics._engine.record import (
     record_number,
     record_prepared,
 )
-from rlmetrics._engine.results import Reduced
+from rlmetrics._engine.results import ReducedStep
 from rlmetrics._engine.sync import sync_reduce
-from rlmetrics._engine.table import Table
+from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import RejectedInputError
 from rlmetrics.groups import Groups, LabelledPart, check_kinds
-from rlmetrics.kinds import Accumulator, Dist, Kind, QuantileSketch, get_kind
+from rlmetrics.kinds import Dist, Kind, MetricRecords, QuantileSketch, get_kind
 from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.state import TrackerState, check_metric, checked_load
@@ -299,7 +299,8 @@ class Tracker(LogMethods):
         quantiles: the quantiles ``dist`` metrics report.
 
     Attributes:
-        host_arrays: True (the default) reduces CPU tensors, numpy arrays and lists with
+        reduce_host_data_with_numpy: True (the default) reduces CPU tensors, numpy arrays and lists
+        with
             numpy on the host, which costs less than torch's dispatch for the small
             arrays metrics see; device tensors always take the device path. False sends
             host data down the device path too (tests use it to run that path on the
@@ -359,12 +360,12 @@ class Tracker(LogMethods):
             "dist": Dist(quantiles),
             "quantile": QuantileSketch(quantiles=quantiles),
         }
-        self._accumulators: dict[str, Accumulator] = {}
+        self._accumulators: dict[str, MetricRecords] = {}
         # every name's accumulator, kept across steps and cleared on reuse: no
         # allocation per name per step, and the sync code can recognise a step's
         # accumulators as the last one's (see rlmetrics._engine.plan)
-        self._pool: dict[str, Accumulator] = {}
-        self._table = Table()  # every pooled metric's folded state, a row each
+        self._pool: dict[str, MetricRecords] = {}
+        self._table = StateTable()  # every pooled metric's folded state, a row each
         self._plan = StepPlan()  # every cache kept between steps
         self._lock = threading.RLock()  # see "Threads" above
         self._numbers = NumberRecords()  # python-number calls since the last fold
@@ -376,10 +377,10 @@ class Tracker(LogMethods):
         self._groups = Groups()  # calls with by= waiting for the fold
         # read by every log call: instance attributes are found faster than class ones
         self.record_limit = type(self).record_limit
-        self.host_arrays = type(self).host_arrays
+        self.reduce_host_data_with_numpy = type(self).reduce_host_data_with_numpy
         self.copy_cpu_tensors = type(self).copy_cpu_tensors
 
-    host_arrays: bool = True
+    reduce_host_data_with_numpy: bool = True
     copy_cpu_tensors: bool = True
     record_limit: int = 1 << 22
 
@@ -425,7 +426,7 @@ class Tracker(LogMethods):
             elif (
                 (value_type := type(value)) is float
                 and weight is None
-                and acc.flat
+                and acc.in_number_records
                 and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
             ):  # record_number's work for a plain float, written out
                 numbers = self._numbers
@@ -437,7 +438,7 @@ class Tracker(LogMethods):
                     name,
                     value,
                     weight,
-                    self.host_arrays,
+                    self.reduce_host_data_with_numpy,
                     self.copy_cpu_tensors,
                     self._checked_weight,
                 )
@@ -460,7 +461,7 @@ class Tracker(LogMethods):
             del self._accumulators[name]  # a failed first call leaves no empty metric
             raise
 
-    def _log_value(self, acc: Accumulator, name: str, value: Any, weight: Any) -> None:
+    def _log_value(self, acc: MetricRecords, name: str, value: Any, weight: Any) -> None:
         """Record a value ``_log`` does not record itself: python numbers, prepared values
         (``log_shared``), tensors, arrays and the rest."""
         value_type = type(value)
@@ -482,7 +483,7 @@ class Tracker(LogMethods):
                 name,
                 value,
                 weight,
-                host_arrays=self.host_arrays,
+                reduce_host_data_with_numpy=self.reduce_host_data_with_numpy,
                 copy=self.copy_cpu_tensors,
                 checked=self._checked_weight,
             )
@@ -494,7 +495,7 @@ class Tracker(LogMethods):
                 metrics[0][0],
                 value,
                 weight,
-                host_arrays=self.host_arrays,
+                reduce_host_data_with_numpy=self.reduce_host_data_with_numpy,
                 copy=self.copy_cpu_tensors,
             )
             with self._lock:  # the call's metrics land in one step
@@ -516,7 +517,7 @@ class Tracker(LogMethods):
                 by,
                 labels,
                 kind_of=self.kind,
-                host_arrays=self.host_arrays,
+                reduce_host_data_with_numpy=self.reduce_host_data_with_numpy,
                 copy=self.copy_cpu_tensors,
             )
             self._log_parts(parts)
@@ -574,7 +575,7 @@ class Tracker(LogMethods):
         except ValueError as error:
             self._fold_errors.append(error)
 
-    def _accumulator(self, name: str, kind: Kind) -> Accumulator:
+    def _accumulator(self, name: str, kind: Kind) -> MetricRecords:
         acc = self._accumulators.get(name)
         if acc is not None:
             raise ValueError(
@@ -586,7 +587,9 @@ class Tracker(LogMethods):
             acc.clear()
         else:
             check_name(name)
-            acc = self._pool[name] = Accumulator(kind, self._table, self._table.add_row(kind), name)
+            acc = self._pool[name] = MetricRecords(
+                kind, self._table, self._table.add_row(kind), name
+            )
         self._accumulators[name] = acc
         return acc
 
@@ -615,12 +618,12 @@ class Tracker(LogMethods):
         return {name: acc.kind.name for name, acc in self._accumulators.items()}
 
     @property
-    def accumulators(self) -> Mapping[str, Accumulator]:
+    def accumulators(self) -> Mapping[str, MetricRecords]:
         """The live accumulators (read-only view, for the sync code)."""
         return self._accumulators
 
     @property
-    def table(self) -> Table:
+    def table(self) -> StateTable:
         """The folded states, a row per metric (for the sync code)."""
         return self._table
 
@@ -672,7 +675,7 @@ class Tracker(LogMethods):
         self.reset()
         return state
 
-    def _local_reduce(self) -> Reduced:
+    def _local_reduce(self) -> ReducedStep:
         """This process's step in packed form (one host transfer)."""
         self._fold()
         table = self._table
@@ -688,14 +691,16 @@ class Tracker(LogMethods):
         counts of those candidates only, on this error path."""
         table = self._table
         for name, acc in list(self._accumulators.items()):
-            if acc.num_checked and not acc.kept_call:
+            if acc.num_deferred_checks and not acc.accepted_a_call:
                 # python numbers are checked at once, never rejected later: they are
                 # recognised by their effect on the host state, not marked on the fast path
-                if table.rejected(acc.row) >= acc.num_checked and table.is_empty(acc.row, acc.kind):
+                if table.rejected(acc.row) >= acc.num_deferred_checks and table.is_empty(
+                    acc.row, acc.kind
+                ):
                     del self._accumulators[name]
                     table.clear_row(acc.row, acc.kind)
                     continue
-                acc.kept_call = True  # a checked call was taken
+                acc.accepted_a_call = True  # a checked call was taken
         table.forget_rejected()
 
     def merge(self, other: Tracker | TrackerState) -> Tracker:
@@ -718,7 +723,7 @@ class Tracker(LogMethods):
         return self
 
     def _checked_kinds(
-        self, state: TrackerState, current: Mapping[str, Accumulator]
+        self, state: TrackerState, current: Mapping[str, MetricRecords]
     ) -> dict[str, Kind]:
         """The kind each of ``state``'s metrics merges into, all checked against the
         ``current`` accumulators before anything changes."""
@@ -741,7 +746,7 @@ class Tracker(LogMethods):
     def _merge_checked(self, state: TrackerState, kinds: Mapping[str, Kind]) -> None:
         for name, metric in state.metrics.items():
             acc = self._accumulators.get(name) or self._accumulator(name, kinds[name])
-            acc.kept_call = True
+            acc.accepted_a_call = True
             self._table.load(acc.row, metric, acc.kind)
 
     def __getstate__(self) -> dict[str, Any]:

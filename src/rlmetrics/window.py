@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from rlmetrics._engine.collectives import as_timeout, should_sync
-from rlmetrics._engine.results import Reduced
+from rlmetrics._engine.results import ReducedStep
 from rlmetrics._engine.sync import sync_reduce
 from rlmetrics._window_keys import Decoded, decode, empty_state, latest_of, window_key
 from rlmetrics.errors import MalformedStateError, RejectedInputError
@@ -167,7 +167,7 @@ class Window:
         """Merge one step's state into the open window (nothing changes if it raises)."""
         index = self._num_open
         kinds = {name: self._kind(name, metric, index) for name, metric in state.metrics.items()}
-        replaced = {n: m for n, m in state.metrics.items() if kinds[n].replaces}
+        replaced = {n: m for n, m in state.metrics.items() if kinds[n].keeps_latest}
         merged = self._merged.merge(
             TrackerState({n: m for n, m in state.metrics.items() if n not in replaced})
         )
@@ -237,7 +237,7 @@ class Window:
         if not states:
             return {}
         reporter = self._reporter
-        return Reduced.from_states(states, reporter.kind).results(empty=reporter.empty)
+        return ReducedStep.from_states(states, reporter.kind).results(empty=reporter.empty)
 
     def reset(self) -> None:
         """Drop the open window without reporting it (no collective)."""
@@ -377,8 +377,8 @@ class Window:
         for where, state, replacing in parts:
             for name, kind in checked_load(state, self.tracker.kind, where).items():
                 at = f"malformed {where}['metrics'][{name!r}]"
-                if replacing is not None and kind.replaces != replacing:
-                    belongs = "latest" if kind.replaces else "merged"
+                if replacing is not None and kind.keeps_latest != replacing:
+                    belongs = "latest" if kind.keeps_latest else "merged"
                     raise MalformedStateError(
                         f"{at}: a {kind.name!r} state belongs in state_dict[{belongs!r}]"
                     )

@@ -7,7 +7,7 @@
     pack     layout.py, packing.py,      the table into one SUM and one MAX buffer; the
              results.py                  reduced buffers back into results
     sync     sync.py, collectives.py,    one collective per step; the schema the ranks
-             agreed.py                   agreed on; collectives that time out
+             group_layouts.py            agreed on; collectives that time out
     plan     plan.py                     StepPlan: every cache a tracker keeps between
                                          steps, with one invalidation rule
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator
+from rlmetrics.kinds.base import MetricRecords
 from rlmetrics.kinds.batch import Array, to_device
 
 
@@ -43,7 +43,7 @@ class Parts:
         self.numbers: list[float] = []
         self.number_weights: list[float] = []
 
-    def add(self, acc: Accumulator) -> None:
+    def add(self, acc: MetricRecords) -> None:
         values, weights = acc.values, acc.weights
         if not acc.arrays:  # python numbers only: checked when logged, never rejected
             self.numbers += values

@@ -35,15 +35,15 @@ import torch
 from torch import Tensor
 
 from rlmetrics._engine.assemble import Parts, assemble, joined, on_backend, part_size
-from rlmetrics._engine.fold_plan import Layout, Plan
+from rlmetrics._engine.fold_plan import ElementOrder, Plan
 from rlmetrics._engine.plan import StepPlan
 from rlmetrics._engine.record import NumberRecords
-from rlmetrics._engine.table import Table
+from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import ModifiedInputError
-from rlmetrics.kinds.base import Accumulator, carries_extra
+from rlmetrics.kinds.base import MetricRecords, carries_extra
 from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
 from rlmetrics.kinds.extra import ExtraKind
-from rlmetrics.kinds.rows import Rows
+from rlmetrics.kinds.rows import BatchRows
 
 
 def joined_errors(errors: list[ValueError]) -> ValueError:
@@ -67,15 +67,15 @@ class _Misaligned(RuntimeError):
     whose value and weight sizes differ (a tensor given data of another size by
     ``tensor.data = other`` after its log call's checks)."""
 
-    def __init__(self, accs: list[Accumulator]) -> None:
+    def __init__(self, accs: list[MetricRecords]) -> None:
         super().__init__(f"misaligned records of {[acc.name for acc in accs]}")
         self.accs = accs
 
 
 def fold(
-    accs: list[Accumulator],
+    accs: list[MetricRecords],
     numbers: NumberRecords,
-    table: Table,
+    table: StateTable,
     steps: StepPlan,
     nonfinite: str,
     *,
@@ -115,21 +115,21 @@ def fold(
 
 
 def _fold_all(
-    accs: list[Accumulator],
-    with_records: list[Accumulator],
+    accs: list[MetricRecords],
+    with_records: list[MetricRecords],
     numbers: NumberRecords,
-    table: Table,
+    table: StateTable,
     steps: StepPlan,
     nonfinite: str,
-) -> list[Accumulator]:
+) -> list[MetricRecords]:
     """``fold``'s work, backend by backend; returns the metrics whose tensors changed
     in place (their records are left out)."""
-    modified: list[Accumulator] = []
+    modified: list[MetricRecords] = []
     if any(map(_get_versions, with_records)):
         modified = [acc for acc in with_records if acc.versions and _modified(acc)]
         with_records = [acc for acc in with_records if acc not in modified]  # identity
-    on_device: dict[Any, list[Accumulator]] = {}
-    host: list[Accumulator] = []
+    on_device: dict[Any, list[MetricRecords]] = {}
+    host: list[MetricRecords] = []
     for acc in with_records:
         if acc.record_device is None:
             host.append(acc)
@@ -148,13 +148,13 @@ def _fold_all(
 
 
 def _fold_aligned(
-    table: Table,
+    table: StateTable,
     steps: StepPlan,
     plan: Plan,
-    accs: list[Accumulator],
+    accs: list[MetricRecords],
     device: torch.device | None,
     nonfinite: str,
-) -> list[Accumulator]:
+) -> list[MetricRecords]:
     """Fold one backend's records (``_fold_records``); returns the metrics left out
     because a record's value and weight sizes no longer agree (``_Misaligned``: found
     before anything is folded, so the others fold as if they came alone)."""
@@ -175,10 +175,10 @@ def _fold_aligned(
 _get_values = attrgetter("values")
 _get_versions = attrgetter("versions")
 _get_row = attrgetter("row")
-_get_num_checked = attrgetter("num_checked")
+_get_num_deferred_checks = attrgetter("num_deferred_checks")
 
 
-def _modified(acc: Accumulator) -> bool:
+def _modified(acc: MetricRecords) -> bool:
     """Whether a tensor record changed in place since its log call (its version counter
     moved); ``versions`` holds, per tensor record in call order, the weight's then the
     value's version at the log call."""
@@ -191,7 +191,7 @@ def _modified(acc: Accumulator) -> bool:
     return False
 
 
-def _misaligned(acc: Accumulator) -> bool:
+def _misaligned(acc: MetricRecords) -> bool:
     """Whether a record of ``acc`` has an array or tensor weight of another size than
     its value."""
     return any(
@@ -201,11 +201,11 @@ def _misaligned(acc: Accumulator) -> bool:
 
 
 def _fold_records(
-    table: Table,
+    table: StateTable,
     steps: StepPlan,
     plan: Plan,
     numbers: NumberRecords | None,
-    accs: list[Accumulator],
+    accs: list[MetricRecords],
     device: torch.device | None,
     nonfinite: str,
 ) -> None:
@@ -226,7 +226,7 @@ def _fold_records(
             part = batch.part(slice(start, stop), elements, slice(call_at[start], call_at[stop]))
             sums, maxes = kind.reduce(part)
             positions = plan.groups[i].positions(table)
-            if kind.replaces:  # a row with no selected value keeps the old one
+            if kind.keeps_latest:  # a row with no selected value keeps the old one
                 if batch.on_host:
                     every = part.all_selected and part.rows_full()
                     present = None if every else part.count() > 0
@@ -254,7 +254,7 @@ def _fold_records(
 
 
 def _fold_extras(
-    table: Table, kind: ExtraKind, rows: np.ndarray, extras: list[Any], batch: Batch
+    table: StateTable, kind: ExtraKind, rows: np.ndarray, extras: list[Any], batch: Batch
 ) -> None:
     if batch.on_host:
         for row, extra in zip(rows.tolist(), extras, strict=True):
@@ -268,16 +268,16 @@ def _fold_extras(
 def _batch(
     plan: Plan,
     numbers: NumberRecords | None,
-    accs: list[Accumulator],
+    accs: list[MetricRecords],
     device: torch.device | None,
     nonfinite: str,
-) -> tuple[Batch, Layout, Array | None]:
+) -> tuple[Batch, ElementOrder, Array | None]:
     """The records as one screened batch in ``plan``'s order (each metric's elements
     together, in call order), its layout, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
     if not accs:  # python numbers only: checked when logged, one element per call
         assert numbers is not None  # a host fold without accumulators has numbers
-        cached = plan.numbers_layout(numbers)
+        cached = plan.numbers_order(numbers)
         layout = cached.layout
         if numbers.weight_at:
             value, weight = numbers.arrays()
@@ -293,15 +293,15 @@ def _batch(
         return batch, layout, None
     batch, layout = _joined_batch(plan, accs, device)
     counts = None
-    if nonfinite != "propagate" or any(map(_get_num_checked, accs)):
+    if nonfinite != "propagate" or any(map(_get_num_deferred_checks, accs)):
         counts = _screen(batch, layout, device, nonfinite)
     batch.zero_unselected()
     return batch, layout, counts
 
 
 def _joined_batch(
-    plan: Plan, accs: list[Accumulator], device: torch.device | None
-) -> tuple[Batch, Layout]:
+    plan: Plan, accs: list[MetricRecords], device: torch.device | None
+) -> tuple[Batch, ElementOrder]:
     """The records of ``accs`` (one backend's metrics with records of their own) as one
     batch in ``plan``'s order, unscreened, and its layout. Each metric's records are
     laid out in turn, the metrics in plan order, so the elements need no sort."""
@@ -317,16 +317,18 @@ def _joined_batch(
     if len(value) != len(weight):
         raise _Misaligned([acc for acc in accs if _misaligned(acc)])
     calls = np.fromiter(map(len, map(_get_values, accs)), np.int64, len(accs))
-    layout = Layout.of_sorted(
+    layout = ElementOrder.of_sorted(
         index, np.asarray(parts.lengths, dtype=np.int64), calls, parts.call_lengths, len(plan.rows)
     )
     make = Batch if device is None else DeviceBatch
     segments = on_backend(layout.segments, device)
-    rows = Rows(segments, layout.lengths, layout.call_lengths, layout.starts, layout.full)
+    rows = BatchRows(segments, layout.lengths, layout.call_lengths, layout.starts, layout.full)
     return make.of(value, weight, rows), layout
 
 
-def _screen(batch: Batch, layout: Layout, device: torch.device | None, nonfinite: str) -> Array:
+def _screen(
+    batch: Batch, layout: ElementOrder, device: torch.device | None, nonfinite: str
+) -> Array:
     """Apply the rules that need the data to ``batch``'s weights (a rejected call's and,
     under "skip", a non-finite element's become 0); per metric, [skipped, rejected]."""
     call_length = layout.call_lengths

@@ -1,7 +1,7 @@
 """Which metrics a fold reduces, grouped by kind, and where their elements go.
 
 A ``Plan`` orders the metrics of one fold (the host's or one device's) kind by kind;
-each kind's metrics reduce as one slice of the batch. A ``Layout``
+each kind's metrics reduce as one slice of the batch. An ``ElementOrder``
 puts the records' elements and calls into that order (a stable sort by metric) and
 says where each metric's begin. Both are kept across steps while the same metrics come
 back (``rlmetrics._engine.plan.StepPlan.fold_plan``; a plan keeps the layout of its
@@ -17,14 +17,14 @@ from typing import NamedTuple
 import numpy as np
 
 from rlmetrics._engine.record import NumberRecords
-from rlmetrics._engine.table import Table
-from rlmetrics.kinds.base import Accumulator
-from rlmetrics.kinds.rows import Rows
+from rlmetrics._engine.table import StateTable
+from rlmetrics.kinds.base import MetricRecords
+from rlmetrics.kinds.rows import BatchRows
 
 _get_row = attrgetter("row")
 
 
-class Layout(NamedTuple):
+class ElementOrder(NamedTuple):
     """Where a fold's elements go: the joined records put in plan order, and the
     boundaries of each plan row's elements and calls."""
 
@@ -41,7 +41,7 @@ class Layout(NamedTuple):
     @staticmethod
     def make(
         rows: np.ndarray, call_rows: np.ndarray, call_lengths: np.ndarray, num_rows: int
-    ) -> Layout:
+    ) -> ElementOrder:
         """The layout of elements whose plan rows are ``rows`` and calls whose plan rows
         and sizes are ``call_rows``, ``call_lengths`` (each in the order recorded)."""
         order = None
@@ -53,7 +53,7 @@ class Layout(NamedTuple):
             call_rows, call_lengths = call_rows[call_order], call_lengths[call_order]
         lengths = np.bincount(rows, minlength=num_rows)
         row_calls = np.bincount(call_rows, minlength=num_rows)
-        return Layout._of(order, rows, lengths, row_calls, call_rows, call_lengths)
+        return ElementOrder._of(order, rows, lengths, row_calls, call_rows, call_lengths)
 
     @staticmethod
     def of_sorted(
@@ -62,7 +62,7 @@ class Layout(NamedTuple):
         calls: np.ndarray,
         call_lengths: list[int],
         num_rows: int,
-    ) -> Layout:
+    ) -> ElementOrder:
         """The layout of records already in plan order: the metrics at plan rows ``rows``
         (ascending, each once) hold ``lengths`` elements in ``calls`` calls each, and the
         calls, in order, hold ``call_lengths`` elements."""
@@ -72,7 +72,7 @@ class Layout(NamedTuple):
         row_calls[rows] = calls
         segments, call_rows = np.repeat(rows, lengths), np.repeat(rows, calls)
         call_sizes = np.asarray(call_lengths, dtype=np.int64)
-        return Layout._of(None, segments, row_lengths, row_calls, call_rows, call_sizes)
+        return ElementOrder._of(None, segments, row_lengths, row_calls, call_rows, call_sizes)
 
     @staticmethod
     def _of(
@@ -82,36 +82,36 @@ class Layout(NamedTuple):
         row_calls: np.ndarray,
         call_rows: np.ndarray,
         call_lengths: np.ndarray,
-    ) -> Layout:
+    ) -> ElementOrder:
         ends = np.cumsum(lengths)
         element_at = [0, *ends.tolist()]
         call_at = [0, *np.cumsum(row_calls).tolist()]
         starts, full = ends - lengths, bool(lengths.all())
-        return Layout(
+        return ElementOrder(
             order, segments, lengths, starts, full, element_at, call_at, call_rows, call_lengths
         )
 
 
-class NumbersLayout(NamedTuple):
+class NumbersOrder(NamedTuple):
     """The layout of a step's flat python numbers, kept while their row list is the
     same: the elements' plan order, the batch's rows, and the weights when none was
     logged (all 1; read-only)."""
 
     rows: list[int]  # per number, its table row, as recorded
-    layout: Layout
-    batch_rows: Rows
+    layout: ElementOrder
+    batch_rows: BatchRows
     unit_weights: np.ndarray
 
 
 class Group:
     """Metrics of one kind, and (computed once) their rows' positions in the table."""
 
-    def __init__(self, members: list[Accumulator]) -> None:
+    def __init__(self, members: list[MetricRecords]) -> None:
         self.members = members
         self.kind = members[0].kind
         self._positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
-    def positions(self, table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def positions(self, table: StateTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The members' rows, and their (rows, slots) SUM and MAX positions."""
         if self._positions is None:
             rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
@@ -123,8 +123,8 @@ class Plan:
     """The metrics of one fold grouped by kind (``members`` in that order), and where
     each table row's metric is in that order (``index``: -1 for a row not in it)."""
 
-    def __init__(self, accs: list[Accumulator], table: Table) -> None:
-        by_kind: dict[int, list[Accumulator]] = {}
+    def __init__(self, accs: list[MetricRecords], table: StateTable) -> None:
+        by_kind: dict[int, list[MetricRecords]] = {}
         for acc in accs:
             by_kind.setdefault(id(acc.kind), []).append(acc)
         self.groups = [Group(members) for members in by_kind.values()]
@@ -133,10 +133,12 @@ class Plan:
         self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
         self.index = np.full(table.num_rows, -1, dtype=np.int64)
         self.index[self.rows] = np.arange(len(self.rows))
-        self._numbers: NumbersLayout | None = None
+        self._numbers: NumbersOrder | None = None
         self._positions: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
-    def positions(self, groups: tuple[int, ...], table: Table) -> tuple[np.ndarray, np.ndarray]:
+    def positions(
+        self, groups: tuple[int, ...], table: StateTable
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The SUM and MAX positions of the rows of ``groups`` (indices into
         ``self.groups``), flat, in order; kept per set of groups."""
         cached = self._positions.get(groups)
@@ -149,7 +151,7 @@ class Plan:
             cached = self._positions[groups] = (np.concatenate(sums), np.concatenate(maxes))
         return cached
 
-    def numbers_layout(self, numbers: NumberRecords) -> NumbersLayout:
+    def numbers_order(self, numbers: NumberRecords) -> NumbersOrder:
         """The layout of the flat ``numbers``; the last one is kept, since a
         steady-state step logs its metrics in the same order every time."""
         cached = self._numbers
@@ -157,11 +159,11 @@ class Plan:
             return cached
         rows = self.number_rows(numbers)
         calls = np.ones(len(rows), dtype=np.int64)  # one element per call
-        layout = Layout.make(rows, rows, calls, len(self.rows))
-        batch_rows = Rows(layout.segments, layout.lengths, calls, layout.starts, layout.full)
+        layout = ElementOrder.make(rows, rows, calls, len(self.rows))
+        batch_rows = BatchRows(layout.segments, layout.lengths, calls, layout.starts, layout.full)
         ones = np.ones(len(rows))
         ones.flags.writeable = False
-        self._numbers = NumbersLayout(list(numbers.rows), layout, batch_rows, ones)
+        self._numbers = NumbersOrder(list(numbers.rows), layout, batch_rows, ones)
         return self._numbers
 
     def number_rows(self, numbers: NumberRecords) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Where each metric of an agreed schema lives in the packed buffers.
 
-A ``Layout`` fixes, for a set of (name, kind) pairs, each metric's additive slots and
+A ``BufferLayout`` fixes, for a set of (name, kind) pairs, each metric's additive slots and
 framework counts in the SUM buffer, its max slots in the MAX buffer and (for kinds with
 an extra payload) its piece of the gather buffer.
 """
@@ -16,7 +16,7 @@ from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 
-from rlmetrics.kinds.base import NUM_COUNTS, Accumulator, Kind
+from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricRecords
 
 _get_kind = attrgetter("kind")
 
@@ -46,7 +46,7 @@ class KindGroup:
     max_shape: tuple[int, int]
 
 
-class Layout:
+class BufferLayout:
     """The packed positions of a schema.
 
     Metrics are ordered by name (``names``, ``slots``: results are reported in that
@@ -101,7 +101,7 @@ class Layout:
             (place.name, place.kind.name, settings[id(place.kind)]) for place in self.placements
         )
 
-    def fits(self, accumulators: Mapping[str, Accumulator]) -> bool:
+    def fits(self, accumulators: Mapping[str, MetricRecords]) -> bool:
         """Whether every name of ``accumulators`` is here, with the same kind object."""
         if not accumulators.keys() <= self.index.keys():
             return False

@@ -1,6 +1,6 @@
 """Packing many metrics' states into a few flat buffers (the host never waits on the
 device here), and back: unpacking checks the rejected-call counts, merges the gathered
-extras in rank order and returns a ``Reduced`` step."""
+extras in rank order and returns a ``ReducedStep``."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics._engine.layout import Layout
-from rlmetrics._engine.results import Reduced, nonfinite_counts
-from rlmetrics._engine.table import Table
+from rlmetrics._engine.layout import BufferLayout
+from rlmetrics._engine.results import ReducedStep, nonfinite_counts
+from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import RejectedInputError
-from rlmetrics.kinds.base import NUM_COUNTS, Accumulator
+from rlmetrics.kinds.base import NUM_COUNTS, MetricRecords
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.kinds.extra import ExtraKind
 
@@ -28,8 +28,8 @@ class Packing:
     """Where a table's slots go in one layout's buffer ``[SUM | pad | MAX | end]``, for
     the metrics logged in a step (``make``'s ``accs``: per placement, its accumulator or
     None). The SUM part is ``sum_part`` floats (padded to a group's size at sync); the
-    end (the logged marks, padding and tail at sync, see ``rlmetrics._engine.agreed``) follows
-    the MAX slots.
+    end (the logged marks, padding and tail at sync, see ``rlmetrics._engine.group_layouts``)
+    follows the MAX slots.
 
     Built once per set of metrics (a tracker's ``StepPlan`` keeps it): packing a
     step is then one indexed assignment per array into ``host`` (made empty, with
@@ -39,13 +39,13 @@ class Packing:
     and what is read from it is read before the next step packs.
     """
 
-    layout: Layout
+    layout: BufferLayout
     sum_part: int  # the SUM part's length: the MAX part starts there
     host: np.ndarray  # the buffer: SUM part, MAX part, the end, one scratch slot
     sum_map: np.ndarray  # per table SUM slot, its position
     count_map: np.ndarray  # per table count (rows x NUM_COUNTS, row-major)
     max_map: np.ndarray  # per table MAX slot
-    extra_rows: list[tuple[int, Accumulator | None]]  # (size slot, accumulator)
+    extra_rows: list[tuple[int, MetricRecords | None]]  # (size slot, accumulator)
     device_maps: dict[Any, tuple[Tensor, ...]] = field(default_factory=dict)
     sizes: Any = None  # the group's padded sizes it was made for (sync only)
     logged_all: bool = True  # this rank logged every name of the layout
@@ -56,9 +56,9 @@ class Packing:
     @classmethod
     def make(
         cls,
-        layout: Layout,
-        accs: list[Accumulator | None],
-        table: Table,
+        layout: BufferLayout,
+        accs: list[MetricRecords | None],
+        table: StateTable,
         sum_part: int | None = None,
         end: Sequence[float] | np.ndarray = (),
     ) -> Packing:
@@ -89,7 +89,7 @@ class Packing:
         maps = host, sum_map, count_map, max_map, extra_rows
         return cls(layout, sum_part, *maps)
 
-    def pack(self, table: Table, device: torch.device) -> Tensor:
+    def pack(self, table: StateTable, device: torch.device) -> Tensor:
         """This process's ``[SUM part | MAX part]`` buffer on ``device``: host half
         copied, device half added there (no host sync)."""
         host = self.pack_host(table)
@@ -103,7 +103,7 @@ class Packing:
         buffer[maxes] = torch.maximum(buffer[maxes], part.maxes[: len(maxes)])
         return buffer[:-1].to(device)
 
-    def pack_host(self, table: Table) -> np.ndarray:
+    def pack_host(self, table: StateTable) -> np.ndarray:
         """The host half's buffer (``host``), with the scratch slot at the end. Each step
         writes the same positions (a CPU device half adds onto them), so the rest keeps
         the values ``make`` gave them."""
@@ -140,7 +140,9 @@ def with_nan_counts(packed: Tensor, sum_part: int) -> Tensor:
     return torch.cat((packed[:sum_part], is_nan.double(), torch.where(is_nan, math.inf, maxes)))
 
 
-def in_order(accumulators: Mapping[str, Accumulator], layout: Layout) -> list[Accumulator | None]:
+def in_order(
+    accumulators: Mapping[str, MetricRecords], layout: BufferLayout
+) -> list[MetricRecords | None]:
     """The accumulators in layout order (their names must be in it), None where this
     process logged nothing."""
     return list(map(accumulators.get, layout.names))
@@ -156,14 +158,14 @@ def restore_nans(counts: np.ndarray, maxes: np.ndarray) -> np.ndarray:
     return maxes
 
 
-def extra_sizes(layout: Layout, maxes: np.ndarray) -> list[int]:
+def extra_sizes(layout: BufferLayout, maxes: np.ndarray) -> list[int]:
     """The padded extra size of each extra placement, read from a (reduced) MAX buffer."""
     sizes = [maxes[place.max_offset + place.kind.num_maxes] for place in layout.extra_placements]
     return [int(size) if size > 0 else 0 for size in sizes]  # -inf: no rank logged it
 
 
 def pack_extras(
-    packing: Packing, table: Table, sizes: Sequence[int], device: torch.device
+    packing: Packing, table: StateTable, sizes: Sequence[int], device: torch.device
 ) -> tuple[Tensor, dict[str, object]]:
     """This process's gather buffer (packable extras, padded to ``sizes``) and the host
     extras of kinds that cannot be packed (these travel by object gather)."""
@@ -196,15 +198,15 @@ GatherExtras = Callable[[Tensor, dict[str, object]], tuple[list[Any], list[Any]]
 
 def unpack(
     packing: Packing,
-    table: Table,
+    table: StateTable,
     sums: np.ndarray,
     maxes: np.ndarray,
     device: torch.device,
     logged: np.ndarray | None = None,
     gather: GatherExtras | None = None,
-) -> Reduced:
+) -> ReducedStep:
     """The reduced SUM and MAX slots of ``packing``'s layout (NaN as merged) as a
-    ``Reduced`` step, with the extras: this process's packed on ``device`` at the sizes
+    ``ReducedStep``, with the extras: this process's packed on ``device`` at the sizes
     the MAX slots hold, ``gather``ed over the group (without it, this process's own) and
     merged in rank order. ``logged``: per placement, whether any rank logged it (None:
     every one).
@@ -229,10 +231,10 @@ def unpack(
         )
         extras = _split_extras(layout, *pieces, sizes)
     keep = None if logged is None or logged.all() else logged > 0
-    return Reduced(layout, sums, maxes[: layout.num_maxes], extras, keep, nonfinite)
+    return ReducedStep(layout, sums, maxes[: layout.num_maxes], extras, keep, nonfinite)
 
 
-def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
+def _raise_rejected(layout: BufferLayout, counts: np.ndarray) -> None:
     rejected = [
         f"{place.name!r} ({place.kind.name}): {int(n)}"
         for place, n in zip(layout.placements, counts, strict=True)
@@ -247,7 +249,7 @@ def _raise_rejected(layout: Layout, counts: np.ndarray) -> None:
 
 
 def _split_extras(
-    layout: Layout,
+    layout: BufferLayout,
     extras: Sequence[np.ndarray],
     objects: Sequence[Mapping[str, object]],
     sizes: Sequence[int],
@@ -270,7 +272,7 @@ def _split_extras(
     return merged
 
 
-def local_reduce(packing: Packing, table: Table) -> Reduced:
+def local_reduce(packing: Packing, table: StateTable) -> ReducedStep:
     """This process's step, with one device-to-host transfer per buffer."""
     part, split = table.device_part, packing.sum_part
     if part is None:

@@ -9,7 +9,7 @@ index arrays) is made once and reused. Each tracker holds one ``StepPlan``
 
 The one invalidation rule: an entry is reused while the step's accumulators are the
 same objects, in the same order, as those it was made for (``same_metrics``), and the
-table's rows keep their numbering (``Table.version``); a new version drops every entry
+table's rows keep their numbering (``StateTable.version``); a new version drops every entry
 made from rows. Identity is enough because a tracker keeps each name's accumulator
 across steps while its kind stays and never files one object under two names
 (``Tracker._accumulator``), so the same objects mean the same names, kinds and rows.
@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from rlmetrics._engine.fold_plan import Plan
-from rlmetrics._engine.layout import Layout
+from rlmetrics._engine.layout import BufferLayout
 from rlmetrics._engine.packing import Packing, in_order
-from rlmetrics._engine.table import Table
-from rlmetrics.kinds.base import Accumulator
+from rlmetrics._engine.table import StateTable
+from rlmetrics.kinds.base import MetricRecords
 from rlmetrics.kinds.batch import to_device
 
 MAX_DEVICE_INDICES = 256
@@ -48,7 +48,7 @@ class GroupPacking(Protocol):
         """Drop what was made from the table's rows; keep what names metrics only."""
 
 
-def same_metrics(made_for: list[Accumulator], accs: list[Accumulator]) -> bool:
+def same_metrics(made_for: list[MetricRecords], accs: list[MetricRecords]) -> bool:
     """Whether an entry made for the accumulators ``made_for`` serves ``accs``: the
     same objects in the same order (see the module's invalidation rule)."""
     return len(made_for) == len(accs) and all(map(_is, made_for, accs))
@@ -69,15 +69,15 @@ class StepPlan:
 
     def __init__(self) -> None:
         self._version: int | None = None  # the table row numbering the entries were made for
-        self._folds: dict[torch.device | None, tuple[list[Accumulator], Plan]] = {}
-        self._local: tuple[list[Accumulator], Packing] | None = None
+        self._folds: dict[torch.device | None, tuple[list[MetricRecords], Plan]] = {}
+        self._local: tuple[list[MetricRecords], Packing] | None = None
         self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
         self.group_syncs: weakref.WeakKeyDictionary[Any, GroupPacking] = weakref.WeakKeyDictionary()
 
     def __reduce__(self) -> tuple[type[StepPlan], tuple[()]]:
         return StepPlan, ()  # a copy starts empty: its entries name the original's objects
 
-    def valid_for(self, table: Table) -> None:
+    def valid_for(self, table: StateTable) -> None:
         """Drop every entry made from rows when ``table``'s rows were renumbered since."""
         if table.version != self._version:
             self._version = table.version
@@ -87,7 +87,9 @@ class StepPlan:
             for sync in self.group_syncs.values():
                 sync.forget_packing()
 
-    def fold_plan(self, table: Table, device: torch.device | None, accs: list[Accumulator]) -> Plan:
+    def fold_plan(
+        self, table: StateTable, device: torch.device | None, accs: list[MetricRecords]
+    ) -> Plan:
         """The plan of ``accs`` folding on ``device`` (None: the host); the last one per
         device is kept."""
         self.valid_for(table)
@@ -98,14 +100,16 @@ class StepPlan:
         self._folds[device] = (accs, plan)
         return plan
 
-    def local_packing(self, accumulators: Mapping[str, Accumulator], table: Table) -> Packing:
+    def local_packing(
+        self, accumulators: Mapping[str, MetricRecords], table: StateTable
+    ) -> Packing:
         """The packing of this process's step alone (``compute(sync=False)``,
         ``state()``), its layout the accumulators' order."""
         self.valid_for(table)
         accs = list(accumulators.values())
         local = self._local
         if local is None or not same_metrics(local[0], accs):
-            layout = Layout([(name, acc.kind) for name, acc in accumulators.items()])
+            layout = BufferLayout([(name, acc.kind) for name, acc in accumulators.items()])
             local = self._local = (
                 accs,
                 Packing.make(layout, in_order(accumulators, layout), table),

@@ -1,7 +1,7 @@
 """One log call: the checks that need no data, then the value and weight recorded.
 
 A log call computes nothing: python numbers, host arrays and tensors are appended to
-the metric's records as they are, or as copies (below) (``Accumulator.values`` and
+the metric's records as they are, or as copies (below) (``MetricRecords.values`` and
 ``weights``), to be reduced once per step by ``rlmetrics._engine.fold``. What needs no data is
 checked here and raises at once, naming the metric: types, shapes, dtypes, python
 numbers (a negative weight; a non-finite value under ``nonfinite="error"``). What
@@ -40,7 +40,7 @@ from rlmetrics._engine.inputs import (
     tracked,
     unmask,
 )
-from rlmetrics.kinds import Accumulator
+from rlmetrics.kinds import MetricRecords
 from rlmetrics.kinds.base import NONFINITE_SLOT
 
 BOOL = torch.bool
@@ -54,7 +54,7 @@ class NumberRecords:
     each list into one array, however many metrics there were.
 
     A metric's numbers go here until its first array or tensor record of the step
-    (``Accumulator.flat``); later ones go to its own records, after that one, so each
+    (``MetricRecords.in_number_records``); later ones go to its own records, after that one, so each
     metric's calls keep their order.
     """
 
@@ -86,7 +86,7 @@ class NumberRecords:
 
 
 def record_number(
-    acc: Accumulator,
+    acc: MetricRecords,
     name: str,
     value: float,
     weight: float,
@@ -98,17 +98,17 @@ def record_number(
     if weight != 1.0:
         check_weight_number(name, weight)
         if weight == 0.0:  # contributes nothing, NaN or not, under every policy
-            acc.kept_call = True  # but the metric exists (see Tracker._forget_rejected)
+            acc.accepted_a_call = True  # but the metric exists (see Tracker._forget_rejected)
             return
-    if acc.sized:
+    if acc.checks_call_size:
         _check_size(acc, name, 1, ())
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
         acc.count(NONFINITE_SLOT)
         return
-    acc.kept_call = True
-    if acc.flat:
+    acc.accepted_a_call = True
+    if acc.in_number_records:
         if weight != 1.0:
             numbers.weight_at.append(len(numbers.values))
             numbers.weights.append(weight)
@@ -119,16 +119,16 @@ def record_number(
         acc.weights.append(weight)
 
 
-def _check_size(acc: Accumulator, name: str, size: int, shape: tuple[int, ...]) -> None:
-    """A call's size against its kind's rule (``Accumulator.sized``): a multiple of its
-    ``parts``, one element for a kind that ``replaces``."""
+def _check_size(acc: MetricRecords, name: str, size: int, shape: tuple[int, ...]) -> None:
+    """A call's size against its kind's rule (``MetricRecords.checks_call_size``): a multiple of its
+    ``parts``, one element for a kind that ``keeps_latest``."""
     kind = acc.kind
     if size % kind.parts:
         raise TypeError(
             f"metric {name!r} (kind {kind.name!r}) splits each call into {kind.parts} equal "
             f"parts, so a call must hold a multiple of {kind.parts} elements; got {size}"
         )
-    if size != 1 and kind.replaces:
+    if size != 1 and kind.keeps_latest:
         raise ValueError(
             f"metric {name!r} (kind {kind.name!r}) takes one value, got shape {tuple(shape)}"
         )
@@ -161,7 +161,7 @@ def prepare(
     value: Any,
     weight: Any,
     *,
-    host_arrays: bool,
+    reduce_host_data_with_numpy: bool,
     copy: bool,
     checked: CheckedWeight | None = None,
 ) -> Prepared:
@@ -176,7 +176,10 @@ def prepare(
     if type(value) is Tensor and (weight is None or type(weight) in TENSOR_WEIGHTS):
         if checked is None:
             checked = CheckedWeight()
-        return _new_tuple(Prepared, prepare_tensor(name, value, weight, host_arrays, copy, checked))
+        return _new_tuple(
+            Prepared,
+            prepare_tensor(name, value, weight, reduce_host_data_with_numpy, copy, checked),
+        )
     if isinstance(value, MaskedArray) or isinstance(weight, MaskedArray):
         value, weight = unmask(name, value, weight)
     weight_tensor = isinstance(weight, Tensor)  # each isinstance(x, Tensor) costs
@@ -206,8 +209,8 @@ def prepare(
     if weight is not None:
         weight, check = _weight(name, weight, shape, weight_tensor, copy)
     device = None
-    if (value_tensor or weight_tensor or not host_arrays) and not (
-        host_arrays and _on_host(value) and _on_host(weight)
+    if (value_tensor or weight_tensor or not reduce_host_data_with_numpy) and not (
+        reduce_host_data_with_numpy and _on_host(value) and _on_host(weight)
     ):
         tensor = value if isinstance(value, Tensor) else weight  # a 0-d copy is an array
         device = tensor.device if isinstance(tensor, Tensor) else CPU
@@ -403,7 +406,7 @@ def _weight_number(name: str, weight: Tensor | float | int) -> float:
 
 
 def record_prepared(
-    acc: Accumulator,
+    acc: MetricRecords,
     name: str,
     prepared: Prepared | tuple[Any, ...],
     nonfinite: str,
@@ -417,18 +420,18 @@ def record_prepared(
     if value is None:  # a python number and weight
         record_number(acc, name, cast(float, number), weight_number, nonfinite, numbers)
         return 0
-    if acc.sized:
+    if acc.checks_call_size:
         _check_size(acc, name, size, shape)
     if check_weights or nonfinite == "error":
-        acc.num_checked += 1  # may be rejected: compute() tells
+        acc.num_deferred_checks += 1  # may be rejected: compute() tells
     else:
-        acc.kept_call = True
+        acc.accepted_a_call = True
     if versions:
         acc.versions.extend(versions)
     if device is not None and acc.record_device is None:
         acc.record_device = device.device if isinstance(device, Tensor) else device
     acc.arrays = True
-    acc.flat = False  # the metric's later numbers follow this record in its own
+    acc.in_number_records = False  # the metric's later numbers follow this record in its own
     acc.values.append(value)
     acc.weights.append(weight)
     return size

@@ -1,7 +1,7 @@
-"""A merged step in packed form (``Reduced``), and its reported values.
+"""A merged step in packed form (``ReducedStep``), and its reported values.
 
-Sync, the local path and ``TrackerState.compute`` all end in a ``Reduced``, so they
-report the same bits. Each kind states its result once (``Kind.result_rows`` over its
+Sync, the local path and ``TrackerState.compute`` all end in a ``ReducedStep``, so they
+report the same bits. Each kind states its result once (``Kind.result_columns`` over its
 block of the buffers); the values are reported sorted by metric name, a metric's
 suffixed keys (``name/p50``) after it, empty metrics left out (or NaN), a non-finite
 count where elements were skipped.
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlmetrics._engine.layout import Layout
+from rlmetrics._engine.layout import BufferLayout
 from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState
 
 Suffixed = dict[int, tuple[Kind, dict[str, float]]]  # name position -> (kind, values)
 
 
 @dataclass(slots=True, eq=False)  # not frozen: a frozen __init__ sets each field the slow way
-class Reduced:
+class ReducedStep:
     """One merged step in packed form, read within the call that built it (``sums`` and
     ``maxes`` may be views of buffers the next step reuses).
 
@@ -35,7 +35,7 @@ class Reduced:
         nonfinite: per placement, the non-finite elements skipped (None: none anywhere).
     """
 
-    layout: Layout
+    layout: BufferLayout
     sums: np.ndarray
     maxes: np.ndarray
     extras: Mapping[str, object]
@@ -45,13 +45,13 @@ class Reduced:
     @classmethod
     def from_states(
         cls, states: Mapping[str, MetricState], kind_of: Callable[[str], Kind]
-    ) -> Reduced:
+    ) -> ReducedStep:
         """States laid out in buffers as a sync leaves them (``TrackerState.compute``).
 
         Raises:
             ValueError: a state's slot counts are not its kind's.
         """
-        layout = Layout([(name, kind_of(metric.kind)) for name, metric in states.items()])
+        layout = BufferLayout([(name, kind_of(metric.kind)) for name, metric in states.items()])
         sums, maxes = np.zeros(layout.num_sums), np.full(layout.num_maxes, -math.inf)
         for place in layout.placements:
             metric, kind = states[place.name], place.kind
@@ -100,7 +100,7 @@ class Reduced:
             if kind.has_extra:
                 block = block[:, : kind.num_maxes]  # without the extra size
                 extras = [self.extras[name] for name in names]
-            out, present = kind.result_rows(
+            out, present = kind.result_columns(
                 sums[group.sums].reshape(group.sum_shape), block, extras, names
             )
             shown.append(present)
@@ -125,7 +125,7 @@ class Reduced:
         return _laid_out(layout.names, value, present, suffixed, self.nonfinite, self.keep, empty)
 
 
-def nonfinite_counts(layout: Layout, sums: np.ndarray) -> np.ndarray | None:
+def nonfinite_counts(layout: BufferLayout, sums: np.ndarray) -> np.ndarray | None:
     """Per placement, the non-finite elements skipped, read from a SUM part; None when none."""
     counts = sums[layout.num_kind_sums :: NUM_COUNTS]
     return counts if np.count_nonzero(counts) else None

@@ -4,8 +4,8 @@ A steady-state step reduces every scalar metric with one collective: an ``all_ga
 of the packed SUM and MAX buffers, reduced on the host (rows added in rank order, so
 every rank gets the same bits; max over rows), or ``all_reduce(SUM)`` and
 ``all_reduce(MAX)`` above ``GATHER_LIMIT``. The MAX buffer ends with a tail (see
-``rlmetrics._engine.agreed``) that tells every rank, without another collective, when some rank
-logged a name its layout lacks or packed another layout; only then do ranks agree on
+``rlmetrics._engine.group_layouts``) that tells every rank, without another collective, when some
+rank logged a name its layout lacks or packed another layout; only then do ranks agree on
 the schema again (a JSON gather) and repeat the reduce. Kinds with an extra payload
 (std, dist) add one ``all_gather``.
 
@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics._engine.agreed import TAIL, GroupLayouts
 from rlmetrics._engine.collectives import (
     all_gather,
     all_reduce,
@@ -46,11 +45,12 @@ from rlmetrics._engine.collectives import (
     resolve_group,
     wait_for,
 )
-from rlmetrics._engine.layout import Layout
+from rlmetrics._engine.group_layouts import TAIL, GroupLayouts
+from rlmetrics._engine.layout import BufferLayout
 from rlmetrics._engine.packing import Packing, in_order, restore_nans, unpack, with_nan_counts
 from rlmetrics._engine.plan import same_metrics
-from rlmetrics._engine.results import Reduced
-from rlmetrics._engine.table import Table
+from rlmetrics._engine.results import ReducedStep
+from rlmetrics._engine.table import StateTable
 from rlmetrics.kinds import kind_names
 from rlmetrics.kinds.rank_time import family_kind
 
@@ -94,7 +94,7 @@ def _read_schema(rank: int, data: bytes) -> dict[str, Any]:
 
 def agree_schema(
     tracker: Any, group: Any, device: torch.device, timeout: timedelta | None
-) -> Layout:
+) -> BufferLayout:
     """The union of every rank's (name, kind) pairs.
 
     Each rank sends its metrics' (name, kind name, ``Kind.settings()``) and the settings
@@ -152,7 +152,9 @@ def agree_schema(
                 )
     if conflicts:
         raise ValueError("ranks disagree on metric kinds: " + "; ".join(conflicts.values()))
-    return Layout([(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()])
+    return BufferLayout(
+        [(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()]
+    )
 
 
 @dataclass(eq=False)
@@ -167,7 +169,7 @@ class GroupSync:
     are the same object.
     """
 
-    layout: Layout | None
+    layout: BufferLayout | None
     agreed: GroupLayouts
     device: torch.device
     world: int
@@ -176,7 +178,7 @@ class GroupSync:
     seen: list[Any] = field(default_factory=list)  # the last packing's accumulators
     packing: Packing | None = None
 
-    def packing_for(self, accumulators: Mapping[str, Any], table: Table) -> Packing:
+    def packing_for(self, accumulators: Mapping[str, Any], table: StateTable) -> Packing:
         """How this rank packs this step: its accumulators in layout order, the group's
         padded sizes, and at the MAX part's end per placement whether this rank logged
         it and the tail. A step that logged a name the layout lacks packs as empty with
@@ -222,7 +224,7 @@ class GroupSync:
         self.packing, self.seen = None, []
 
 
-_NO_LAYOUT = Layout([])  # what a rank without a layout the group holds packs
+_NO_LAYOUT = BufferLayout([])  # what a rank without a layout the group holds packs
 
 # Per process group, the layouts agreed over it (keyed by the group object, weakly):
 # the same on every rank of the group, unlike each tracker's own cache.
@@ -249,7 +251,7 @@ def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> GroupSync:
 
 def sync_reduce(
     tracker: Any, *, group: Any = None, timeout: float | timedelta | None = None
-) -> Reduced:
+) -> ReducedStep:
     """The tracker's step merged over ``group`` (every rank gets the same).
 
     Names in the cached layout that no rank logged this step are left out of the
@@ -279,7 +281,7 @@ def sync_reduce(
 
 
 def _reduce(
-    packing: Packing, table: Table, sync: GroupSync, group: Any, wait: timedelta | None
+    packing: Packing, table: StateTable, sync: GroupSync, group: Any, wait: timedelta | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The packed SUM part and MAX part (its end included) reduced over ``group``, on
     the host (one device-to-host copy): one gather up to ``GATHER_LIMIT`` gathered

@@ -44,7 +44,7 @@ class DevicePart:
         return self.sums.device
 
 
-class Table:
+class StateTable:
     """Rows of folded state: additive slots (``sums``), max slots (``maxes``), the
     framework counts (``counts``: non-finite elements skipped, calls rejected) and, for
     kinds with one, an extra payload per row (``extras``).
@@ -100,10 +100,10 @@ class Table:
         self.extras = {row: kind.empty_extra() for row, kind in self.extra_kinds.items()}
         self.device_part = None
 
-    def compacted(self, accs: list[Any]) -> Table:
+    def compacted(self, accs: list[Any]) -> StateTable:
         """A new empty table with a row for each of ``accs`` only, which it renumbers
         (names that came and went drop out)."""
-        table = Table()
+        table = StateTable()
         table.version = self.version + 1
         for acc in accs:
             acc.row = table.add_row(acc.kind)

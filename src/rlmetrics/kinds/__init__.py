@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Accumulator, Kind, MetricState
+from rlmetrics.kinds.base import Kind, MetricRecords, MetricState
 from rlmetrics.kinds.batch import COLUMNS, Batch, DeviceBatch
 from rlmetrics.kinds.dist import Dist
 from rlmetrics.kinds.extra import ExtraKind
@@ -79,7 +79,7 @@ def check_kind(kind: Kind) -> None:
         count = getattr(kind, attr)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"{label}: {attr} must be an int >= 0, got {count!r}")
-    for attr in ("has_extra", "replaces"):
+    for attr in ("has_extra", "keeps_latest"):
         if not isinstance(getattr(kind, attr), bool):
             raise ValueError(f"{label}: {attr} must be a bool, got {getattr(kind, attr)!r}")
     for attr in ("sum_columns", "max_columns"):
@@ -91,8 +91,8 @@ def check_kind(kind: Kind) -> None:
     # the default reduce fills declared columns; a kind with no slot must have an extra
     declared = kind.sum_columns or kind.max_columns or kind.has_extra
     required = [] if kind.slots_declared and declared else ["reduce"]
-    if not (_overrides(kind, "result") or _overrides(kind, "result_rows")):
-        required.append("result")  # or result_rows
+    if not (_overrides(kind, "result") or _overrides(kind, "result_columns")):
+        required.append("result")  # or result_columns
     if kind.has_extra:
         if not isinstance(kind, ExtraKind):
             raise ValueError(
@@ -174,7 +174,6 @@ def get_kind(name: str) -> Kind:
 
 __all__ = [
     "BUILTIN_KINDS",
-    "Accumulator",
     "Batch",
     "DeviceBatch",
     "Dist",
@@ -183,6 +182,7 @@ __all__ = [
     "Last",
     "Max",
     "Mean",
+    "MetricRecords",
     "MetricState",
     "Min",
     "QuantileSketch",

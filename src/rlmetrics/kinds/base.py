@@ -81,8 +81,8 @@ class MetricState:
         )
 
 
-Rows = tuple[dict[str, np.ndarray], np.ndarray]
-"""What ``Kind.result_rows`` returns: per result suffix, the metrics' values; and
+ResultColumns = tuple[dict[str, np.ndarray], np.ndarray]
+"""What ``Kind.result_columns`` returns: per result suffix, the metrics' values; and
 whether each metric is present."""
 
 
@@ -106,7 +106,7 @@ class Kind:
     and implements ``reduce`` (a step's records of all its metrics, to one state row per
     metric, in one vectorised pass: see ``rlmetrics.kinds.batch``) and ``result``. The
     merge follows from the declaration: sums add, maxes take the max. A kind whose new
-    value replaces the rank's state (``last``) sets ``replaces``.
+    value replaces the rank's state (``last``) sets ``keeps_latest``.
 
     A kind whose every slot is a sum or a max of a per-element column (``COLUMNS`` in
     ``rlmetrics.kinds.batch``: mean's Σ value·weight and Σ weight) declares them
@@ -124,7 +124,7 @@ class Kind:
     num_sums: int = 0
     num_maxes: int = 0
     has_extra: bool = False  # True for an ``ExtraKind``
-    replaces: bool = False
+    keeps_latest: bool = False
     """True for kinds whose new value replaces the rank's state (``last``); a call then
     takes one element."""
     sum_columns: tuple[str, ...] = ()
@@ -171,30 +171,31 @@ class Kind:
 
         An element with weight 0 must not contribute (its value is 0 by then). The
         default reduces the declared ``sum_columns`` and ``max_columns`` (for a kind
-        that ``replaces``: takes them at each row's last selected element)."""
-        if self.replaces:
+        that ``keeps_latest``: takes them at each row's last selected element)."""
+        if self.keeps_latest:
             batch = batch.last_elements()
         return (
             batch.columns(*map(batch.column_sum, self.sum_columns)),
             batch.columns(*map(batch.column_max, self.max_columns)),
         )
 
-    # -- result: implement one of the two -----------------------------------------
-    def result_rows(
+    # -- result: implement ``result``, or ``result_columns`` alone ----------------------
+    def result_columns(
         self,
         sums: np.ndarray,
         maxes: np.ndarray,
         extras: Sequence[Any] | None,
         names: Sequence[str],
-    ) -> Rows:
+    ) -> ResultColumns:
         """The results of n metrics at once from their merged states: (n, num_sums) and
         (n, num_maxes) slots, and (kinds with an extra) the n host extras; ``names`` for
         messages. Returns, per result suffix ('' for the bare name, 'p50' for
         ``name/p50``), an (n,) array of values, and an (n,) bool array: whether each
         metric is present (not empty).
 
-        The default calls ``result`` per metric; kinds with many metrics per step
-        override this instead, with array arithmetic."""
+        This is what reports a kind's results. The default calls ``result`` per metric;
+        kinds with many metrics per step override this instead, with array arithmetic,
+        and then need no ``result``."""
         rows = []
         for i, name in enumerate(names):
             extra = None if extras is None else extras[i]
@@ -210,17 +211,12 @@ class Kind:
 
     def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
         """One metric's values: {"": value} for the bare name, {"p50": ...} for
-        ``name/p50``; None when the state is empty. The default reads ``result_rows``."""
-        extras = [state.extra] if self.has_extra else None
-        columns, present = self.result_rows(
-            np.array(state.sums, dtype=np.float64).reshape(1, -1),
-            np.array(state.maxes, dtype=np.float64).reshape(1, -1),
-            extras,
-            [name],
+        ``name/p50``; None when the state is empty. The simplest way to state a kind's
+        result: the default ``result_columns`` calls it per metric. Read a metric's result
+        with ``result_of``, which works whichever of the two a kind implements."""
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither result nor result_columns"
         )
-        if not present[0]:
-            return None
-        return {suffix: float(column[0]) for suffix, column in columns.items()}
 
     def result_names(self) -> tuple[str, ...]:
         """The suffixes ``result`` may return ('' for the bare name), for NaN reports."""
@@ -241,28 +237,45 @@ class Kind:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def result_of(kind: Kind, state: MetricState, name: str = "") -> dict[str, float] | None:
+    """One metric's values from its state (as ``Kind.result`` returns them), read
+    through ``kind.result_columns``: the same for a kind that states its result per
+    metric or vectorised, since ``result_columns`` defaults to ``result`` and never the
+    other way round."""
+    extras = [state.extra] if kind.has_extra else None
+    columns, present = kind.result_columns(
+        np.array(state.sums, dtype=np.float64).reshape(1, -1),
+        np.array(state.maxes, dtype=np.float64).reshape(1, -1),
+        extras,
+        [name],
+    )
+    if not present[0]:
+        return None
+    return {suffix: float(column[0]) for suffix, column in columns.items()}
+
+
 @dataclass(slots=True, eq=False)
-class Accumulator:
+class MetricRecords:
     """One metric in a Tracker: this step's records, and where its state is.
 
     A log call appends its value and weight as logged (python floats, host arrays,
     tensors), no arithmetic: python numbers to the tracker's flat ``NumberRecords``
-    while ``flat`` holds, everything else to ``values`` and ``weights``. ``rlmetrics._engine.fold``
-    reduces
-    the records into the metric's row of the tracker's ``Table`` at step end (or when
+    while ``in_number_records`` holds, everything else to ``values`` and ``weights``.
+    ``rlmetrics._engine.fold`` reduces
+    the records into the metric's row of the tracker's ``StateTable`` at step end (or when
     the tracker's records pass their memory bound): host data into the host half, a
     metric with a tensor record on its device into the device half (no host sync).
     """
 
     kind: Kind
-    table: Any  # the tracker's rlmetrics._engine.table.Table
+    table: Any  # the tracker's rlmetrics._engine.table.StateTable
     row: int
     name: str = ""
     # calls whose data checks run at step end (they may turn out rejected), and whether
     # any other call (or merge) was taken: a metric all of whose calls were rejected is
     # dropped when they are reported, as a python call that raises creates no metric
-    num_checked: int = 0
-    kept_call: bool = False
+    num_deferred_checks: int = 0
+    accepted_a_call: bool = False
     # the records since the last fold, in call order (see rlmetrics._engine.record)
     values: list[Any] = field(default_factory=list)
     weights: list[Any] = field(default_factory=list)
@@ -271,22 +284,22 @@ class Accumulator:
     versions: list[int] = field(default_factory=list)  # tensor records' (weight, value)
     # python numbers go to the tracker's flat records (until an array record, and only
     # for a kind that takes a single number)
-    flat: bool = False
+    in_number_records: bool = False
     # the kind's name, and whether it limits a call's size (parts, replaces): read by
     # every log call, which an attribute of the kind costs more (rlmetrics._engine.record)
     kind_name: str = field(default="", init=False)
-    sized: bool = field(default=False, init=False)
+    checks_call_size: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        self.flat = self.kind.parts == 1
+        self.in_number_records = self.kind.parts == 1
         self.kind_name = self.kind.name
-        self.sized = self.kind.parts != 1 or self.kind.replaces
+        self.checks_call_size = self.kind.parts != 1 or self.kind.keeps_latest
 
     def clear(self) -> None:
         """A new step: no records, no calls counted."""
         self.clear_records()
-        self.num_checked = 0
-        self.kept_call = False
+        self.num_deferred_checks = 0
+        self.accepted_a_call = False
 
     def clear_records(self) -> None:
         """Drop the records (folded, or a new step)."""
@@ -295,7 +308,7 @@ class Accumulator:
         self.versions.clear()
         self.record_device = None
         self.arrays = False
-        self.flat = self.kind.parts == 1
+        self.in_number_records = self.kind.parts == 1
 
     def count(self, slot: int, amount: float = 1.0) -> None:
         """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""

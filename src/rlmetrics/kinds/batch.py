@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.rows import Array, Rows
+from rlmetrics.kinds.rows import Array, BatchRows
 
 COLUMNS = ("value", "negated_value", "weight", "weighted_value", "selected")
 """The per-element columns a kind can declare its slots with (``Batch.column``): the
@@ -58,16 +58,16 @@ class Batch:
         lengths: Sequence[int] | np.ndarray,
         call_lengths: Sequence[int] | np.ndarray,
     ) -> None:
-        self._set(values, weights, Rows(segments, lengths, call_lengths))
+        self._set(values, weights, BatchRows(segments, lengths, call_lengths))
 
     @classmethod
-    def of(cls, values: Array, weights: Array, rows: Rows) -> Batch:
+    def of(cls, values: Array, weights: Array, rows: BatchRows) -> Batch:
         """A batch of ``values`` and ``weights`` laid out as ``rows``."""
         batch = object.__new__(cls)
         batch._set(values, weights, rows)
         return batch
 
-    def _set(self, values: Array, weights: Array, rows: Rows) -> None:
+    def _set(self, values: Array, weights: Array, rows: BatchRows) -> None:
         self.values = values
         self.weights = weights
         self.rows = rows
@@ -161,7 +161,7 @@ class Batch:
         """Per row, the sum of ``x`` over the row's elements (0 for an empty row); with
         ``keys``, the sums of ``x`` by key in ``range(size)`` instead.
 
-        A large batch (``Rows.keyed`` false) sums each row as one ``reduceat`` segment
+        A large batch (``BatchRows.keyed`` false) sums each row as one ``reduceat`` segment
         (its elements lie together), in float64 whatever the dtype of ``x`` (bool
         counts); its rounding differs from an element-by-element sum only as any other
         split of the row's elements would."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlmetrics.kinds.base import Kind, Rows
+from rlmetrics.kinds.base import Kind, ResultColumns
 
 
 class Max(Kind):
@@ -23,7 +23,7 @@ class Max(Kind):
     max_columns = ("value",)  # NaN wins, as in the merge and all_reduce(MAX)
     sign = 1.0
 
-    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
+    def result_columns(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> ResultColumns:
         return {"": self.sign * maxes[:, 0]}, sums[:, 0] != 0  # state: [count], [max]
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlmetrics.kinds.base import Kind, Rows
+from rlmetrics.kinds.base import Kind, ResultColumns
 
 _warned: set[str] = set()  # the names whose current disagreement was warned about
 _disagreements: dict[str, int] = {}  # per name, its disagreements warned about so far
@@ -38,13 +38,13 @@ class Last(Kind):
     """
 
     name = "last"
-    replaces = True  # the columns are taken at a rank's latest value
+    keeps_latest = True  # the columns are taken at a rank's latest value
     sum_columns = ("value", "selected")  # merged: Σ v, sources
     max_columns = ("value", "negated_value")  # merged: max, -min
 
-    def result_rows(
+    def result_columns(
         self, sums: np.ndarray, maxes: np.ndarray, extras: object, names: Sequence[str]
-    ) -> Rows:
+    ) -> ResultColumns:
         total, sources = sums[:, 0], sums[:, 1]
         high, neg_low = maxes[:, 0], maxes[:, 1]
         present = sources != 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlmetrics.kinds.base import Kind, Rows
+from rlmetrics.kinds.base import Kind, ResultColumns
 
 
 class Mean(Kind):
@@ -23,7 +23,7 @@ class Mean(Kind):
     name = "mean"
     sum_columns = ("weighted_value", "weight")
 
-    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
+    def result_columns(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> ResultColumns:
         total, weight = sums[:, 0], sums[:, 1]
         present = weight != 0
         return {"": total / (weight + ~present)}, present  # an empty row divides by 1

@@ -1,4 +1,4 @@
-"""Where a batch's elements belong (``Rows``), and what follows from it, derived once.
+"""Where a batch's elements belong (``BatchRows``), and what follows from it, derived once.
 
 A fold keeps the rows of its python numbers across steps (``rlmetrics._engine.fold_plan``),
 so everything here that follows from them (row starts, counts, each kind's part) is
@@ -17,10 +17,10 @@ Array = Any  # np.ndarray on the host, torch.Tensor on a device
 SMALL = 1 << 14
 """Elements up to which a batch is small: its sums go by key (``np.bincount``, element
 after element), where a large one's go by segment (``np.add.reduceat``, whose cost
-grows with the rows, not the elements); see ``Rows.keyed``."""
+grows with the rows, not the elements); see ``BatchRows.keyed``."""
 
 
-class Rows:
+class BatchRows:
     """Where a batch's elements belong: the row of each element, the elements of each
     row and of each call, and what follows from them, each computed once. A fold keeps
     the rows of its python numbers across steps, and the rows of its parts with them,
@@ -88,17 +88,17 @@ class Rows:
             index = self._memo["last"] = self.starts() + (self.lengths - 1)
         return index
 
-    def one_each(self, constant: Any) -> Rows:
+    def one_each(self, constant: Any) -> BatchRows:
         """The rows of a batch of one element per row (``constant`` puts a host array
         on the backend of these rows' segments)."""
         rows = self._memo.get("one_each")
         if rows is None:
             index = np.arange(self.num_rows)
             ones = np.ones(self.num_rows, dtype=np.int64)
-            rows = self._memo["one_each"] = Rows(constant(index), ones, ones, index, True)
+            rows = self._memo["one_each"] = BatchRows(constant(index), ones, ones, index, True)
         return rows
 
-    def part(self, rows: slice, elements: slice, calls: slice) -> Rows:
+    def part(self, rows: slice, elements: slice, calls: slice) -> BatchRows:
         """The rows ``rows`` (whose elements and calls are ``elements`` and ``calls``),
         numbered from 0; kept per slice of rows."""
         key = (rows.start, rows.stop)
@@ -108,7 +108,7 @@ class Rows:
             starts = self._starts
             if starts is not None:
                 starts = starts[rows] - elements.start if elements.start else starts[rows]
-            part = self._memo[key] = Rows(
+            part = self._memo[key] = BatchRows(
                 segments - rows.start if rows.start else segments,
                 self.lengths[rows],
                 self.call_lengths[calls],

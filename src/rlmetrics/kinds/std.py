@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Rows
+from rlmetrics.kinds.base import ResultColumns
 from rlmetrics.kinds.batch import Array, Batch
 from rlmetrics.kinds.extra import ExtraKind
 
@@ -115,7 +115,9 @@ class Std(MomentTriples):
 
     name = "std"
 
-    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, extras: Any, *_: object) -> Rows:
+    def result_columns(
+        self, sums: np.ndarray, maxes: np.ndarray, extras: Any, *_: object
+    ) -> ResultColumns:
         triples = np.array(extras, dtype=np.float64).reshape(-1, 3)
         w, m2 = triples[:, 0], triples[:, 2]
         present = w != 0

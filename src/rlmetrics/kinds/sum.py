@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlmetrics.kinds.base import Kind, Rows
+from rlmetrics.kinds.base import Kind, ResultColumns
 
 
 class Sum(Kind):
@@ -22,5 +22,5 @@ class Sum(Kind):
     name = "sum"
     sum_columns = ("weighted_value", "selected")
 
-    def result_rows(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> Rows:
+    def result_columns(self, sums: np.ndarray, maxes: np.ndarray, *_: object) -> ResultColumns:
         return {"": sums[:, 0]}, sums[:, 1] != 0

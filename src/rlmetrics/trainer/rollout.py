@@ -17,7 +17,7 @@ from torch import Tensor
 from rlmetrics.trainer.model import TinyGPT
 from rlmetrics.trainer.task import EOS, PAD, Task
 
-Batch = dict[str, Tensor]  # tensors sharing their first dimension (one row per sequence)
+Sequences = dict[str, Tensor]  # tensors sharing their first dimension (one row per sequence)
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -81,7 +81,7 @@ def join(prompts: Tensor, prompt_lengths: Tensor, responses: Tensor, lengths: Te
 
 
 def rollout(actor: TinyGPT, task: Task, *, num_prompts: int, n: int, temperature: float,
-            seed: int, step: int) -> Batch:  # fmt: skip
+            seed: int, step: int) -> Sequences:  # fmt: skip
     """The whole batch of ``step``: num_prompts * n sequences, n per prompt in a row.
 
     Returns a Batch with ``tokens`` (B, T) [prompt | response] right-padded,
@@ -113,7 +113,7 @@ def rollout(actor: TinyGPT, task: Task, *, num_prompts: int, n: int, temperature
     }
 
 
-def add_scores(task: Task, batch: Batch) -> None:
+def add_scores(task: Task, batch: Sequences) -> None:
     """The reward stage: ``scores`` (float64) from the batch's prompts and responses,
     which it removes (they are not per-token fields of the training batch)."""
     prompts, responses = batch.pop("prompts"), batch.pop("responses")
@@ -121,14 +121,14 @@ def add_scores(task: Task, batch: Batch) -> None:
     batch["scores"] = task.rewards(prompts, batch["prompt_lengths"], responses, lengths)
 
 
-def response_mask(batch: Batch) -> Tensor:
+def response_mask(batch: Sequences) -> Tensor:
     """(B, T-1) True where target token ``tokens[:, 1:]`` is a response token."""
     cols = torch.arange(batch["tokens"].size(1) - 1)[None, :]
     start = batch["prompt_lengths"][:, None] - 1
     return (cols >= start) & (cols < start + batch["response_lengths"][:, None])
 
 
-def select(batch: Batch, index: Tensor) -> Batch:
+def select(batch: Sequences, index: Tensor) -> Sequences:
     """Rows ``index`` of every tensor of ``batch``."""
     return {key: value[index] for key, value in batch.items()}
 

@@ -23,7 +23,7 @@ from rlmetrics.trainer.model import build_models
 from rlmetrics.trainer.rank import Rank
 from rlmetrics.trainer.report import Reporter
 from rlmetrics.trainer.rollout import (
-    Batch,
+    Sequences,
     add_scores,
     response_mask,
     rollout,
@@ -63,7 +63,7 @@ def setup(cfg: TrainConfig, rank: int, world_size: int, group: Any, device: Any)
                 critic_learner)  # fmt: skip
 
 
-def my_shard(r: Rank, batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
+def my_shard(r: Rank, batch: Sequences) -> tuple[Sequences, list[torch.Tensor]]:
     """This rank's rows of the batch, and its rows of each mini-batch (shard positions)."""
     rows = shard_indices(len(batch["tokens"]), r.cfg.algo.mini_batches, r.rank, r.world_size)
     shard = select(batch, torch.cat(rows))
@@ -71,7 +71,7 @@ def my_shard(r: Rank, batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
     return shard, [torch.arange(a, b) for a, b in itertools.pairwise(bounds)]
 
 
-def num_tokens(batch: Batch) -> float:
+def num_tokens(batch: Sequences) -> float:
     """Prompt + response tokens of the (whole) batch: the per-token timings' divisor."""
     return float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
 
@@ -82,7 +82,7 @@ def stage_timer(r: Rank, tracker: Tracker, stage: str, **options: Any) -> Any:
     return rl.timer(tracker, stage, rank=r.rank, world_size=r.world_size, **options)
 
 
-def prepare(r: Rank, batch: Batch, tracker: Tracker) -> tuple[Batch, list[torch.Tensor]]:
+def prepare(r: Rank, batch: Sequences, tracker: Tracker) -> tuple[Sequences, list[torch.Tensor]]:
     """Advantages, old and reference log-probs (and values) of this rank's shard; the
     entropy of the old policy (verl's ``actor/entropy``, aggregated like the loss)."""
     algo, tokens = r.cfg.algo, {"num_tokens": num_tokens(batch)}
@@ -117,7 +117,7 @@ def prepare(r: Rank, batch: Batch, tracker: Tracker) -> tuple[Batch, list[torch.
     return shard, minis
 
 
-def learner_flops(r: Rank, learner: Learner, shard: Batch, passes: int = 1) -> float:
+def learner_flops(r: Rank, learner: Learner, shard: Sequences, passes: int = 1) -> float:
     """Training FLOPs of ``passes`` forward+backward passes of ``learner`` over the shard."""
     lens = shard["prompt_lengths"] + shard["response_lengths"] - 1  # the model's input
     model = r.cfg.model
@@ -125,7 +125,7 @@ def learner_flops(r: Rank, learner: Learner, shard: Batch, passes: int = 1) -> f
     return passes * flops
 
 
-def log_batch(r: Rank, shard: Batch, tracker: Tracker) -> None:
+def log_batch(r: Rank, shard: Sequences, tracker: Tracker) -> None:
     """Rollout metrics of this rank's rows: scores, advantages, returns, lengths; the
     mean score, response length and advantage per data source too."""
     mask = response_mask(shard)
@@ -142,7 +142,7 @@ def log_batch(r: Rank, shard: Batch, tracker: Tracker) -> None:
     tracker.mean("critic/advantages/mean", shard["advantages"], mask, by=by, labels=names)
 
 
-def update(r: Rank, learner: Learner, loss: Any, shard: Batch, minis: list, tracker: Tracker,
+def update(r: Rank, learner: Learner, loss: Any, shard: Sequences, minis: list, tracker: Tracker,
            total_tokens: float) -> None:  # fmt: skip
     """One learner's update stage, timed, with its MFU and memory metrics."""
     algo, name = r.cfg.algo, learner.name

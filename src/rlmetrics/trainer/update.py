@@ -23,9 +23,9 @@ from rlmetrics import rl
 from rlmetrics.tracker import Tracker
 from rlmetrics.trainer.config import AlgoConfig
 from rlmetrics.trainer.model import TinyGPT, token_log_probs
-from rlmetrics.trainer.rollout import Batch, response_mask, select
+from rlmetrics.trainer.rollout import Sequences, response_mask, select
 
-LossFn = Callable[[Batch, rl.BatchCounts], tuple[Tensor, list[rl.MetricUpdate]]]
+LossFn = Callable[[Sequences, rl.BatchCounts], tuple[Tensor, list[rl.MetricUpdate]]]
 
 
 @dataclass
@@ -78,7 +78,7 @@ def micro_batches(rows: Tensor, num_tokens: Tensor, cfg: AlgoConfig) -> list[Ten
     return [torch.tensor(mb, dtype=torch.long) for mb in out]
 
 
-def piece(shard: Batch, rows: Tensor, device: torch.device) -> Batch:
+def piece(shard: Sequences, rows: Tensor, device: torch.device) -> Sequences:
     """Rows of the shard, trimmed to their longest sequence, with their response mask."""
     mb = select(shard, rows)
     width = int((mb["prompt_lengths"] + mb["response_lengths"]).max())
@@ -89,14 +89,18 @@ def piece(shard: Batch, rows: Tensor, device: torch.device) -> Batch:
 
 
 # -- forward passes -----------------------------------------------------------------
-def policy_logits(actor: TinyGPT, mb: Batch, temperature: float) -> Tensor:
+def policy_logits(actor: TinyGPT, mb: Sequences, temperature: float) -> Tensor:
     """Logits (B, T-1, V) predicting ``tokens[:, 1:]``, divided by the temperature."""
     return actor(mb["tokens"][:, :-1]) / temperature
 
 
 @torch.no_grad()
 def infer(
-    fn: Callable[[Batch], Tensor], shard: Batch, minis: list[Tensor], cfg: AlgoConfig, device: Any
+    fn: Callable[[Sequences], Tensor],
+    shard: Sequences,
+    minis: list[Tensor],
+    cfg: AlgoConfig,
+    device: Any,
 ) -> Tensor:
     """``fn`` over the shard, as (B, T-1, ...) float64 on the CPU.
 
@@ -116,17 +120,17 @@ def infer(
     return torch.zeros(len(shard["tokens"]), width, dtype=torch.float64) if out is None else out
 
 
-def sampled_log_probs(model: TinyGPT, cfg: AlgoConfig) -> Callable[[Batch], Tensor]:
+def sampled_log_probs(model: TinyGPT, cfg: AlgoConfig) -> Callable[[Sequences], Tensor]:
     """mb -> log-probs of the sampled tokens under ``model``."""
     return lambda mb: token_log_probs(
         policy_logits(model, mb, cfg.temperature), mb["tokens"][:, 1:]
     )
 
 
-def log_probs_and_entropy(model: TinyGPT, cfg: AlgoConfig) -> Callable[[Batch], Tensor]:
+def log_probs_and_entropy(model: TinyGPT, cfg: AlgoConfig) -> Callable[[Sequences], Tensor]:
     """mb -> (B, T, 2): log-probs of the sampled tokens and the policy's entropy."""
 
-    def fn(mb: Batch) -> Tensor:
+    def fn(mb: Sequences) -> Tensor:
         logits = policy_logits(model, mb, cfg.temperature)
         logp = token_log_probs(logits, mb["tokens"][:, 1:])
         return torch.stack((logp, rl.entropy_from_logits(logits)), dim=-1)
@@ -150,7 +154,9 @@ def global_whiten(x: Tensor, mask: Tensor, world_size: int, group: Any, device: 
     return torch.where(mask, dev * torch.rsqrt(sq / (n - 1).clamp_min(1) + 1e-8), 0.0)
 
 
-def ppo_advantages(shard: Batch, cfg: AlgoConfig, world_size: int, group: Any, device: Any) -> None:
+def ppo_advantages(
+    shard: Sequences, cfg: AlgoConfig, world_size: int, group: Any, device: Any
+) -> None:
     """GAE on each sequence (the score as the last token's reward), whitened globally."""
     mask = response_mask(shard)
     last = (shard["prompt_lengths"] + shard["response_lengths"] - 2).clamp_min(0)
@@ -172,7 +178,7 @@ def named(updates: list[rl.MetricUpdate], name: str) -> rl.MetricUpdate:
 def actor_loss(actor: TinyGPT, cfg: AlgoConfig) -> LossFn:
     """The policy objective of a micro-batch: clipped PPO/GRPO + KL - entropy bonus."""
 
-    def loss_fn(mb: Batch, counts: rl.BatchCounts) -> tuple[Tensor, list[rl.MetricUpdate]]:
+    def loss_fn(mb: Sequences, counts: rl.BatchCounts) -> tuple[Tensor, list[rl.MetricUpdate]]:
         logits = policy_logits(actor, mb, cfg.temperature)
         logp = token_log_probs(logits, mb["tokens"][:, 1:])
         mask = mb["mask"]
@@ -198,7 +204,7 @@ def actor_loss(actor: TinyGPT, cfg: AlgoConfig) -> LossFn:
 def critic_loss(critic: TinyGPT, cfg: AlgoConfig) -> LossFn:
     """The clipped value loss of a micro-batch."""
 
-    def loss_fn(mb: Batch, counts: rl.BatchCounts) -> tuple[Tensor, list[rl.MetricUpdate]]:
+    def loss_fn(mb: Sequences, counts: rl.BatchCounts) -> tuple[Tensor, list[rl.MetricUpdate]]:
         values = critic(mb["tokens"][:, :-1])
         out = rl.value_loss(
             values, mb["values"], mb["returns"], mb["mask"],
@@ -246,7 +252,7 @@ def optimizer_step(
 def optimize(
     learner: Learner,
     loss_fn: LossFn,
-    shard: Batch,
+    shard: Sequences,
     minis: list[Tensor],
     cfg: AlgoConfig,
     tracker: Tracker,

@@ -113,8 +113,8 @@ class SyncCounter(torch.overrides.TorchFunctionMode):
     "loss", "generation", "log"; "other" outside them).
 
     While counting, the Tracker sends CPU tensors down the path device tensors take
-    (``Tracker.host_arrays = False``): on the CPU its host path reads them with numpy,
-    which is no sync there, and on a GPU the tensor path is the one that runs."""
+    (``Tracker.reduce_host_data_with_numpy = False``): on the CPU its host path reads them with
+    numpy, which is no sync there, and on a GPU the tensor path is the one that runs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -155,7 +155,7 @@ class SyncCounter(torch.overrides.TorchFunctionMode):
         with pytest.MonkeyPatch.context() as patch:
             for name, func in saved.items():
                 patch.setattr(dist, name, wrap(name, func))
-            patch.setattr(Tracker, "host_arrays", False)
+            patch.setattr(Tracker, "reduce_host_data_with_numpy", False)
             with self:
                 yield
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rlmetrics.kinds import MetricState, get_kind
+from rlmetrics.kinds.base import result_of
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
 
@@ -210,7 +211,7 @@ class Metric:
                 f"a Metric holds kinds mean, sum, min or max, not {state.kind!r}"
             ) from None
         metric = cls(aggregation)
-        result = get_kind(state.kind).result(state)
+        result = result_of(get_kind(state.kind), state)
         if result is not None:
             weight = state.sums[1] if aggregation is AggregationType.MEAN else 1.0
             metric.append(result[""], weight=weight)
@@ -221,7 +222,7 @@ class Metric:
 
 
 def _state_value(state: MetricState) -> float:
-    result = get_kind(state.kind).result(state)
+    result = result_of(get_kind(state.kind), state)
     if result is None:
         return 0.0 if state.kind == "sum" else math.nan
     return float(result[""])

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rlmetrics._engine.layout import Layout
-from rlmetrics.kinds.base import Accumulator
+from rlmetrics._engine.layout import BufferLayout
+from rlmetrics.kinds.base import MetricRecords
 
 TAIL = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
 RECENT = 8  # layouts kept per group: trackers that share a group keep their own
@@ -44,7 +44,7 @@ class Sizes:
     maxes: int = TAIL
 
 
-def layout_sizes(layout: Layout) -> Sizes:
+def layout_sizes(layout: BufferLayout) -> Sizes:
     """The unpadded sizes of ``layout``'s buffer."""
     return Sizes(layout.num_sums, layout.num_maxes + len(layout.placements) + TAIL)
 
@@ -54,10 +54,10 @@ class GroupLayouts:
     ``RECENT``), and the padded buffer sizes every rank of the group uses."""
 
     def __init__(self) -> None:
-        self.layouts: list[Layout] = []
+        self.layouts: list[BufferLayout] = []
         self.sizes = Sizes()
 
-    def use(self, layout: Layout) -> None:
+    def use(self, layout: BufferLayout) -> None:
         """Record that every rank of the group agreed on (or reduced a step in)
         ``layout``: it moves to the front; the oldest layout beyond ``RECENT`` drops.
 
@@ -74,12 +74,12 @@ class GroupLayouts:
             every = [layout_sizes(known) for known in self.layouts]
             self.sizes = Sizes(max(s.sums for s in every), max(s.maxes for s in every))
 
-    def holds(self, layout: Layout) -> bool:
+    def holds(self, layout: BufferLayout) -> bool:
         """Whether ``layout``'s buffer fits the group's padded sizes."""
         own, padded = layout_sizes(layout), self.sizes
         return own.sums <= padded.sums and own.maxes <= padded.maxes
 
-    def guess(self, accumulators: Mapping[str, Accumulator]) -> Layout | None:
+    def guess(self, accumulators: Mapping[str, MetricRecords]) -> BufferLayout | None:
         """For a tracker with no layout of its own: the newest recent layout that fits
         its metrics (the peers' likely one; a wrong guess costs one agreement), or None."""
         return next((layout for layout in self.layouts if layout.fits(accumulators)), None)
