@@ -46,7 +46,8 @@ test: test-fast test-slow test-plain test-verl test-trl
 test-core: test-fast test-slow
 
 # The inner loop and the first part of `make test`: lint, then the core suite without the
-# tests marked slow (spawned ranks, Ray, trainer runs; tests/conftest.py marks them).
+# tests marked slow (spawned ranks, Ray, trainer runs: all of tests/multiprocess/, and a
+# few tests elsewhere marked @pytest.mark.slow).
 test-fast: lint
 	$(PY) -m pytest -q --durations=15 -m "not slow" tests --ignore=tests/integrations $(PYTEST_ARGS)
 
@@ -92,7 +93,8 @@ bench: $(VENV)/.dev
 # The GPU check (benchmarks/gpu_check.py): the CUDA tests, the demo on the GPU with every
 # log call under the sync guard, kernels per log call, compute() and the fold's ns per
 # element, into $(GPU_CHECK_OUT)/gpu_check.json. No venv: GPU_PYTHON's own torch, nothing
-# installed. Without CUDA it is the CPU dry run (tests/test_gpu_check.py runs that one).
+# installed. Without CUDA it is the CPU dry run (tests/benchmarks/test_gpu_check.py runs
+# that one).
 GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= gpu-check-results
 gpu-check:

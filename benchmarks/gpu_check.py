@@ -29,7 +29,7 @@ exit code is 1 if any failed):
   call reduced on the device and read with ``.item()``), interleaved with it.
 
 Without a CUDA device, or with ``--dry-run``, it runs the same parts on the CPU with tiny
-sizes, in well under a minute (``tests/test_gpu_check.py`` runs it in ``make test``):
+sizes, in well under a minute (``tests/benchmarks/test_gpu_check.py`` runs it in ``make test``):
 only the tests named for a device (``-k "cuda or device"``), which skip or check the
 CPU's side, and nothing is guarded or profiled on a device.
 
@@ -72,13 +72,13 @@ KINDS = ("mean", "sum", "max", "min")
 # a result may be off by relative to the exact float64 one, float32 accumulation allowed.
 TOLERANCE = 1e-5
 CUDA_TESTS = (
-    "tests/test_cuda.py",
-    "tests/test_cli.py",
-    "tests/test_timing.py::test_cuda_timer_records_events_without_a_sync_and_reads_them_at_compute",
-    "tests/test_groups.py::test_cuda_grouped_calls_never_sync_at_the_call_and_match_the_cpu",
-    "tests/test_reliability_input.py::test_a_masked_array_with_a_device_weight_names_the_metric",
-    "tests/test_tensordict.py::test_device_and_dtype_moves_leave_the_state_alone",
-    "tests/test_trainer.py::test_jsonl_has_verl_names",
+    "tests/unit/test_cuda.py",
+    "tests/unit/cli/test_cli.py",
+    "tests/unit/test_timing.py::test_cuda_timer_records_events_without_a_sync_and_reads_them_at_compute",
+    "tests/unit/test_groups.py::test_cuda_grouped_calls_never_sync_at_the_call_and_match_the_cpu",
+    "tests/unit/test_reliability_input.py::test_a_masked_array_with_a_device_weight_names_the_metric",
+    "tests/unit/integrations/test_tensordict.py::test_device_and_dtype_moves_leave_the_state_alone",
+    "tests/multiprocess/test_trainer.py::test_jsonl_has_verl_names",
 )
 # The Tracker methods a log call enters by (the public calls and the internal ones the
 # prefixed views, groups and timers forward to).

@@ -28,7 +28,7 @@ from helpers import (
 
 pytestmark = pytest.mark.usefixtures("log_path")  # host and tensor paths
 # every exact kind; the quantile sketch is approximate by design and is checked against
-# its stated error in test_quantile_sketch.py
+# its stated error in test_quantile.py
 KINDS = [cls.name for cls in BUILTIN_KINDS if cls.name != "quantile"]
 WEIGHTED = {"mean", "std", "sum"}  # real weights; the other kinds select weight > 0
 NAME = "m"

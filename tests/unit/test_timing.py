@@ -507,6 +507,6 @@ def test_a_clock_that_goes_back_and_a_changed_group_size_raise() -> None:
 
 
 def test_the_docs_example_runs() -> None:
-    text = (Path(__file__).parents[1] / "docs" / "timing.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "timing.md").read_text()
     (example,) = re.findall(r"```python\n(.*?)```", text, re.S)
     exec(compile(example, "docs/timing.md", "exec"), {})

@@ -18,7 +18,7 @@ from rlmetrics._engine.layout import BufferLayout
 from rlmetrics.kinds import get_kind
 from rlmetrics.kinds.histogram import Histogram
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import scaling_model as model
 
 from gloo_ranks import ok_results, run_ranks

@@ -6,7 +6,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "rlmetrics"
+SRC = Path(__file__).resolve().parents[2] / "src" / "rlmetrics"
 
 
 def _class_names(path: Path) -> list[tuple[str, int]]:

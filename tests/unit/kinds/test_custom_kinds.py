@@ -349,6 +349,7 @@ def gloo_compute(rank: int, world_size: int) -> dict[str, float]:
     return rank_tracker(rank).compute()
 
 
+@pytest.mark.slow  # spawns gloo ranks
 def test_custom_kinds_merge_identically_through_container_ray_and_gloo(log_path: str) -> None:
     if log_path != "host":  # bit-identical needs one path, and spawned ranks take the default
         pytest.skip("spawned ranks log through the default (host) path")
@@ -387,6 +388,7 @@ def differently_configured(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # spawns gloo ranks
 def test_one_kind_configured_two_ways_across_ranks_raises_on_every_rank() -> None:
     for message in ok_results(run_ranks(differently_configured, 2)):
         assert "'lat'" in message and "configured as" in message and "rank 1" in message

@@ -266,7 +266,7 @@ def test_clone_and_pickle_keep_the_state(outputs: list[TensorDict]) -> None:
 # -- Ray: workers return TensorDicts; the driver's collect equals a gloo group ----------
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[object]:
-    """One local Ray for the module (see tests/local_ray.py)."""
+    """One local Ray for the module (see tests/_support/local_ray.py)."""
     with local_ray(num_cpus=2):
         import ray
 

@@ -1,5 +1,6 @@
 """Bad and extreme input: each gets a clear error or a documented result, and what was
-accumulated before stays intact. Extends tests/test_tracker.py and tests/test_kinds.py
+accumulated before stays intact. Extends tests/unit/test_tracker.py and
+tests/unit/kinds/test_kinds.py
 (which cover non-numeric values, bad weights, shape mismatches and the basic policies).
 """
 

@@ -422,7 +422,7 @@ def test_gloo_ranks_agree_on_every_label_and_steady_steps_add_no_collective(worl
 
 
 def test_the_docs_examples_print_what_they_say() -> None:
-    text = (Path(__file__).parents[1] / "docs" / "groups.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "groups.md").read_text()
     for example in re.findall(r"```python\n(.*?)```", text, re.S):
         said = re.findall(r"^# (.*)$", example, re.M)  # the printed output, as commented
         out = io.StringIO()

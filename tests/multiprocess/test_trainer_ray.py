@@ -55,7 +55,7 @@ def assert_close(name: str, got: dict, want: dict, rtol: float, step: int) -> No
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    """One local Ray for the module (see tests/local_ray.py)."""
+    """One local Ray for the module (see tests/_support/local_ray.py)."""
     with local_ray(num_cpus=2):
         yield
 

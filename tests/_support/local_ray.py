@@ -5,19 +5,21 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-TESTS_DIR = Path(__file__).parent
+TESTS_DIR = Path(__file__).parents[1]
 
 
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 2) -> Iterator[None]:
     """Start a local Ray (no dashboard, 80 MiB object store) with HOME/TMPDIR in a temp
-    dir, auth and usage stats off, and tests/ importable by workers; shut it down after.
+    dir, auth and usage stats off, and the test folders this process imports from
+    importable by workers; shut it down after.
 
     Skips the test when Ray is missing or already running in this process.
     """
@@ -33,8 +35,9 @@ def local_ray(num_cpus: int = 2) -> Iterator[None]:
         patch.setenv("RAY_AUTH_MODE", "disabled")
         patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
         patch.delenv("RAY_ADDRESS", raising=False)
+        test_paths = [p for p in sys.path if p and Path(p).is_relative_to(TESTS_DIR)]
         path = os.environ.get("PYTHONPATH", "")
-        patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(TESTS_DIR), path) if p))
+        patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (*test_paths, path) if p))
         try:
             init_ray(
                 num_cpus=num_cpus,

@@ -25,8 +25,6 @@ from rlmetrics._engine.group_layouts import RECENT
 
 from gloo_ranks import ok_results, run_together
 
-pytestmark = pytest.mark.slow  # spawns gloo ranks
-
 Calls = list[tuple[str, str, float]]
 
 # One step: per rank, (tracker key, what happens to it, calls). "keep" logs into the

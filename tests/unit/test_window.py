@@ -392,7 +392,7 @@ def test_bad_tracker_and_state_dict() -> None:
         Window(Tracker(), every=1).load_state_dict({"version": 99})
 
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "windows.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "windows.md"
 
 
 @pytest.mark.parametrize("index", [0, 1])

@@ -1,4 +1,5 @@
-"""rlmetrics.rl against verl's formulas (tests/verl_formulas.py, numpy), difference by difference.
+"""rlmetrics.rl against verl's formulas (tests/_support/verl_formulas.py, numpy), difference by
+difference.
 
 Every rlmetrics.rl function runs over random float64 batches with ragged masks, holes,
 fully masked rows and aborted (empty) responses, split by ``assert_partition_invariant``

@@ -460,7 +460,7 @@ def test_empty_metric_is_omitted_or_nan() -> None:
 
 
 def test_the_docs_example_runs() -> None:
-    text = (Path(__file__).parents[1] / "docs" / "quantiles.md").read_text()
+    text = (Path(__file__).parents[3] / "docs" / "quantiles.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
     try:
         exec(compile(example, "docs/quantiles.md", "exec"), {})

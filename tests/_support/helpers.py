@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rlmetrics import Tracker, TrackerState
 
 QUANTILES = (0.5, 0.9, 0.99)
-SRC_DIR = Path(__file__).resolve().parent.parent / "src"
+SRC_DIR = Path(__file__).resolve().parents[2] / "src"
 RTOL = 1e-12
 
 

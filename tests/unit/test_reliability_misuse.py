@@ -2,7 +2,7 @@
 
 Inputs the tracker cannot read (ragged lists, sparse, nested and meta tensors), a
 state_dict that is not one, bad timeouts, and threads that log and compute at once.
-(Groups and timeouts over real ranks: tests/test_distributed_caches.py.)
+(Groups and timeouts over real ranks: tests/multiprocess/test_distributed_caches.py.)
 """
 
 from __future__ import annotations
