@@ -8,12 +8,11 @@ Every training flag comes from a field of the config dataclasses in
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any
@@ -31,44 +30,6 @@ NEXT_STEP = (
     "these metrics are exact for any number of ranks and micro-batches; "
     "`rlmetrics audit --naive` shows them next to a naive (verl-style) aggregation"
 )
-
-
-def number_flag(kind: type, low: float = -math.inf, high: float = math.inf, *,
-                open_low: bool = False) -> Callable[[str], Any]:  # fmt: skip
-    """An argparse ``type=`` for a numeric flag: the text as ``kind`` (int or float),
-    finite and in its range (``rlmetrics.trainer.config.number_need``, the check of
-    every numeric config field), else a usage error naming the flag, exit 2:
-    ``argument --tol: must be a finite number >= 0, got 'nan'``."""
-    from rlmetrics.trainer.config import number_need
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except (TypeError, ValueError, OverflowError):
-            value = None
-        need = number_need(value, low, high, open_low=open_low, integer=kind is int)
-        if need is not None:
-            raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def number_list_flag(kind: type, low: float = -math.inf, high: float = math.inf, *,
-                     open_low: bool = False) -> Callable[[str], list[Any]]:  # fmt: skip
-    """``number_flag`` for a comma-separated list: ``"1,2,4"`` -> ``[1, 2, 4]``, each
-    item checked alike (``""`` is the empty list)."""
-    item = number_flag(kind, low, high, open_low=open_low)
-
-    def parse(text: str) -> list[Any]:
-        try:
-            return [item(x.strip()) for x in text.split(",") if x.strip()]
-        except argparse.ArgumentTypeError as err:
-            raise argparse.ArgumentTypeError(f"each item {err}, in {text!r}") from None
-
-    parse.__name__ = f"{kind.__name__} list"
-    return parse
 
 
 def _flag_type(annotation: Any) -> Any:

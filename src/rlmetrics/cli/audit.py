@@ -34,6 +34,7 @@ from rlmetrics.cli._audit_report import AuditReport, plot, render, spread_report
 from rlmetrics.cli._audit_report import Spread as Spread  # re-exported: the report's API
 from rlmetrics.cli._audit_report import spread as spread
 from rlmetrics.cli._audit_report import verdict as verdict
+from rlmetrics.cli._flags import number_flag, number_list_flag
 from rlmetrics.tracker import Tracker
 from rlmetrics.trainer.config import SEED_MAX, AlgoConfig, ModelConfig, RunConfig, TrainConfig
 from rlmetrics.trainer.launch import exit_now
@@ -265,7 +266,6 @@ def build_report(runs: dict[str, tuple[dict, dict]], tol: float, *, naive: bool 
 def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``rlmetrics audit`` flags. A numeric flag out of its range (NaN, inf, a
     negative ``--tol``, ``--epochs 0``) is a usage error naming it, exit 2."""
-    from rlmetrics.cli import number_flag, number_list_flag
 
     count = number_flag(int, 1)
     add = parser.add_argument

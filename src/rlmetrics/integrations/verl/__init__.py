@@ -23,28 +23,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-try:
-    import verl
-except ImportError as error:  # verl is not a dependency of rlmetrics
-    raise ImportError(
-        "rlmetrics.integrations.verl needs verl (tested with 0.9.1): pip install verl==0.9.1"
-    ) from error
+from rlmetrics.integrations.verl._version import SUPPORTED_VERL, check_version
 
-SUPPORTED_VERL = ("0.9.1",)
 WORKERS_MODULE = "verl.workers.engine_workers"
 
 _ORIGINAL: dict[str, type] = {}
-
-
-def check_version(version: str | None = None) -> None:
-    """Raise unless ``version`` (default: the installed verl's) was tested here."""
-    version = verl.__version__ if version is None else version
-    if version not in SUPPORTED_VERL:
-        raise RuntimeError(
-            f"rlmetrics.integrations.verl is tested with verl {', '.join(SUPPORTED_VERL)}, "
-            f"but verl {version} is installed: install verl=={SUPPORTED_VERL[-1]}, or turn "
-            "the integration off with VERL_USE_EXTERNAL_PLUGINS=none"
-        )
 
 
 def enable() -> None:

@@ -40,7 +40,7 @@ import verl
 from verl.protocol import DataProto, DataProtoFuture
 
 from rlmetrics.integrations.tensordict import METRICS_KEY, MetricsField
-from rlmetrics.integrations.verl import check_version
+from rlmetrics.integrations.verl._version import check_version
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
 
