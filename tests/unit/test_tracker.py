@@ -458,9 +458,9 @@ def test_dist_quantile_labels_are_exact_and_unique() -> None:
         Histogram(name="h", edges=[0.0, 1.0], quantiles=(0.5, 0.5))
 
 
-def test_reusing_a_logged_buffer_never_rewrites_what_was_logged() -> None:
-    """A logged numpy array and a logged CPU tensor are copied: a buffer refilled before
-    compute() leaves each call's values as logged."""
+def _tracker_fed_from_refilled_buffers() -> Tracker:
+    """A tracker given ``dist`` "t" from one CPU tensor and "a" from one numpy array,
+    each refilled in place between two calls (t: 1 then 2; a: 3 then 4)."""
     t = Tracker()
     buffer, array = torch.zeros(2, dtype=torch.float64), np.zeros(2)
     for value in (1.0, 2.0):
@@ -468,6 +468,13 @@ def test_reusing_a_logged_buffer_never_rewrites_what_was_logged() -> None:
         array.fill(value + 2)
         t.dist("t", buffer)
         t.dist("a", array)
+    return t
+
+
+def test_reusing_a_logged_buffer_never_rewrites_what_was_logged() -> None:
+    """A logged numpy array and a logged CPU tensor are copied: a buffer refilled before
+    compute() leaves each call's values as logged."""
+    t = _tracker_fed_from_refilled_buffers()
     out = t.compute()
     assert (out["a/min"], out["a/max"], out["a/mean"]) == (3.0, 4.0, 3.5)
     assert (out["t/min"], out["t/max"], out["t/mean"]) == (1.0, 2.0, 1.5)
@@ -478,13 +485,7 @@ def test_a_refilled_tensor_kept_by_reference_raises_naming_the_metric() -> None:
     """A tensor recorded by reference (a device tensor's record) changed in place
     before compute() raises, naming the metric (its logged value is gone), and the
     other metrics stay."""
-    t = Tracker()
-    buffer, array = torch.zeros(2, dtype=torch.float64), np.zeros(2)
-    for value in (1.0, 2.0):
-        buffer.fill_(value)
-        array.fill(value + 2)
-        t.dist("t", buffer)
-        t.dist("a", array)
+    t = _tracker_fed_from_refilled_buffers()
     with pytest.raises(ModifiedInputError, match=r"changed in place.*'t'"):
         t.compute()
     out = t.compute()
