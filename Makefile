@@ -6,8 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONSTRAINTS := requirements/constraints.txt
 PIP_INSTALL = -m pip install -q -c $(CONSTRAINTS)
+TOOLS := .venv-tools
+DIST := dist
+PACKAGED := pyproject.toml README.md LICENSE $(shell find src -name '*.py' -o -name py.typed)
 
-.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-trl lint format bench gpu-check clean
+.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-trl lint format bench gpu-check clean dist docs api-snapshot
 
 $(VENV)/.core: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -28,20 +31,45 @@ $(VENV)/.dev: $(VENV)/.core
 	.venv-$*/bin/python $(PIP_INSTALL) --no-deps -e .
 	touch $@
 
-# A plain install: torch, numpy and the package, no extras, not editable (an explicit
-# rule, so the .venv-%/.ready pattern above does not apply). Rebuilt when a source changes.
-.venv-plain/.ready: pyproject.toml $(CONSTRAINTS) $(shell find src -name '*.py')
+# The tools that need neither torch nor the package: the docs site's (the `docs` extra:
+# mkdocs reads src/ statically) and the release's (`release`: build, twine). The
+# requirements are the two extras of pyproject.toml, read from it. An explicit rule, so
+# the .venv-%/.ready pattern above does not apply.
+$(TOOLS)/.ready: pyproject.toml $(CONSTRAINTS)
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(PYTHON) -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))\
+	  ['project']['optional-dependencies']; print('\n'.join(extras['docs'] + extras['release']))" \
+	  > $(TOOLS)/requirements.txt
+	$(TOOLS)/bin/python $(PIP_INSTALL) -r $(TOOLS)/requirements.txt
+	touch $@
+
+# The release: an sdist and a wheel in dist/ (what `twine upload dist/*` would send),
+# checked by twine (metadata, the README as the long description). Rebuilt when a
+# packaged file changes.
+$(DIST)/.built: $(TOOLS)/.ready $(PACKAGED)
+	rm -rf $(DIST)
+	$(TOOLS)/bin/python -m build -q --outdir $(DIST) .
+	$(TOOLS)/bin/twine check --strict $(DIST)/*
+	touch $@
+
+dist: $(DIST)/.built
+
+# A plain install of the wheel a user gets: torch, numpy and the package, no extras
+# (an explicit rule, so the .venv-%/.ready pattern above does not apply). The wheel's
+# version does not change from build to build, so the package is uninstalled first.
+.venv-plain/.ready: $(DIST)/.built $(CONSTRAINTS)
 	test -x .venv-plain/bin/python || $(PYTHON) -m venv .venv-plain
-	.venv-plain/bin/python $(PIP_INSTALL) .
+	.venv-plain/bin/python -m pip uninstall -q -y rlmetrics
+	.venv-plain/bin/python $(PIP_INSTALL) $(DIST)/rlmetrics-*.whl
 	touch $@
 
 demo: $(VENV)/.core
 	$(VENV)/bin/rlmetrics demo
 
 # Everything (what CI runs, .ci/run): lint and the fast core tests, the slow core tests, a
-# plain install, then the verl and TRL suites. PYTEST_ARGS go to each core pytest run
-# (e.g. PYTEST_ARGS=-x to stop at the first failure).
-test: test-fast test-slow test-plain test-verl test-trl
+# plain install of the wheel, the docs site, then the verl and TRL suites. PYTEST_ARGS go
+# to each core pytest run (e.g. PYTEST_ARGS=-x to stop at the first failure).
+test: test-fast test-slow test-plain docs test-verl test-trl
 
 test-core: test-fast test-slow
 
@@ -55,11 +83,20 @@ test-fast: lint
 test-slow: $(VENV)/.dev
 	$(PY) -m pytest -q --durations=15 -m slow tests --ignore=tests/integrations $(PYTEST_ARGS)
 
-# What a plain `pip install rlmetrics` user runs first: no optional package may be
-# present; the demo (2 spawned ranks, plain-text tables; a smaller batch and model to
+# What a plain `pip install rlmetrics` user runs first, from the wheel of `make dist`: it
+# is installed (not editable) with py.typed and without tests or benchmarks, and its
+# version is the package's; no optional package may be present; the demo (2 spawned ranks, plain-text tables; a smaller batch and model to
 # keep it short) and the audit exit 0; `audit --plot` stops at once naming
 # rlmetrics[plot]. Run in a temp folder (HOME and TMPDIR too), not in the repository.
 test-plain: .venv-plain/.ready
+	.venv-plain/bin/python -c "import importlib.metadata as m, sys, rlmetrics; \
+	  files = [str(f) for f in m.files('rlmetrics')]; \
+	  shipped = [f for f in files if f.split('/')[0] in ('tests', 'benchmarks')]; \
+	  sys.exit(f'the wheel ships {shipped}' if shipped \
+	    else 'no py.typed in the wheel' if 'rlmetrics/py.typed' not in files \
+	    else f'not the wheel: {rlmetrics.__file__}' if 'site-packages' not in rlmetrics.__file__ \
+	    else f'version {rlmetrics.__version__} != {m.version(\"rlmetrics\")}' \
+	      if rlmetrics.__version__ != m.version('rlmetrics') else 0)"
 	.venv-plain/bin/python -c "import importlib.util as u, sys; \
 	  extra = [m for m in ('rich', 'tqdm', 'matplotlib') if u.find_spec(m)]; \
 	  sys.exit(f'not a plain install: {extra}' if extra else 0)"
@@ -75,6 +112,21 @@ test-verl: .venv-verl/.ready
 
 test-trl: .venv-trl/.ready
 	.venv-trl/bin/python -m pytest -q --durations=10 -p no:cacheprovider tests/integrations/trl
+
+# The docs site (mkdocs.yml: docs/ and an API reference from the docstrings) into site/.
+# --strict: a broken link or anchor, a page outside the nav, or an API name that does not
+# exist fails the build.
+docs: $(TOOLS)/.ready
+	NO_MKDOCS_2_WARNING=1 $(TOOLS)/bin/mkdocs build --strict --site-dir site
+
+# Rewrite tests/unit/public_api.txt from the code, after a deliberate API change: the core
+# venv writes every section but verl's and TRL's, which their venvs write.
+api-snapshot: $(VENV)/.dev .venv-verl/.ready .venv-trl/.ready
+	RLMETRICS_UPDATE_API=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit/test_public_api.py
+	RLMETRICS_UPDATE_API=1 .venv-verl/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/integrations/verl/test_verl_public_api.py
+	RLMETRICS_UPDATE_API=1 .venv-trl/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/integrations/trl/test_trl_public_api.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -101,4 +153,5 @@ gpu-check:
 	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
-	rm -rf $(VENV) .venv-verl .venv-trl .venv-plain build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .venv-verl .venv-trl .venv-plain $(TOOLS) build $(DIST) site *.egg-info \
+	  src/*.egg-info
