@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics._engine.collectives import all_reduce, as_timeout, is_initialized, resolve_group
+from rlmetrics._engine.sync import all_reduce, as_timeout, is_initialized, resolve_group
 
 
 def rank_in(group: Any) -> int:

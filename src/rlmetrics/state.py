@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmetrics._engine.results import ReducedStep
+from rlmetrics._engine.packing import ReducedStep
 from rlmetrics.errors import MalformedStateError
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
 from rlmetrics.kinds.base import carries_extra, result_of

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics._engine.collectives import comm_device, gather_bytes, is_initialized, resolve_group
+from rlmetrics._engine.sync import comm_device, gather_bytes, is_initialized, resolve_group
 from rlmetrics.distributed import all_reduce_max, rank_in, world_size
 from rlmetrics.rl.counts import BatchCounts, local_counts
 from rlmetrics.tracker import Tracker

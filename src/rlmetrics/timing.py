@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics._engine.collectives import resolve_group
 from rlmetrics._engine.inputs import check_name
+from rlmetrics._engine.sync import resolve_group
 from rlmetrics.errors import TokenCountError
 from rlmetrics.kinds.batch import to_device
 

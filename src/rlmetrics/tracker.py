@@ -13,10 +13,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from rlmetrics._engine.collectives import as_timeout, should_sync
 from rlmetrics._engine.fold import fold, joined_errors
 from rlmetrics._engine.inputs import as_number, check_name
-from rlmetrics._engine.packing import local_reduce
+from rlmetrics._engine.packing import ReducedStep, local_reduce
 from rlmetrics._engine.plan import StepPlan
 from rlmetrics._engine.record import (
     TENSOR_WEIGHTS,
@@ -24,16 +23,15 @@ from rlmetrics._engine.record import (
     NumberRecords,
     Prepared,
     prepare,
-    prepare_tensor,
     record_number,
     record_prepared,
+    record_tensor,
 )
-from rlmetrics._engine.results import ReducedStep
-from rlmetrics._engine.sync import sync_reduce
+from rlmetrics._engine.sync import as_timeout, should_sync, sync_reduce
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import RejectedInputError
 from rlmetrics.groups import Groups, LabelledPart, check_kinds
-from rlmetrics.kinds import Dist, Kind, MetricRecords, QuantileSketch, get_kind
+from rlmetrics.kinds import KINDS, Dist, Kind, MetricRecords, QuantileSketch, get_kind
 from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.state import TrackerState, check_metric, checked_load
@@ -48,7 +46,7 @@ _get_values = attrgetter("values")
 
 def _locked(method: _Method) -> _Method:
     """A Tracker method that holds the tracker's lock while it runs (see "Threads" in
-    ``Tracker``); the log calls take the lock inline, which costs less."""
+    ``Tracker``); the log calls take the lock inline (docs/architecture.md, "Performance")."""
 
     @functools.wraps(method)
     def locked(self: Tracker, *args: Any, **kwargs: Any) -> Any:
@@ -375,7 +373,7 @@ class Tracker(LogMethods):
         # device timers and tensor token counts not read yet (``rlmetrics.timing``)
         self.device_timers = DeviceTimers(self._logged_kind)
         self._groups = Groups()  # calls with by= waiting for the fold
-        # read by every log call: instance attributes are found faster than class ones
+        # read by every log call, so kept on the instance (docs/architecture.md, "Performance")
         self.record_limit = type(self).record_limit
         self.reduce_host_data_with_numpy = type(self).reduce_host_data_with_numpy
         self.copy_cpu_tensors = type(self).copy_cpu_tensors
@@ -389,7 +387,7 @@ class Tracker(LogMethods):
         """The kind object this tracker uses for ``kind_name``: its own ``dist`` (with
         its quantiles), else the registered one (looked up each time, so a kind
         registered again later is seen)."""
-        return self._own_kinds.get(kind_name) or get_kind(kind_name)
+        return self._own_kinds.get(kind_name) or KINDS.get(kind_name) or get_kind(kind_name)
 
     def _log(
         self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
@@ -421,45 +419,44 @@ class Tracker(LogMethods):
             except TypeError:  # an unhashable name
                 check_name(name)
                 raise
-            if acc is None or acc.kind_name != kind:
-                self._log_new(name, kind, value, weight)
-            elif (
-                (value_type := type(value)) is float
-                and weight is None
-                and acc.in_number_records
-                and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
-            ):  # record_number's work for a plain float, written out
-                numbers = self._numbers
-                numbers.values.append(value)
-                numbers.rows.append(acc.row)
-                self._recorded += 1
-            elif value_type is Tensor and (weight is None or type(weight) in TENSOR_WEIGHTS):
-                prepared = prepare_tensor(
-                    name,
-                    value,
-                    weight,
-                    self.reduce_host_data_with_numpy,
-                    self.copy_cpu_tensors,
-                    self._checked_weight,
-                )
-                self._recorded += 1 + record_prepared(
-                    acc, name, prepared, self.nonfinite, self._numbers
-                )
+            if acc is None or acc.kind_name != kind:  # the step's first call (or a kind
+                acc = self._accumulator(name, self.kind(kind))  # conflict, which raises)
+                new = True
             else:
-                self._log_value(acc, name, value, weight)
+                new = False
+            try:
+                if (
+                    (value_type := type(value)) is float
+                    and weight is None
+                    and acc.in_number_records
+                    and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
+                ):  # record_number's work for a plain float, written out
+                    numbers = self._numbers
+                    numbers.values.append(value)
+                    numbers.rows.append(acc.row)
+                    acc.accepted_a_call = True
+                    self._recorded += 1
+                elif value_type is Tensor and (weight is None or type(weight) in TENSOR_WEIGHTS):
+                    self._recorded += 1 + record_tensor(
+                        acc,
+                        name,
+                        value,
+                        weight,
+                        self.reduce_host_data_with_numpy,
+                        self.copy_cpu_tensors,
+                        self._checked_weight,
+                        self.nonfinite,
+                    )
+                else:
+                    self._log_value(acc, name, value, weight)
+            except BaseException:
+                if new:
+                    del self._accumulators[name]  # a failed first call leaves no empty metric
+                raise
             if self._recorded > self.record_limit:
                 self._fold_early()
         finally:
             lock.release()
-
-    def _log_new(self, name: str, kind_name: str, value: Any, weight: Any) -> None:
-        """A metric's first call of the step (or a kind conflict, which raises)."""
-        acc = self._accumulator(name, self.kind(kind_name))
-        try:
-            self._log_value(acc, name, value, weight)
-        except BaseException:
-            del self._accumulators[name]  # a failed first call leaves no empty metric
-            raise
 
     def _log_value(self, acc: MetricRecords, name: str, value: Any, weight: Any) -> None:
         """Record a value ``_log`` does not record itself: python numbers, prepared values
@@ -538,7 +535,7 @@ class Tracker(LogMethods):
         and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``).
         Raises the fold's errors, those of the step's early folds included."""
         errors, self._fold_errors = self._fold_errors, []
-        if self.device_timers:
+        if self.device_timers.pending:
             try:
                 self.device_timers.read(wait)
             except ValueError as error:  # a bad tensor token count: its call dropped
@@ -549,7 +546,8 @@ class Tracker(LogMethods):
                 # every call recorded one flat number: no metric holds records of its own
                 flat_only = self._recorded == len(self._numbers.values)
                 try:
-                    self._groups.resolve(self._log_parts)
+                    if self._groups.pending:
+                        self._groups.resolve(self._log_parts)
                 finally:
                     self._recorded = 0
                     accs = list(self._accumulators.values())
@@ -761,13 +759,8 @@ class Tracker(LogMethods):
         """Unpickle with a new lock, and each metric on this process's kind object (a
         pickled kind arrives as a copy, which an agreed layout would not recognise)."""
         self.__dict__.update(state)
-        self.__dict__.setdefault("device_timers", DeviceTimers(self._logged_kind))
         self._lock = threading.RLock()
         self._plan = StepPlan()
-        self.__dict__.setdefault("_groups", Groups())  # pickled before groups existed
-        self.__dict__.setdefault("_numbers", NumberRecords())
-        self.__dict__.setdefault("_checked_weight", CheckedWeight())
-        self.__dict__.setdefault("_fold_errors", [])
         for acc in self._accumulators.values():
             try:
                 kind = self.kind(acc.kind.name)
@@ -780,8 +773,10 @@ class Tracker(LogMethods):
     def reset(self) -> None:
         """Forget every metric (a new step begins), the device timers not read yet and
         the calls with ``by=`` not split yet."""
-        self.device_timers.clear()
-        self._groups.clear()
+        if self.device_timers.pending:
+            self.device_timers.clear()
+        if self._groups.pending:
+            self._groups.clear()
         self._numbers.clear()
         self._checked_weight.clear()
         self._fold_errors = []

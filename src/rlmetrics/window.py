@@ -21,9 +21,8 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from rlmetrics._engine.collectives import as_timeout, should_sync
-from rlmetrics._engine.results import ReducedStep
-from rlmetrics._engine.sync import sync_reduce
+from rlmetrics._engine.packing import ReducedStep
+from rlmetrics._engine.sync import as_timeout, should_sync, sync_reduce
 from rlmetrics._window_keys import Decoded, decode, empty_state, latest_of, window_key
 from rlmetrics.errors import MalformedStateError, RejectedInputError
 from rlmetrics.kinds import Kind, MetricState

@@ -136,3 +136,25 @@ def run_together(
         for name in calls:
             per_call[name][rank] = value[name] if status == "ok" else (status, value)
     return per_call
+
+
+COUNTED = ("all_gather", "all_reduce", "all_gather_into_tensor", "broadcast")
+
+
+def count_collectives(patch: Any = None) -> dict[str, int]:
+    """Count this rank's collectives (``COUNTED`` of torch.distributed) from now on:
+    until ``patch`` (a ``pytest.MonkeyPatch``) is undone, or for the rest of the process
+    without one. Returns the live count, ``{"n": calls}``."""
+    counts = {"n": 0}
+    for name in COUNTED:
+        original = getattr(dist, name)
+
+        def wrapped(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            counts["n"] += 1
+            return _original(*args, **kwargs)
+
+        if patch is None:
+            setattr(dist, name, wrapped)
+        else:
+            patch.setattr(dist, name, wrapped)
+    return counts

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmetrics import Tracker
-from rlmetrics._engine.group_layouts import layout_sizes
 from rlmetrics._engine.layout import BufferLayout
+from rlmetrics._engine.sync import layout_sizes
 from rlmetrics.kinds import get_kind
 from rlmetrics.kinds.histogram import Histogram
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -21,9 +20,9 @@ import torch.distributed as dist
 
 from rlmetrics import Tracker
 from rlmetrics._engine import sync as rd
-from rlmetrics._engine.group_layouts import RECENT
+from rlmetrics._engine.sync import RECENT
 
-from gloo_ranks import ok_results, run_together
+from gloo_ranks import count_collectives, ok_results, run_together
 
 Calls = list[tuple[str, str, float]]
 
@@ -79,20 +78,6 @@ def pair() -> dict[str, Any]:
 def log_calls(tracker: Tracker, calls: Calls) -> None:
     for name, kind, value in calls:
         tracker.log(name, value, kind=kind)
-
-
-def count_collectives(patch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count this rank's all_gather and all_reduce calls until ``patch`` is undone."""
-    counts = {"n": 0}
-    for name in ("all_gather", "all_reduce"):
-        original = getattr(dist, name)
-
-        def wrapped(*args, _original: Callable = original, **kwargs):
-            counts["n"] += 1
-            return _original(*args, **kwargs)
-
-        patch.setattr(dist, name, wrapped)
-    return counts
 
 
 def schedule() -> list[tuple[str, Step]]:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from rlmetrics import ModifiedInputError, Tracker
 
-from gloo_ranks import ok_results, run_ranks
+from gloo_ranks import count_collectives, ok_results, run_ranks
 from helpers import OpCounter
 
 KINDS = ("mean", "sum", "max", "min", "std")
@@ -369,7 +369,6 @@ def log_rank_step(t: Tracker, step: int, rank: int, world: int) -> None:
 def grouped_steps(rank: int, world: int) -> tuple[list[tuple[dict, int]], int]:
     """Every step's metrics and this rank's collectives, over a group of its own; and
     the collectives of a steady step that logs the same kinds without ``by=``."""
-    from test_distributed_caches import count_collectives
 
     group, plain_group = (tdist.new_group(list(range(world))) for _ in range(2))
     t, plain = Tracker(), Tracker()

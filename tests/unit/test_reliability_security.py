@@ -18,7 +18,7 @@ import torch.distributed as tdist
 
 from rlmetrics import Tracker
 from rlmetrics._engine import sync as rd
-from rlmetrics._engine.sync import _read_schema
+from rlmetrics._engine.schema import read_schema
 from rlmetrics.loggers import JsonlLogger, MlflowLogger, TensorBoardLogger
 
 from gloo_ranks import ok_results, run_together
@@ -211,9 +211,9 @@ def test_a_hostile_schema_is_decoded_as_json_and_executes_nothing(
 )
 def test_a_schema_of_another_form_is_a_value_error_naming_the_rank(data: bytes) -> None:
     with pytest.raises(ValueError, match="rank 3 sent a schema"):
-        _read_schema(3, data)
+        read_schema(3, data)
 
 
 def test_a_schema_as_agree_schema_sends_it_is_read_back() -> None:
     sent = {"metrics": [["x", "dist", ["dist", [0.5]]]], "kinds": {"dist": ["dist", [0.5]]}}
-    assert _read_schema(0, json.dumps(sent).encode()) == sent
+    assert read_schema(0, json.dumps(sent).encode()) == sent

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from rlmetrics import RejectedInputError, Tracker, TrackerState, Window
 
-from gloo_ranks import ok_results, run_together
+from gloo_ranks import count_collectives, ok_results, run_together
 from helpers import assert_results, log_piece, reference, scale_of, split, value_reps
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -443,22 +443,6 @@ def gloo_data(
             steps.append(step)
         windows.append(steps)
     return windows
-
-
-def count_collectives(patch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count this rank's all_gather and all_reduce calls until ``patch`` is undone."""
-    import torch.distributed as tdist
-
-    counts = {"n": 0}
-    for name in ("all_gather", "all_reduce", "all_gather_into_tensor", "broadcast"):
-        original = getattr(tdist, name)
-
-        def wrapped(*args: object, _original: object = original, **kwargs: object) -> object:
-            counts["n"] += 1
-            return _original(*args, **kwargs)  # type: ignore[operator]
-
-        patch.setattr(tdist, name, wrapped)
-    return counts
 
 
 def gloo_windows(

@@ -42,6 +42,7 @@ from rlmetrics._engine.inputs import (
 )
 from rlmetrics.kinds import MetricRecords
 from rlmetrics.kinds.base import NONFINITE_SLOT
+from rlmetrics.kinds.mean import Mean
 
 BOOL = torch.bool
 CPU = torch.device("cpu")
@@ -153,7 +154,8 @@ class Prepared(NamedTuple):
 
 _new_tuple = tuple.__new__  # a Prepared from a plain tuple of its fields
 TENSOR_WEIGHTS = frozenset({Tensor, float, int})
-"""The weight types ``prepare_tensor`` takes with a plain tensor value (and None)."""
+"""The weight types ``record_tensor`` takes with a plain tensor value (and None)."""
+_SCRATCH_KIND = Mean()  # the kind of the record store ``prepare`` checks a tensor into
 
 
 def prepare(
@@ -168,21 +170,40 @@ def prepare(
     """Check a value (number, array, tensor) and its weight without reading device
     tensor data; ``copy``: a CPU tensor is recorded as a copy (``host_copy``);
     ``checked``: the tracker's last checked tensor weight (``CheckedWeight``). A plain
-    tensor with no weight, a plain tensor weight or a python one is ``prepare_tensor``'s.
+    tensor with no weight, a plain tensor weight or a python one is ``record_tensor``'s.
 
     Raises:
         TypeError, ValueError: naming ``name`` and what is wrong.
     """
     if type(value) is Tensor and (weight is None or type(weight) in TENSOR_WEIGHTS):
-        if checked is None:
-            checked = CheckedWeight()
+        scratch = MetricRecords(_SCRATCH_KIND, None, -1)
+        size = record_tensor(
+            scratch,
+            name,
+            value,
+            weight,
+            reduce_host_data_with_numpy,
+            copy,
+            checked or CheckedWeight(),
+            "propagate",
+        )
         return _new_tuple(
             Prepared,
-            prepare_tensor(name, value, weight, reduce_host_data_with_numpy, copy, checked),
+            (
+                None,
+                1.0,
+                scratch.values[0],
+                scratch.weights[0],
+                size,
+                tuple(value.shape),
+                scratch.num_deferred_checks > 0,
+                scratch.record_device,
+                tuple(scratch.versions),
+            ),
         )
     if isinstance(value, MaskedArray) or isinstance(weight, MaskedArray):
         value, weight = unmask(name, value, weight)
-    weight_tensor = isinstance(weight, Tensor)  # each isinstance(x, Tensor) costs
+    weight_tensor = isinstance(weight, Tensor)
     value_tensor = isinstance(value, Tensor)
     if value_tensor:
         value = check_tensor(name, value)
@@ -273,29 +294,32 @@ class CheckedWeight:
         self.last = self.NOT_CHECKED
 
 
-def prepare_tensor(
+def record_tensor(
+    acc: MetricRecords,
     name: str,
     value: Tensor,
     weight: Tensor | float | int | None,
     host: bool,
     copy: bool,
     checked: CheckedWeight,
-) -> tuple[Any, ...]:
-    """``prepare`` for a plain tensor value with no weight, a plain tensor weight or a
-    python float or int weight: every tensor log call's checks, returned as a plain
-    tuple of ``Prepared``'s fields (what ``record_prepared`` takes). ``host``: CPU tensors go
-    down the host path; ``copy``: CPU tensors are recorded as copies
-    (``Tracker.copy_cpu_tensors``); ``checked``: the tracker's last checked tensor weight.
+    nonfinite: str,
+) -> int:
+    """Check and record a plain tensor value with no weight, a plain tensor weight or a
+    python float or int weight into ``acc`` (the metric called ``name``): every tensor
+    log call goes here, ``prepare``'s too (into a scratch record store). Returns the
+    elements recorded. ``host``: CPU tensors go down the host path; ``copy``: CPU tensors
+    are recorded as copies (``Tracker.copy_cpu_tensors``); ``checked``: the tracker's
+    last checked tensor weight.
 
     The checks of ``inputs.check_tensor``, each tensor attribute read once and only when
-    needed (each read is a call into torch): the shape, read for the size and the
-    weight's check, also tells a strided nested tensor (torch gives it none; a jagged
-    one has a layout of its own), so ``is_nested`` is read only then; a CPU tensor is
-    not a meta one, so ``is_meta`` is read only off the CPU; a plain tensor has no
-    dispatch of its own; a tensor weight is checked once while it is logged again
-    unchanged (``CheckedWeight``; a CPU weight is still copied at each call). Any
-    refused tensor gets ``tensor_error``'s message. A copied 0-d tensor is recorded as
-    a python float (``tolist`` reads it without a torch operation), with a python weight.
+    needed: the shape, read for the size and the weight's check, also tells a strided
+    nested tensor (torch gives it none; a jagged one has a layout of its own), so
+    ``is_nested`` is read only then; a CPU tensor is not a meta one, so ``is_meta`` is
+    read only off the CPU; a plain tensor has no dispatch of its own; a tensor weight is
+    checked once while it is logged again unchanged (``CheckedWeight``; a CPU weight is
+    still copied at each call). Any refused tensor gets ``tensor_error``'s message. A
+    copied 0-d tensor is recorded as a python float (``tolist`` reads it without a torch
+    operation), with a python weight. Nothing is recorded when a check fails.
     """
     if value.dtype not in REAL_DTYPES or value.layout is not STRIDED:
         raise tensor_error(name, value)
@@ -387,11 +411,23 @@ def prepare_tensor(
             value_version = value._version
         if value.requires_grad:
             value = value.detach()  # a view: the record must not keep the graph alive
-    if version is None:
-        versions = () if value_version is None else (value_version,)
+    if acc.checks_call_size:
+        _check_size(acc, name, size, shape)
+    if check_data or nonfinite == "error":
+        acc.num_deferred_checks += 1  # may be rejected: compute() tells
     else:
-        versions = (version,) if value_version is None else (version, value_version)
-    return (None, 1.0, value, weight, size, shape, check_data, device, versions)
+        acc.accepted_a_call = True
+    if version is not None:
+        acc.versions.append(version)
+    if value_version is not None:
+        acc.versions.append(value_version)
+    if device is not None and acc.record_device is None:
+        acc.record_device = device.device if isinstance(device, Tensor) else device
+    acc.arrays = True
+    acc.in_number_records = False  # the metric's later numbers follow this record
+    acc.values.append(value)
+    acc.weights.append(weight)
+    return size
 
 
 def _weight_number(name: str, weight: Tensor | float | int) -> float:
@@ -408,14 +444,13 @@ def _weight_number(name: str, weight: Tensor | float | int) -> float:
 def record_prepared(
     acc: MetricRecords,
     name: str,
-    prepared: Prepared | tuple[Any, ...],
+    prepared: Prepared,
     nonfinite: str,
     numbers: NumberRecords,
 ) -> int:
-    """Record a prepared call (a ``Prepared`` or the plain tuple ``prepare_tensor``
-    returns) into ``acc`` (the metric called ``name``); returns the elements recorded (0
-    for a python number, which ``numbers`` takes while the metric has no array record
-    this step)."""
+    """Record a prepared call (a ``Prepared``) into ``acc`` (the metric called ``name``);
+    returns the elements recorded (0 for a python number, which ``numbers`` takes while
+    the metric has no array record this step)."""
     number, weight_number, value, weight, size, shape, check_weights, device, versions = prepared
     if value is None:  # a python number and weight
         record_number(acc, name, cast(float, number), weight_number, nonfinite, numbers)

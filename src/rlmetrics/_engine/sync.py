@@ -1,13 +1,32 @@
-"""Tracker sync over torch.distributed: schema agreement and packed collectives.
+"""The sync stage: a step's packed states merged over a process group, with collectives
+that raise instead of hanging.
 
 A steady-state step reduces every scalar metric with one collective: an ``all_gather``
 of the packed SUM and MAX buffers, reduced on the host (rows added in rank order, so
 every rank gets the same bits; max over rows), or ``all_reduce(SUM)`` and
-``all_reduce(MAX)`` above ``GATHER_LIMIT``. The MAX buffer ends with a tail (see
-``rlmetrics._engine.group_layouts``) that tells every rank, without another collective, when some
-rank logged a name its layout lacks or packed another layout; only then do ranks agree on
-the schema again (a JSON gather) and repeat the reduce. Kinds with an extra payload
-(std, dist) add one ``all_gather``.
+``all_reduce(MAX)`` above ``GATHER_LIMIT``. Kinds with an extra payload (std, dist) add
+one ``all_gather``.
+
+A step's collective must have the same size on every rank, or the backend pairs the
+wrong messages (gloo aborts the process). A tracker's own cache (the layout it last
+agreed over a group) cannot decide that size: a tracker created or unpickled on one rank
+only has none, and one rank's tracker may cache another layout than its peers'. So
+``GroupLayouts`` holds, per process group and process (not per tracker), the layouts
+agreed over the group most recently. Every rank changes it at the same points of the
+same collective sequence (an agreement, whose union every rank computes alike, and a
+step whose reduced tail every rank reads alike), so it is the same on every rank of the
+group whatever their trackers cache. A step's buffers are padded to the largest of
+these layouts, and the layout each rank packed travels in the MAX buffer's last
+``TAIL`` floats: a rank that logged a name its layout lacks, or has no usable layout,
+marks its buffer, so every rank sees it in the reduced tail, without another
+collective, and the ranks agree on the schema again (``rlmetrics._engine.schema``: a
+JSON gather) and repeat the reduce.
+
+Every collective is issued with ``async_op=True`` and waited on with the timeout, so a
+rank that died or never arrives raises ``SyncTimeoutError`` on the others (with gloo;
+with NCCL the host wait is bounded by the process group's own timeout and watchdog, set
+through ``init_process_group(timeout=...)``). The users' helpers
+(``rlmetrics.distributed``) use the same guarded collectives.
 
 Nothing here unpickles data that did not come from a rank of the same process group:
 schemas travel as JSON, extras of built-in kinds as float64 tensors; only user kinds
@@ -15,15 +34,14 @@ whose extras cannot be packed travel pickled, and only between the group's ranks
 
 Replicas: merge over the data-parallel group only. Tensor- or pipeline-parallel copies
 of a DP rank log the same values; to compute over a group that contains replicas, log
-only on one copy (see ``is_replica_source``). Timeouts, groups and the collectives
-themselves live in ``rlmetrics._engine.collectives``; the users' helpers in
-``rlmetrics.distributed``.
+only on one copy (see ``is_replica_source``).
 """
 
 from __future__ import annotations
 
-import json
+import numbers
 import pickle
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,23 +54,219 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlmetrics._engine.collectives import (
-    all_gather,
-    all_reduce,
-    as_timeout,
-    comm_device,
-    gather_bytes,
-    resolve_group,
-    wait_for,
-)
-from rlmetrics._engine.group_layouts import TAIL, GroupLayouts
 from rlmetrics._engine.layout import BufferLayout
-from rlmetrics._engine.packing import Packing, in_order, restore_nans, unpack, with_nan_counts
+from rlmetrics._engine.packing import (
+    Packing,
+    ReducedStep,
+    in_order,
+    restore_nans,
+    unpack,
+    with_nan_counts,
+)
 from rlmetrics._engine.plan import same_metrics
-from rlmetrics._engine.results import ReducedStep
+from rlmetrics._engine.schema import agreed_layout, schema_payload
 from rlmetrics._engine.table import StateTable
-from rlmetrics.kinds import kind_names
-from rlmetrics.kinds.rank_time import family_kind
+from rlmetrics.errors import SyncTimeoutError
+from rlmetrics.kinds.base import MetricRecords
+
+# Longer waits count as no timeout: gloo adds the wait to a nanosecond clock, which
+# overflows (the wait then fails at once) from about 9e9 s.
+MAX_TIMEOUT_S = 1e9
+
+
+def should_sync(group: Any) -> bool:
+    """Whether ``compute()`` merges over a process group."""
+    return group is not None or is_initialized()
+
+
+def resolve_group(group: Any) -> Any:
+    """A ProcessGroup from None (the default group), a group, or (DeviceMesh, dim)."""
+    if group is None:
+        if not is_initialized():
+            raise RuntimeError("compute(group=None) needs torch.distributed to be initialised")
+        return dist.group.WORLD
+    if isinstance(group, tuple):
+        mesh, dim = group
+        return mesh.get_group(mesh_dim=dim)
+    get_group = getattr(group, "get_group", None)
+    if get_group is not None and hasattr(group, "mesh_dim_names"):  # a 1-D DeviceMesh
+        if group.ndim != 1:
+            raise ValueError("pass (mesh, dim_name) to sync over one dimension of a DeviceMesh")
+        return get_group()
+    return _check_group(group)
+
+
+def _check_group(group: Any) -> Any:
+    """``group`` when it is a process group this process belongs to.
+
+    Raises:
+        ValueError: this process is not a member (``dist.new_group`` returns
+            ``GroupMember.NON_GROUP_MEMBER`` on the ranks it leaves out).
+        TypeError: ``group`` is not a process group.
+    """
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"group: this process (global rank {dist.get_rank()}) is not a member of the "
+            "process group passed (dist.new_group returns GroupMember.NON_GROUP_MEMBER on "
+            "the ranks it leaves out); call compute(group=g) only on g's ranks, or "
+            "compute(sync=False) for this process's own values"
+        )
+    raise TypeError(
+        "group must be a ProcessGroup, a DeviceMesh or a (DeviceMesh, dim name) pair, got "
+        f"{type(group).__name__} {group!r}"
+    )
+
+
+def is_initialized() -> bool:
+    """Whether torch.distributed is available and initialised in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def comm_device(group: Any) -> torch.device:
+    """The device collectives of ``group`` run on: CUDA for NCCL, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def as_timeout(timeout: float | timedelta | None) -> timedelta | None:
+    """A sync timeout as a timedelta, or None for the process group's own.
+
+    ``math.inf`` (or any wait beyond ``MAX_TIMEOUT_S``) means no bound of rlmetrics':
+    the backend's own timeout (``init_process_group(timeout=...)``) still bounds every
+    collective, and longer waits overflow inside gloo (it then times out at once).
+
+    Raises:
+        TypeError: ``timeout`` is not a number, a timedelta or None.
+        ValueError: ``timeout`` is zero, negative or NaN.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"timeout must be seconds (a number), a timedelta or None, got "
+            f"{type(timeout).__name__} {timeout!r}"
+        )
+    if not seconds > 0:  # NaN too
+        raise ValueError(
+            f"timeout must be > 0 seconds (None or math.inf: the process group's own "
+            f"timeout), got {timeout!r}"
+        )
+    if seconds > MAX_TIMEOUT_S:
+        return None
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+
+
+def wait_for(work: Any, timeout: timedelta | None, what: str) -> None:
+    """Wait for an async collective; raise SyncTimeoutError naming it on failure."""
+    start = time.monotonic()
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+    except Exception as error:  # gloo raises RuntimeError/DistBackendError on timeout
+        # the backend's reason tells a timeout (hang) from a closed connection (death)
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise SyncTimeoutError(
+            f"rlmetrics sync: {what} did not complete"
+            + (f" within {timeout.total_seconds():g} s" if timeout is not None else "")
+            + f" (failed after {time.monotonic() - start:.1f} s: {cause}); "
+            "a rank may have died, hung, or not called compute()"
+        ) from error
+
+
+def all_reduce(tensor: Tensor, op: Any, group: Any, timeout: timedelta | None, what: str) -> None:
+    """An in-place all_reduce that raises SyncTimeoutError instead of hanging."""
+    wait_for(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout, what)
+
+
+def all_gather(tensor: Tensor, group: Any, timeout: timedelta | None, what: str) -> list[Tensor]:
+    """All ranks' equal-sized ``tensor``s, in rank order."""
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    wait_for(dist.all_gather(out, tensor, group=group, async_op=True), timeout, what)
+    return out
+
+
+def gather_bytes(
+    payload: bytes, group: Any, device: torch.device, timeout: timedelta | None
+) -> list[bytes]:
+    """All ranks' byte strings (two all_gathers: lengths, then padded bytes)."""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = [int(n) for n in all_gather(length, group, timeout, "schema length gather")]
+    buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    pieces = all_gather(buffer, group, timeout, "schema gather")
+    return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(pieces, lengths, strict=True)]
+
+
+TAIL = 3  # a packed buffer's last floats: [schema changed, layout hash, -layout hash]
+RECENT = 8  # layouts kept per group: trackers that share a group keep their own
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A group's padded buffer sizes (the largest of its recent layouts'): every rank
+    packs ``[SUM | pad | MAX | logged | pad | tail]``, gathered whole, or with NaN counts
+    of the MAX part inserted (``packing.with_nan_counts``) reduced as an
+    all_reduce(SUM) of ``sums + maxes`` floats and an all_reduce(MAX) of ``maxes``.
+
+    Attributes:
+        sums: the SUM part's length, [SUM | pad].
+        maxes: the MAX part's length, [MAX | logged | pad | tail].
+    """
+
+    sums: int = 0
+    maxes: int = TAIL
+
+
+def layout_sizes(layout: BufferLayout) -> Sizes:
+    """The unpadded sizes of ``layout``'s buffer."""
+    return Sizes(layout.num_sums, layout.num_maxes + len(layout.placements) + TAIL)
+
+
+class GroupLayouts:
+    """The layouts this process agreed over one group, newest first (at most
+    ``RECENT``), and the padded buffer sizes every rank of the group uses."""
+
+    def __init__(self) -> None:
+        self.layouts: list[BufferLayout] = []
+        self.sizes = Sizes()
+
+    def use(self, layout: BufferLayout) -> None:
+        """Record that every rank of the group agreed on (or reduced a step in)
+        ``layout``: it moves to the front; the oldest layout beyond ``RECENT`` drops.
+
+        ``sizes`` is replaced only when the set of layouts changes, so a packing can
+        tell whether its padding still holds by identity.
+        """
+        layouts = self.layouts
+        if layouts and layouts[0] is layout:
+            return
+        digest = layout.digest
+        others = [known for known in layouts if known.digest != digest]
+        self.layouts = [layout, *others][:RECENT]
+        if len(others) == len(layouts):  # a new member (the oldest may have dropped)
+            every = [layout_sizes(known) for known in self.layouts]
+            self.sizes = Sizes(max(s.sums for s in every), max(s.maxes for s in every))
+
+    def holds(self, layout: BufferLayout) -> bool:
+        """Whether ``layout``'s buffer fits the group's padded sizes."""
+        own, padded = layout_sizes(layout), self.sizes
+        return own.sums <= padded.sums and own.maxes <= padded.maxes
+
+    def guess(self, accumulators: Mapping[str, MetricRecords]) -> BufferLayout | None:
+        """For a tracker with no layout of its own: the newest recent layout that fits
+        its metrics (the peers' likely one; a wrong guess costs one agreement), or None."""
+        return next((layout for layout in self.layouts if layout.fits(accumulators)), None)
+
 
 # Above this many gathered floats per step (ranks x packed buffer length), the step
 # issues all_reduce(SUM) + all_reduce(MAX) instead of one all_gather: every collective
@@ -61,100 +275,17 @@ from rlmetrics.kinds.rank_time import family_kind
 GATHER_LIMIT = 200_000
 
 
-def _read_schema(rank: int, data: bytes) -> dict[str, Any]:
-    """A rank's schema as ``agree_schema`` sent it: JSON of ``{"metrics": [[name, kind
-    name, settings], ...], "kinds": {kind name: settings}}``.
-
-    Raises:
-        ValueError: naming the rank, for anything else (not JSON, another shape): the
-            same error on every rank, since every rank reads every rank's schema.
-    """
-    try:
-        schema = json.loads(data)
-    except ValueError as error:
-        raise ValueError(f"rank {rank} sent a schema that is not JSON: {error}") from error
-    if (
-        not isinstance(schema, dict)
-        or not isinstance(schema.get("metrics"), list)
-        or not isinstance(schema.get("kinds"), dict)
-        or not all(
-            isinstance(entry, list)
-            and len(entry) == 3
-            and isinstance(entry[0], str)
-            and isinstance(entry[1], str)
-            for entry in schema["metrics"]
-        )
-    ):
-        raise ValueError(
-            f"rank {rank} sent a schema of another form than rlmetrics sends "
-            f"(another version of rlmetrics on that rank?): {bytes(data[:200])!r}"
-        )
-    return schema
-
-
 def agree_schema(
     tracker: Any, group: Any, device: torch.device, timeout: timedelta | None
 ) -> BufferLayout:
-    """The union of every rank's (name, kind) pairs.
-
-    Each rank sends its metrics' (name, kind name, ``Kind.settings()``) and the settings
-    of every kind it would report with (its own ``dist`` and ``quantile``, and each
-    registered kind), so that a rank which did not log a name still reports it alike.
+    """The union of every rank's metrics, agreed over ``group`` with one exchange of
+    schemas (``rlmetrics._engine.schema``).
 
     Raises:
-        ValueError: on every rank, when ranks log a name with two kinds, or with one
-            kind configured two ways (a histogram with other edges, a ``dist`` with
-            other quantiles), or a kind some rank has not registered; naming the metric
-            and both settings.
+        ValueError: on every rank, when ranks disagree (``schema.agreed_layout``).
     """
-    kinds = {name: tracker.kind(name).settings() for name in kind_names()}
-    local = sorted(
-        (name, acc.kind.name, acc.kind.settings()) for name, acc in tracker.accumulators.items()
-    )
-    payload = json.dumps({"metrics": local, "kinds": kinds}).encode()
-    sent = [
-        _read_schema(rank, data)
-        for rank, data in enumerate(gather_bytes(payload, group, device, timeout))
-    ]
-    union: dict[str, tuple[str, str, int]] = {}
-    conflicts: dict[str, str] = {}  # the first per metric
-    for rank, rank_sent in enumerate(sent):
-        for name, kind_name, settings in rank_sent["metrics"]:
-            seen_kind, seen_settings, seen_rank = union.setdefault(
-                name, (kind_name, settings, rank)
-            )
-            if seen_kind != kind_name:
-                conflicts.setdefault(
-                    name,
-                    f"metric {name!r} is kind {seen_kind!r} on rank {seen_rank} "
-                    f"but kind {kind_name!r} on rank {rank}",
-                )
-            elif seen_settings != settings:
-                conflicts.setdefault(
-                    name,
-                    f"metric {name!r} has kind {kind_name!r} configured as {seen_settings!r} "
-                    f"on rank {seen_rank} but as {settings!r} on rank {rank}",
-                )
-    for name, (kind_name, settings, seen_rank) in union.items():
-        for rank, rank_sent in enumerate(sent):
-            theirs = rank_sent["kinds"].get(kind_name)
-            if theirs is None and family_kind(kind_name) is None:
-                conflicts.setdefault(
-                    name,
-                    f"metric {name!r} has kind {kind_name!r} on rank {seen_rank}, which rank "
-                    f"{rank} has not registered",
-                )
-            elif theirs is not None and theirs != settings:
-                conflicts.setdefault(
-                    name,
-                    f"metric {name!r} has kind {kind_name!r} configured as {settings!r} "
-                    f"on rank {seen_rank} but as {theirs!r} on rank {rank}",
-                )
-    if conflicts:
-        raise ValueError("ranks disagree on metric kinds: " + "; ".join(conflicts.values()))
-    return BufferLayout(
-        [(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()]
-    )
+    sent = gather_bytes(schema_payload(tracker), group, device, timeout)
+    return agreed_layout(tracker, sent)
 
 
 @dataclass(eq=False)
@@ -336,6 +467,3 @@ def _gather_extras(
         payloads = gather_bytes(pickle.dumps(objects), group, device, wait)
         gathered = [pickle.loads(p) for p in payloads]  # only from this group's ranks
     return buffers, gathered
-
-
-__all__ = ["GATHER_LIMIT", "agree_schema", "sync_reduce"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -20,6 +23,9 @@ from rlmetrics.kinds.sum import Sum
 
 BUILTIN_KINDS: tuple[type[Kind], ...] = (Mean, Sum, Max, Min, Std, Last, Dist, QuantileSketch)
 _registry: dict[str, Kind] = {cls.name: cls() for cls in BUILTIN_KINDS}
+KINDS: Mapping[str, Kind] = MappingProxyType(_registry)
+"""Every registered kind by name, read-only (``register_kind`` adds one; ``get_kind``
+also makes a per-rank family's members)."""
 
 
 def register_kind(kind: Kind, *, exist_ok: bool = False) -> Kind:

@@ -285,8 +285,8 @@ class MetricRecords:
     # python numbers go to the tracker's flat records (until an array record, and only
     # for a kind that takes a single number)
     in_number_records: bool = False
-    # the kind's name, and whether it limits a call's size (parts, replaces): read by
-    # every log call, which an attribute of the kind costs more (rlmetrics._engine.record)
+    # the kind's name, and whether it limits a call's size (parts, keeps_latest): read by
+    # every log call, so copied from the kind (docs/architecture.md, "Performance")
     kind_name: str = field(default="", init=False)
     checks_call_size: bool = field(default=False, init=False)
 

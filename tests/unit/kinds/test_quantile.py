@@ -11,7 +11,6 @@ import random
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ from rlmetrics.kinds.quantile import (
     bucket_values,
 )
 
-from gloo_ranks import ok_results, run_ranks
+from gloo_ranks import count_collectives, ok_results, run_ranks
 
 QS = (0.0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999, 1.0)
 SKETCH = QuantileSketch(name="test_sketch", quantiles=QS)
@@ -287,22 +286,6 @@ def rank_tracker(rank: int) -> Tracker:
         tracker.log("x", torch.from_numpy(chunk), kind=SKETCH.name)
     tracker.log("x", float(x[0]), kind=SKETCH.name)  # a python number too
     return tracker
-
-
-def count_collectives() -> dict[str, int]:
-    """Count this rank's all_gather and all_reduce calls from now on."""
-    import torch.distributed as tdist
-
-    counts = {"n": 0}
-    for name in ("all_gather", "all_reduce"):
-        original = getattr(tdist, name)
-
-        def wrapped(*args: Any, _original: Callable = original, **kwargs: Any) -> Any:
-            counts["n"] += 1
-            return _original(*args, **kwargs)
-
-        setattr(tdist, name, wrapped)
-    return counts
 
 
 def gloo_steps(rank: int, world_size: int) -> list[tuple[dict[str, float], int, int]]:
