@@ -297,12 +297,11 @@ class Tracker(LogMethods):
         quantiles: the quantiles ``dist`` metrics report.
 
     Attributes:
-        reduce_host_data_with_numpy: True (the default) reduces CPU tensors, numpy arrays and lists
-        with
-            numpy on the host, which costs less than torch's dispatch for the small
-            arrays metrics see; device tensors always take the device path. False sends
-            host data down the device path too (tests use it to run that path on the
-            CPU).
+        reduce_host_data_with_numpy: True (the default) reduces CPU tensors, numpy
+            arrays and lists with numpy on the host, which costs less than torch's
+            dispatch for the small arrays metrics see; device tensors always take the
+            device path. False sends host data down the device path too (tests use it
+            to run that path on the CPU).
         copy_cpu_tensors: True (the default) records a CPU tensor as a copy of its
             values at the log call, as a numpy array is: torch counts no change made
             through memory it shares with numpy (``torch.from_numpy``, ``.numpy()``) or
