@@ -89,10 +89,9 @@ def bytes_line(recs: list[Record]) -> str:
     """How many (ranks, case, contender) cells wrote and issued exactly what the model
     says; the cells that did not are listed by ``mismatches``."""
     good = sum(r.bytes_ok and r.issued_ok for r in recs)
-    verdict = "all equal" if good == len(recs) else "NOT all equal, these differ:"
     return (
         f"Bytes and collectives against the model: {good} of {len(recs)} (ranks, case, "
-        f"contender) cells equal; {verdict}"
+        f"contender) cells equal" + ("." if good == len(recs) else "; these differ:")
     )
 
 

@@ -190,7 +190,10 @@ def tables(
         f"Target: observed error ≤ the stated {bound:.6g} in every cell: largest "
         f"{worst:.2e}, {'met' if worst <= bound else 'missed'}. dist's sync vector / the "
         "sketch's state: "
-        + ", ".join(f"{r:.2g}x at n={n:,}" for r, n in zip(ratio, sizes, strict=True))
+        + ", ".join(
+            f"{r:.2f}x at n={n:,}" if r < 10 else f"{r:,.0f}x at n={n:,}"
+            for r, n in zip(ratio, sizes, strict=True)
+        )
         + ".",
         END,
     ]

@@ -340,8 +340,8 @@ def section(
 ) -> str:
     """The whole marked section of RESULTS.md."""
     met = {k: "met" if v <= TARGET else "missed" for k, v in worst.items()}
-    model = f", --n-embd {args.n_embd}" if args.n_embd else ""
-    model += f", --n-layer {args.n_layer}" if args.n_layer else ""
+    model = f" --n-embd {args.n_embd}" if args.n_embd else ""
+    model += f" --n-layer {args.n_layer}" if args.n_layer else ""
     return "\n".join([
         START,
         "## step_share: metrics' share of a training step (`benchmarks/step_share.py`)",

@@ -281,7 +281,7 @@ def sync_target_table(results: dict[int, dict[int, dict[str, list[int]]]]) -> li
     against the floor the world size is judged by, in wall and CPU time."""
     wall, cpu = medians(results), sync_ratios(results, CPU)
     rows = [
-        "| ranks | N | rlmetrics µs | bare µs | local µs | ratio | target | wall | "
+        "| ranks | N | rlmetrics µs | bare µs | local µs | ratio | target | met (wall) | "
         "ratio, CPU time |",
         "|---:|---:|---:|---:|---:|---|---:|---|---:|",
     ]
