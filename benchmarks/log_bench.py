@@ -209,7 +209,7 @@ def markdown(samples: dict[tuple[str, str], list[float]]) -> list[str]:
 
 
 def ops_markdown(counts: dict[tuple[str, str], tuple[float, str]]) -> list[str]:
-    """The op-count table (ops per call), then the rlmetrics ops by name."""
+    """The op-count table (ops per call), then the rlmetrics ops by name where any."""
     rows = [
         "| input | " + " | ".join(f"{c} ops" for c in CONTENDERS) + " |",
         "|---|" + "---:|" * len(CONTENDERS),
@@ -218,11 +218,13 @@ def ops_markdown(counts: dict[tuple[str, str], tuple[float, str]]) -> list[str]:
         rows.append(
             f"| {label} | " + " | ".join(f"{counts[c, label][0]:g}" for c in CONTENDERS) + " |"
         )
-    rows.append("")
-    rows.extend(
-        f"- {c}, {label}: {counts[c, label][1]}" for c in CONTENDERS[:2] for label in INPUTS
-    )
-    return rows
+    named = [
+        f"- {c}, {label}: {counts[c, label][1]}"
+        for c in CONTENDERS[:2]
+        for label in INPUTS
+        if counts[c, label][0]
+    ]
+    return rows + (["", *named] if named else [])
 
 
 def verdict(
@@ -256,19 +258,20 @@ def section(parts: dict[str, list[str]], args: argparse.Namespace, loads: tuple[
             START,
             "## log_bench: cost of one log call (`benchmarks/log_bench.py`)",
             "",
-            f"Machine: {machine_line(args.threads, loads)}.",
+            "The host cost of one log call and the torch ops it dispatches: rlmetrics "
+            "(host path and tensor path) against torchmetrics and a verl-style list "
+            "append, CPU inputs.",
             "",
-            f"Cells: the median over {args.rounds} rounds of a batch's mean cost per call "
-            f"({args.calls} calls per batch for scalars, {max(args.calls // 10, 1)} for the "
-            "1k tensor), contenders and inputs interleaved in a shuffled order each round, "
-            "one warm-up round discarded. CPU tensors: `.item()` costs no device sync here, "
-            "so the verl-style column is a lower bound of its cost on a GPU.",
+            f"Machine: {machine_line(args.threads, loads)}. Settings: `--rounds "
+            f"{args.rounds} --calls {args.calls}`.",
+            "",
+            f"µs per call: the median over {args.rounds} rounds of a batch's mean, "
+            "contenders and inputs shuffled each round (`.item()` syncs no device here, so "
+            "verl-style is a lower bound of its GPU cost):",
             "",
             *parts["times"],
             "",
-            f"Torch ops dispatched per log call (a `TorchDispatchMode` counting every aten "
-            f"op, views and `detach` included; mean over {OP_CALLS} calls after one "
-            "uncounted call), and the rlmetrics ops by name:",
+            f"Torch ops per log call (a `TorchDispatchMode`, mean over {OP_CALLS} calls):",
             "",
             *parts["ops"],
             "",

@@ -91,6 +91,15 @@ def load_average() -> str:
         return "n/a"
 
 
+def machine(load_before: str, load_after: str) -> str:
+    """Where the numbers come from (no torch: plotting does not need it)."""
+    return (
+        f"{os.cpu_count()} CPUs (nproc), {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, load average (1, 5, 15 min) {load_before} "
+        f"before, {load_after} after, {datetime.date.today().isoformat()}"
+    )
+
+
 def render(rows: list[dict], steps: int, load_before: str, load_after: str) -> str:
     """The RESULTS.md section."""
     biggest = max(rows, key=lambda r: r["metrics"])
@@ -99,11 +108,11 @@ def render(rows: list[dict], steps: int, load_before: str, load_after: str) -> s
         START,
         "## plot_bench: `rlmetrics plot` of every metric (`benchmarks/plot_bench.py`)",
         "",
-        f"{datetime.date.today()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}; load average (1, 5, "
-        f"15 min) {load_before} before, {load_after} after. Each file: {steps} steps, the "
-        "metrics in 6 prefix groups; one fresh `python -m rlmetrics.plot RUN --out fig.png` "
-        "per count (matplotlib import included), no `--metrics`.",
+        f"One fresh `python -m rlmetrics.plot RUN --out fig.png` per metric count (imports "
+        f"included, no `--metrics`) on a JSONL file of {steps} steps, the metrics in 6 "
+        "prefix groups.",
+        "",
+        f"Machine: {machine(load_before, load_after)}.",
         "",
         "| metrics | wall s | CPU s | peak RSS MiB | files (pages) |",
         "|---:|---:|---:|---:|---:|",
@@ -116,18 +125,7 @@ def render(rows: list[dict], steps: int, load_before: str, load_after: str) -> s
     lines += [
         "",
         f"Target: {biggest['metrics']} metrics under {TARGET_S:.0f} s: wall {ok['seconds']}, "
-        f"CPU {ok['cpu']} (CPU time is the process's own: far less sensitive to other jobs "
-        "on a shared machine than the wall time, which grows with the load average). "
-        "Before the paging, one figure held every metric as a subplot with a shared x axis "
-        "and constrained layout; its cost grew faster than the number of subplots (the "
-        "shared axes' ticks and the layout solver visit every other subplot): 100 metrics "
-        "took 31 s and 406 MB, 300 metrics 500 s (the issue's figures); on this machine, "
-        "at a load average of about 16, 30 metrics took 41 s and 60 metrics 94 s. Now each "
-        "page holds at "
-        "most 24 subplots, all pages drawn on one reused figure with fixed margins, so a "
-        "page costs about the same whatever the total. Of each run's CPU time, about 2.6 s "
-        "is `import rlmetrics` (the package imports torch, which plotting does not need) "
-        "and about 1 s matplotlib's import.",
+        f"CPU {ok['cpu']}.",
         END,
     ]
     return "\n".join(lines)

@@ -85,74 +85,69 @@ def mismatches(recs: list[Record]) -> list[str]:
     ]
 
 
-def bytes_table(recs: list[Record]) -> list[str]:
-    rows = [
-        "| ranks | case | contender | collectives | bytes written per rank, measured "
-        "| model | equal |",
-        "|---:|---|---|---:|---:|---:|---|",
-    ]
-    for r in recs:
-        lo = min(w[0] for w in r.written)
-        hi = max(w[1] for w in r.written)
-        measured = f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
-        mlo, mhi = min(r.modelled), max(r.modelled)
-        modelled = f"{mlo:,}" if mlo == mhi else f"{mlo:,}-{mhi:,}"
-        same = "yes" if r.bytes_ok and r.issued_ok else "NO"
-        rows.append(
-            f"| {r.world} | {r.case} | {r.name} | {r.collectives} | {measured} "
-            f"| {modelled} | {same} |"
-        )
-    return rows
+def bytes_line(recs: list[Record]) -> str:
+    """How many (ranks, case, contender) cells wrote and issued exactly what the model
+    says; the cells that did not are listed by ``mismatches``."""
+    good = sum(r.bytes_ok and r.issued_ok for r in recs)
+    return (
+        f"Bytes and collectives against the model: {good} of {len(recs)} (ranks, case, "
+        f"contender) cells equal" + ("." if good == len(recs) else "; these differ:")
+    )
 
 
 def time_table(recs: list[Record]) -> list[str]:
-    """Per (ranks, case): medians of each contender, wall and CPU, and the ratios."""
+    """Per (ranks, case): medians of each contender, wall and CPU, the ratios to the
+    gather, and where the switch belongs: the gathered floats R·G, the path
+    ``GATHER_LIMIT`` takes and the one that measured faster in wall time."""
     cells: dict[tuple[int, str], dict[str, Record]] = {}
     for r in recs:
         cells.setdefault((r.world, r.case), {})[r.name] = r
     rows = [
         "| ranks | case | gather wall / CPU | pair wall / CPU | verl wall / CPU "
-        "| torchmetrics wall / CPU | pair / gather (wall, CPU) | verl / gather (wall, CPU) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| torchmetrics wall / CPU | pair / gather (wall, CPU) | verl / gather (wall, CPU) "
+        "| R·G floats | limit takes | faster (wall) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for (world, case), by_name in cells.items():
-        g = by_name["gather"]
+        g, p = by_name["gather"], by_name["pair"]
         found = [by_name.get(name) for name in ("gather", "pair", "verl", "torchmetrics")]
         times = ["-" if r is None else f"{r.wall_us:,.0f} / {r.cpu_us:,.0f}" for r in found]
         ratios = [
             "-" if r is None else f"{r.wall_us / g.wall_us:.2f}, {r.cpu_us / g.cpu_us:.2f}"
             for r in found[1:3]
         ]
-        rows.append(f"| {world} | {case} | " + " | ".join(times + ratios) + " |")
+        gathered = world * int(g.features["G"])
+        switch = [
+            f"{gathered:,}",
+            "gather" if gathered <= LIMIT else "pair",
+            "gather" if p.wall_us > g.wall_us else "pair",
+        ]
+        rows.append(f"| {world} | {case} | " + " | ".join(times + ratios + switch) + " |")
     return rows
 
 
-def switch_table(recs: list[Record]) -> list[str]:
-    """Per (ranks, case): the gather buffer G, the path today's GATHER_LIMIT takes and
-    the path that measured faster (wall, CPU)."""
+def switch_line(recs: list[Record]) -> str:
+    """Whether ``GATHER_LIMIT`` sends every (ranks, case) down the path that measured
+    faster in wall time, and the cases where it does not."""
     by_cell: dict[tuple[int, str], dict[str, Record]] = {}
     for r in recs:
         by_cell.setdefault((r.world, r.case), {})[r.name] = r
-    rows = [
-        "| ranks | case | G floats | R·G | today's path | faster, wall (pair / gather) "
-        "| faster, CPU (pair / gather) |",
-        "|---:|---|---:|---:|---|---|---|",
-    ]
+    wrong = []
     for (world, case), by_name in sorted(by_cell.items(), key=lambda kv: kv[0][0]):
         g, p = by_name["gather"], by_name["pair"]
         size = int(g.features["G"])
         today = "gather" if world * size <= LIMIT else "pair"
-        faster = [
-            f"{'gather' if getattr(p, t) > getattr(g, t) else 'pair'} "
-            f"({getattr(p, t) / getattr(g, t):.2f})"
-            for t in ("wall_us", "cpu_us")
-        ]
-        rows.append(
-            f"| {world} | {case} | {size:,} | {world * size:,} | {today} | "
-            + " | ".join(faster)
-            + " |"
-        )
-    return rows
+        faster = "gather" if p.wall_us > g.wall_us else "pair"
+        if today != faster:
+            wrong.append(
+                f"{world} ranks {case} (R·G {world * size:,}: {today}, pair / gather "
+                f"{p.wall_us / g.wall_us:.2f})"
+            )
+    head = (
+        f"`GATHER_LIMIT` ({LIMIT:,} gathered floats) takes the path that measured faster "
+        f"in wall time in {len(by_cell) - len(wrong)} of {len(by_cell)} cases"
+    )
+    return head + (f"; not in: {', '.join(wrong)}." if wrong else ".")
 
 
 TERMS = ("collectives", "messages", "bytes", "host_floats", "py_elements", "metrics")
@@ -205,13 +200,16 @@ def fit_lines(recs: list[Record]) -> list[str]:
     return out
 
 
-def machine(elapsed: float, loads: tuple[tuple[float, ...], tuple[float, ...]]) -> str:
-    start, end = (", ".join(f"{x:.2f}" for x in load) for load in loads)
+def machine(
+    elapsed: float, worlds: list[int], loads: tuple[tuple[float, ...], tuple[float, ...]]
+) -> str:
+    start, end = (", ".join(f"{x:.1f}" for x in load) for load in loads)
     return (
         f"{CORES} CPUs (nproc), {platform.processor() or platform.machine()}, Python "
         f"{platform.python_version()}, torch {torch.__version__}, gloo on 127.0.0.1, "
-        f"OMP_NUM_THREADS=1, {datetime.date.today().isoformat()}; run took {elapsed:.0f} s; "
-        f"load average (1, 5, 15 min) {start} at the start, {end} at the end"
+        f"OMP_NUM_THREADS=1, load average (1, 5, 15 min) {start} before, {end} after, "
+        f"{datetime.date.today().isoformat()}. Settings: `--worlds "
+        f"{' '.join(map(str, worlds))}`, {elapsed:.0f} s"
     )
 
 
@@ -221,30 +219,24 @@ def section(results: dict, elapsed: float, loads: tuple) -> str:
         [
             START,
             "## scaling_bench: the scaling model against gloo ranks "
-            "(`benchmarks/scaling_bench.py`, model and reading in `docs/scaling.md`)",
+            "(`benchmarks/scaling_bench.py`, the model in `docs/scaling.md`)",
             "",
-            f"Machine: {machine(elapsed, loads)}.",
+            "Bytes each rank writes to its sockets in one sync (`wchar` of /proc/self/io) "
+            "and the collectives it issues, against the model's counts, and the sync's "
+            "time for rlmetrics' gather, its all_reduce pair, verl-style and torchmetrics.",
             "",
-            "Bytes: what each rank wrote to its sockets during one sync (`wchar` of "
-            "/proc/self/io: gloo's payload plus 144 bytes per message), min-max over ranks "
-            "and iterations, next to the model's count; equal: each rank wrote the same "
-            "every iteration, the ranks together wrote exactly the model's total, and the "
-            "collectives issued (op and size, recorded in one round) are the model's.",
+            f"Machine: {machine(elapsed, list(results), loads)}.",
             "",
-            *bytes_table(recs),
-            "",
+            bytes_line(recs),
             *mismatches(recs),
             "",
-            "Time: medians in µs; wall is the slowest rank's per iteration, CPU the ranks' "
-            "mean process CPU time. 8 and 16 ranks share the machine's cores, so their "
-            "absolute times are inflated; compare ratios.",
+            "Medians in µs; wall: the slowest rank's per iteration, CPU: the ranks' mean "
+            f"process CPU time (above {CORES} ranks the ranks share the cores: compare "
+            "ratios); and where the switch belongs:",
             "",
             *time_table(recs),
             "",
-            "Where the switch belongs: for every case, the path `GATHER_LIMIT` "
-            f"({LIMIT:,} gathered floats) takes and the one that measured faster.",
-            "",
-            *switch_table(recs),
+            switch_line(recs),
             "",
             "Model fit (least squares, relative): time = fixed cost + latency term + "
             "per byte + per host float reduced + per python element unpickled + per metric.",

@@ -171,14 +171,11 @@ def markdown(samples: dict[str, list[float]], args: argparse.Namespace) -> list[
         p90 = xs[min(len(xs) - 1, int(0.9 * len(xs)))]
         med = statistics.median(xs)
         rows.append(f"| {name} | {med / 1000:.2f} | {p90 / 1000:.2f} | {med / base:.2f}x |")
-    calls = args.micro * (args.floats + args.scalars + args.tensors)
+    verl, tm = (statistics.median(samples[c]) / base for c in ("verl-style", "torchmetrics"))
     rows += [
         "",
-        f"A step: {args.micro} micro-batches x ({args.floats} python floats of mean, sum, "
-        f"max, min and last metrics, {args.scalars} 0-d float32 tensors, {args.tensors} "
-        f"float32 tensors of {args.elements} elements with a bool mask) = {calls} log "
-        f"calls, then the step's values; {args.steps} steps after {args.warmup} warm-up, "
-        "thread time.",
+        f"rlmetrics / verl-style: {1 / verl:.2f}x (verl-style reduces each call at once: "
+        f"a device sync per call on a GPU); torchmetrics / rlmetrics: {tm:.1f}x.",
     ]
     return rows
 
@@ -202,12 +199,19 @@ def main(argv: list[str] | None = None) -> None:
     loads = (before, load())
     rows = markdown(samples, args)
     detail = f"torchmetrics {torchmetrics.__version__}, torch threads 1"
+    calls = args.micro * (args.floats + args.scalars + args.tensors)
     text = "\n".join(
         [
             START,
             "## step_bench: one RL step's metrics on one process (`benchmarks/step_bench.py`)",
             "",
-            f"Machine: {machine(detail, loads)}.",
+            f"One rank's step of metrics: {args.micro} micro-batches x ({args.floats} "
+            f"python floats of mean, sum, max, min and last metrics, {args.scalars} 0-d "
+            f"float32 tensors, {args.tensors} float32 tensors of {args.elements} elements "
+            f"with a bool mask) = {calls:,} log calls, then the step's values; thread time.",
+            "",
+            f"Machine: {machine(detail, loads)}. Settings: `--steps {args.steps} --warmup "
+            f"{args.warmup}`.",
             "",
             *rows,
             END,

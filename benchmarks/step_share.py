@@ -44,11 +44,9 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import datetime
 import functools
 import importlib
 import pickle
-import platform
 import statistics
 import tempfile
 import time
@@ -62,7 +60,7 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from results_md import write_section
+from results_md import load, machine, write_section
 
 START, END = "<!-- step_share:start -->", "<!-- step_share:end -->"
 TARGET = 0.01
@@ -337,51 +335,31 @@ def table(per_rank: list[dict[str, dict]]) -> list[str]:
     ))  # fmt: skip
 
 
-def machine() -> str:
-    """One line describing where the numbers come from."""
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"{os.cpu_count()} CPUs (nproc), {platform.machine()}, Python "
-        f"{platform.python_version()}, torch {torch.__version__}, gloo on 127.0.0.1, one "
-        f"torch thread per rank, load average {load} at the end, "
-        f"{datetime.date.today().isoformat()}"
-    )
-
-
 def section(
-    rows: list[str], ab_rows: list[str], args: argparse.Namespace, worst: dict, loggers: float
+    rows: list[str], ab_rows: list[str], args: argparse.Namespace, worst: dict, loads: tuple
 ) -> str:
     """The whole marked section of RESULTS.md."""
     met = {k: "met" if v <= TARGET else "missed" for k, v in worst.items()}
+    model = f" --n-embd {args.n_embd}" if args.n_embd else ""
+    model += f" --n-layer {args.n_layer}" if args.n_layer else ""
     return "\n".join([
         START,
         "## step_share: metrics' share of a training step (`benchmarks/step_share.py`)",
         "",
-        f"Machine: {machine()}.",
+        "The metrics' cost in `rlmetrics demo`'s GRPO training step on gloo ranks: time "
+        "inside the log calls and `compute()`, and the step with the tracker on against "
+        "off (alternate steps), as a share of the step.",
         "",
-        f"Run: `rlmetrics demo` defaults (GRPO, 32 prompts x 8 samples, float32, loggers "
-        f"console+jsonl, no progress bar) on {args.dp} gloo ranks, {args.steps} steps, the "
-        f"first {args.warmup} left out; the tracker is switched off on odd steps (its log "
-        "calls and `compute()` return at once), so each run measures the metrics' cost "
-        "twice. wall: `perf_counter`; cpu: process CPU time (all threads, gloo's "
-        "included; time spent descheduled excluded, so far less sensitive to a shared "
-        "machine). Each `compute()` is preceded by a barrier timed apart and left out of "
-        "the step: waiting for the slower rank is load imbalance that the next collective "
-        "would absorb anyway. The loggers (console, JSONL) run between steps on rank 0: "
-        f"median {loggers * 1e3:.2f} ms, not part of the share.",
+        f"Machine: {machine('gloo on 127.0.0.1, one torch thread per rank', loads)}. "
+        f"Settings: `--steps {args.steps} --warmup {args.warmup} --dp {args.dp}{model}`.",
         "",
-        "**Time inside the metrics calls** (steps with the tracker on): time inside "
-        "Tracker log calls + `compute()` (its packed sync included), timer cost "
-        "subtracted, as a share of the step; medians per step.",
+        "Time inside the calls (steps with the tracker on, timer cost subtracted; "
+        "medians per step; the barrier before `compute()` left out):",
         "",
         *rows,
         "",
-        "**What the metrics add to a step** (A/B, tracker on against off), as a share of "
-        "the step with it off, two ways: the whole step's median on minus off; and the "
-        "sum over the step's parts (the trainer's rollout, prepare, log_batch and "
-        "optimize phases, `compute()`, the rest) of each part's median on minus off. "
-        "Both catch costs paid outside the calls; the second varies less (the parts' "
-        "noise does not add up in one median). Intervals: 90%, bootstrapped over steps.",
+        "What the metrics add (on minus off: the whole step's medians, and the sum of "
+        "each phase's medians; 90% intervals bootstrapped over steps):",
         "",
         *ab_rows,
         "",
@@ -405,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-embd", type=int, default=None, help="model width (default: demo's)")
     parser.add_argument("--n-layer", type=int, default=None, help="model depth (default: demo's)")
     args = parser.parse_args(argv)
+    before = load()
     with tempfile.TemporaryDirectory(prefix="step-share-run-") as run_dir:
         model = {k: v for k, v in (("n_embd", args.n_embd), ("n_layer", args.n_layer)) if v}
         results = run(args.steps, args.dp, run_dir, model)
@@ -417,8 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     worst = {clock: max(m[clock]["share"] for m in per_rank) for clock in CLOCKS}
     worst |= {f"ab_{clock}": max(m[clock]["share"] for m in ab) for clock in CLOCKS}
     worst |= {f"parts_{clock}": max(m[clock]["parts_share"] for m in ab) for clock in CLOCKS}
-    loggers = per_rank[0]["wall"]["report"]
-    text = section(table(per_rank), ab_table(ab), args, worst, loggers)
+    text = section(table(per_rank), ab_table(ab), args, worst, (before, load()))
     print(text)
     if not args.no_write:
         write_section(text, START, END)

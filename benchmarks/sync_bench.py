@@ -1,13 +1,12 @@
-"""Benchmark one step's metric sync over gloo: rlmetrics vs bare, verl, torchmetrics, torcheval.
+"""Benchmark one step's metric sync over gloo: rlmetrics vs its floor and four other ways.
 
-Run from the repository root (about 14 minutes at a load average of ~18 on 2 cores):
+Run from the repository root (about 10 minutes on 2 idle cores; more under load):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_bench.py
 
 Options: ``--worlds 2 4``, ``--sizes 8 64 512``, ``--iters 200``, ``--warmup 8``,
-``--no-write`` (print only), ``--reading FILE`` (a paragraph to add). By default the
-table is written into ``benchmarks/RESULTS.md`` between the ``sync_bench`` markers; the
-rest of that file is kept as it is.
+``--no-write`` (print only). By default the section between the ``sync_bench`` markers
+of ``benchmarks/RESULTS.md`` is replaced; the rest of that file is kept as it is.
 
 For each world size the script spawns that many processes on 127.0.0.1 (gloo, one
 thread each). Every iteration each rank logs the same fresh values (python floats from
@@ -20,6 +19,8 @@ order that rotates each iteration, all ranks pass a barrier and time the sync al
   MAX parts, rows added in rank order and maxed on the host (groups up to
   ``rlmetrics._engine.sync.GATHER_LIMIT`` gathered floats, so every size here), plus the
   host read;
+* local: a second tracker logged the same values, ``compute(sync=False)``: the local
+  work of a ``compute()`` without its collective;
 * bare pair: one all_reduce(SUM) and one all_reduce(MAX) of the buffers rlmetrics packs
   for them (recorded too; the SUM part carries NaN counts), what rlmetrics issues above
   the limit, plus the host read;
@@ -33,6 +34,11 @@ The contenders live in ``sync_contenders.py``.
 
 A sample is the max over ranks of that iteration's time (the step waits for the
 slowest rank). Warm-up iterations are discarded; medians and p90 are reported.
+
+The sync target (issue 34): with 2 ranks, which share this machine's two cores so that
+a rank's local work cannot hide behind the other's, ``compute()`` at most 1.10x the
+bare collective plus the local ``compute(sync=False)`` (their medians summed); with 4
+ranks, at most 1.25x the bare collective.
 
 Then each rank counts the torch ops one ``compute()`` dispatches after 100 and after
 10,000 log calls (``sync_ops.py``), and the load average before and after is reported.
@@ -49,7 +55,6 @@ import gc
 import math
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,6 +69,7 @@ from sync_contenders import (
     KINDS,
     MICRO_BATCHES,
     Contender,
+    Local,
     RlMetrics,
     TorchEval,
     TorchMetrics,
@@ -73,7 +79,9 @@ from sync_contenders import (
 )
 
 START, END = "<!-- sync_bench:start -->", "<!-- sync_bench:end -->"
-CONTENDERS = ("rlmetrics", "bare", "bare pair", "verl", "torchmetrics", "torcheval")
+CONTENDERS = ("rlmetrics", "bare", "local", "bare pair", "verl", "torchmetrics", "torcheval")
+# the sync target per world size: (the ratio's denominator, its largest value)
+SYNC_TARGET = {2: (("bare", "local"), 1.10), 4: (("bare",), 1.25)}
 CPU = "cpu:"  # key prefix of process-CPU times
 # samples wanted from the slow contenders at N <= 8, N <= 64, larger N (2 ranks, more)
 SLOW_SAMPLES = {"torchmetrics": (60, 15, (4, 3)), "torcheval": (60, 20, (6, 5))}
@@ -141,7 +149,12 @@ def bench_size(rank: int, world: int, n: int, args: argparse.Namespace) -> dict[
     rl.prepare(step_values(args.seed, rank, -1, n))
     rl.run()  # agree the schema once, as a training run's first step does
     bare, pair = bare_contenders(rl, step_values(args.seed, rank, -1, n))  # steady state
-    contenders: list[Contender] = [rl, bare, pair, VerlStyle(names), TorchMetrics(names)]
+    local = Local(names)
+    for _ in range(3):  # as many steps as rl has taken (its first and two recorded)
+        local.prepare(step_values(args.seed, rank, -1, n))
+        local.run()
+    contenders: list[Contender] = [rl, bare, local, pair, VerlStyle(names)]
+    contenders.append(TorchMetrics(names))
     contenders.append(TorchEval(names))
     every = {c.name: every_kth(c.name, world, n, args.iters) for c in contenders}
     times: dict[str, list[int]] = {k + c.name: [] for c in contenders for k in ("", CPU)}
@@ -226,20 +239,19 @@ def medians(
 
 
 def table(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "") -> list[str]:
-    """Markdown rows: medians / p90 per contender and the five ratios."""
+    """Markdown rows: medians / p90 per contender and the ratios to rlmetrics."""
     rows = [
-        "| ranks | N | SUM+MAX floats | rlmetrics | bare | bare pair | verl-style "
-        "| torchmetrics | torcheval | rl / bare | pair / bare | tm / rl | te / rl | verl / rl |",
-        "|---:|---:|---:" + "|---:" * (len(CONTENDERS) + 5) + "|",
+        "| ranks | N | SUM+MAX floats | rlmetrics | bare | local | bare pair | verl-style "
+        "| torchmetrics | torcheval | rl / bare | tm / rl | te / rl | verl / rl |",
+        "|---:|---:|---:" + "|---:" * (len(CONTENDERS) + 4) + "|",
     ]
     for (world, n), s in medians(results, prefix).items():
         floats = "+".join(map(str, results[world][n]["floats"]))
         if not results[world][n]["bare gathers"][0]:
             floats += " (pair)"  # above rd.GATHER_LIMIT: bare is the pair too
         cells = [f"{s[c][0]:,.0f} / {s[c][1]:,.0f} ({s[c][2]})" for c in CONTENDERS]
-        rl, bare = s["rlmetrics"][0], s["bare"][0]
-        ratios = [rl / bare, s["bare pair"][0] / bare]
-        ratios += [s[c][0] / rl for c in ("torchmetrics", "torcheval", "verl")]
+        rl = s["rlmetrics"][0]
+        ratios = [rl / s["bare"][0]] + [s[c][0] / rl for c in ("torchmetrics", "torcheval", "verl")]
         rows.append(
             f"| {world} | {n} | {floats} | "
             + " | ".join(cells)
@@ -250,17 +262,49 @@ def table(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "")
     return rows
 
 
-def verdict(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "") -> str:
-    """The targets, each with the measured ratios and met / missed."""
+def sync_ratios(
+    results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = ""
+) -> dict[tuple[int, int], tuple[float, float]]:
+    """{(ranks, N): (rlmetrics / its floor, the target)} for the world sizes the sync
+    target covers: the floor is the median bare collective, plus the median local
+    ``compute(sync=False)`` with 2 ranks."""
+    out = {}
+    for (world, n), s in medians(results, prefix).items():
+        if world in SYNC_TARGET:
+            floor, limit = SYNC_TARGET[world]
+            out[world, n] = (s["rlmetrics"][0] / sum(s[c][0] for c in floor), limit)
+    return out
+
+
+def sync_target_table(results: dict[int, dict[int, dict[str, list[int]]]]) -> list[str]:
+    """The sync target's rows: medians (wall) of rlmetrics, bare and local, the ratio
+    against the floor the world size is judged by, in wall and CPU time."""
+    wall, cpu = medians(results), sync_ratios(results, CPU)
+    rows = [
+        "| ranks | N | rlmetrics µs | bare µs | local µs | ratio | target | met (wall) | "
+        "ratio, CPU time |",
+        "|---:|---:|---:|---:|---:|---|---:|---|---:|",
+    ]
+    for (world, n), (ratio, limit) in sync_ratios(results).items():
+        s = wall[world, n]
+        parts = SYNC_TARGET[world][0]
+        floor = parts[0] if len(parts) == 1 else f"({' + '.join(parts)})"
+        rows.append(
+            f"| {world} | {n} | {s['rlmetrics'][0]:,.0f} | {s['bare'][0]:,.0f} | "
+            f"{s['local'][0]:,.0f} | rl / {floor} = {ratio:.2f}x | ≤ {limit:.2f}x | "
+            f"{'met' if ratio <= limit else 'missed'} | {cpu[world, n][0]:.2f}x |"
+        )
+    return rows
+
+
+def verdict(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "") -> list[str]:
+    """One line per target, each with the measured ratios and met / missed."""
     m = medians(results, prefix)
-    ratio = {
-        k: (v["rlmetrics"][0], v["bare"][0], v["verl"][0], v["torchmetrics"][0])
-        for k, v in m.items()
-    }
-    bare = {k: rl / b for k, (rl, b, _, _) in ratio.items()}
-    tm = {k: t / rl for k, (rl, _, _, t) in ratio.items() if k[1] == 64}
-    verl = {k: v / rl for k, (rl, _, v, _) in ratio.items() if k[1] == 512}
-    saved = {k: (v - rl) / 1000 for k, (rl, _, v, _) in ratio.items() if k[1] == 512}
+    ratio = {k: (v["rlmetrics"][0], v["verl"][0], v["torchmetrics"][0]) for k, v in m.items()}
+    sync = sync_ratios(results, prefix)
+    tm = {k: t / rl for k, (rl, _, t) in ratio.items() if k[1] == 64}
+    verl = {k: v / rl for k, (rl, v, _) in ratio.items() if k[1] == 512}
+    saved = {k: (v - rl) / 1000 for k, (rl, v, _) in ratio.items() if k[1] == 512}
 
     def fmt(values: dict[tuple[int, int], float]) -> str:
         return ", ".join(f"{w} ranks N={n}: {r:.2f}x" for (w, n), r in values.items()) or "-"
@@ -273,15 +317,16 @@ def verdict(results: dict[int, dict[int, dict[str, list[int]]]], prefix: str = "
 
     faster = all(r > 1 for r in verl.values())
     margins = ", ".join(f"{w} ranks: {ms:.1f} ms" for (w, _), ms in saved.items()) or "-"
-    return (
-        f"rlmetrics / bare ≤ 1.25x: {fmt(bare)}; "
-        f"{met(all(r <= 1.25 for r in bare.values()), bare)}. "
-        f"torchmetrics / rlmetrics ≥ 100x at N=64: {fmt(tm)}; "
-        f"{met(all(r >= 100 for r in tm.values()), tm)}. "
-        f"verl-style faster at N=512, by more at more ranks: as time saved per step "
+    missed = [f"{w} ranks N={n}" for (w, n), (r, limit) in sync.items() if r > limit]
+    return [
+        f"- sync target (2 ranks ≤ 1.10x bare + local, 4 ranks ≤ 1.25x bare): "
+        f"{met(not missed, sync)}" + (f" (missed at {', '.join(missed)})" if missed else "") + ".",
+        f"- torchmetrics / rlmetrics ≥ 100x at N=64: {fmt(tm)}; "
+        f"{met(all(r >= 100 for r in tm.values()), tm)}.",
+        f"- verl-style slower at N=512, by more at more ranks: time saved per step "
         f"(verl-style - rlmetrics) {margins}; {met(faster and grows(saved), saved)}; "
-        f"as a ratio {fmt(verl)}; {met(faster and grows(verl), verl)}."
-    )
+        f"as a ratio {fmt(verl)}; {met(faster and grows(verl), verl)}.",
+    ]
 
 
 def machine_line(loads: tuple[str, str]) -> str:
@@ -301,53 +346,50 @@ def section(
     ops: dict[int, sync_ops.Counts],
     args: argparse.Namespace,
     loads: tuple[str, str],
-    reading: str,
+    seconds: float,
 ) -> str:
     """The whole marked section of RESULTS.md."""
+    settings = (
+        f"`--worlds {' '.join(map(str, args.worlds))} --sizes {' '.join(map(str, args.sizes))} "
+        f"--iters {args.iters} --warmup {args.warmup}`, {seconds:.0f} s"
+    )
     return "\n".join(
         [
             START,
             "## sync_bench: one step's metric sync (`benchmarks/sync_bench.py`)",
             "",
-            f"Machine: {machine_line(loads)}.",
+            "`Tracker.compute()` of N scalar metrics (mean, sum, max, min, last; 4 "
+            "micro-batches of python floats) on gloo ranks, against the bare collective of "
+            "the same bytes, the same tracker state's `compute(sync=False)` (local), "
+            "verl-style, torchmetrics and torcheval; each iteration the contenders run in "
+            "a rotating order, each after a barrier; a sample is the slowest rank's time.",
             "",
-            f"Cells: median / p90 in µs (samples). A sample is the max over ranks of one "
-            f"iteration; {args.warmup} warm-up iterations discarded, {args.iters} measured, "
-            "contenders interleaved round-robin per iteration, each after a barrier; "
-            "torchmetrics and torcheval run on every k-th iteration only at larger N. "
-            "SUM+MAX floats: "
-            "the sizes of the two parts of the buffer rlmetrics gathers (the bare "
-            "contender's too). bare: what rlmetrics issues, one all_gather of that buffer "
-            "and the host reduction (marked (pair) where the group is above "
-            "rlmetrics._engine.sync.GATHER_LIMIT and rlmetrics all_reduces); bare pair: "
-            "all_reduce(SUM) + all_reduce(MAX) of the buffers rlmetrics packs for them (the "
-            "SUM part longer by one NaN count per float of the MAX part), what it issues "
-            "above the limit.",
+            f"Machine: {machine_line(loads)}. Settings: {settings}.",
             "",
-            "Wall time of the sync (what the targets are about):",
+            "Sync target (issue 34): 2 ranks ≤ 1.10x (bare + local), 4 ranks ≤ 1.25x bare; "
+            "medians, wall time:",
+            "",
+            *sync_target_table(results),
+            "",
+            "Wall time, median / p90 µs (samples):",
             "",
             *table(results),
             "",
-            "Targets, wall time: " + verdict(results),
+            *verdict(results),
             "",
-            "Process CPU time of the sync (all threads of a rank, gloo's included; waits and "
-            "time descheduled excluded, so far less sensitive to a shared machine):",
+            "Process CPU time (all threads of a rank, gloo's included; waits excluded), "
+            "median / p90 µs (samples):",
             "",
             *table(results, CPU),
             "",
-            "Same targets, CPU time: " + verdict(results, CPU),
-            "",
             f"Torch ops dispatched by one `compute()` after {sync_ops.CALLS[0]:,} and "
             f"{sync_ops.CALLS[-1]:,} log calls of {sync_ops.NUM_METRICS} metrics of 0-d CPU "
-            "tensors (rank 0; a `TorchDispatchMode` counting every op through torch's "
-            "dispatcher, the c10d collective included; the tensor path "
-            "is the one a CUDA tensor takes, `reduce_host_data_with_numpy = False`):",
+            "tensors (rank 0, the collective included; the tensor path is the one a CUDA "
+            "tensor takes):",
             "",
             *sync_ops.markdown(ops),
             "",
             sync_ops.verdict(ops),
-            "",
-            reading,
             END,
         ]
     )
@@ -363,7 +405,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="s per world")
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--reading", type=Path, help="a file with the paragraph to write")
     args = parser.parse_args(argv)
     start, before = time.perf_counter(), load()
     runs = {world: run_world(world, args) for world in args.worlds}
@@ -373,14 +414,15 @@ def main(argv: list[str] | None = None) -> None:
     for prefix, what in (("", "wall"), (CPU, "process CPU")):
         print(f"{what} time, median / p90 us (samples):")
         print("\n".join(table(results, prefix)))
-        print(verdict(results, prefix))
+        print("\n".join(verdict(results, prefix)))
+    print("\n".join(sync_target_table(results)))
     print("\n".join(sync_ops.markdown(ops)))
     print(sync_ops.verdict(ops))
     print(f"load average {loads[0]} before, {loads[1]} after")
-    print(f"total {time.perf_counter() - start:.0f} s")
-    reading = args.reading.read_text().strip() if args.reading else ""
+    seconds = time.perf_counter() - start
+    print(f"total {seconds:.0f} s")
     if not args.no_write:
-        write_section(section(results, ops, args, loads, reading), START, END)
+        write_section(section(results, ops, args, loads, seconds), START, END)
 
 
 if __name__ == "__main__":

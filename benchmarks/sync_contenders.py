@@ -79,6 +79,16 @@ class RlMetrics(Contender):
         return seen
 
 
+class Local(RlMetrics):
+    """A second tracker logged the same values, computed without the process group:
+    the local half of ``compute()`` (fold, results) with no collective."""
+
+    name = "local"
+
+    def run(self) -> dict[str, float]:
+        return self.tracker.compute(sync=False)
+
+
 class Bare(Contender):
     """The SUM and MAX buffers alone: one all_gather and a host reduction (``gather``),
     or all_reduce(SUM) + all_reduce(MAX)."""

@@ -112,6 +112,30 @@ def drift(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def reading(results: list[dict]) -> str:
+    """The loss phase's collectives per logged step of each trainer, and the largest
+    difference between splits of the same logged value, per trainer."""
+    parts = []
+    for trainer, label in (("plain", "GRPOTrainer"), ("exact", "ExactGRPOTrainer")):
+        mine = [r for r in results if r["spec"]["trainer"] == trainer]
+        loss = sorted(
+            {r["counts"].get("loss/collectives", 0) / r["spec"]["max_steps"] for r in mine}
+        )
+        spread, where = 0.0, "-"
+        for step in (1, 2):
+            for key in DRIFT_KEYS:
+                values = [r["logs"][step - 1][key] for r in mine]
+                if max(values) - min(values) > spread:
+                    spread, where = max(values) - min(values), f"`{key}` step {step}"
+        span = f"{loss[0]:g}" if len(loss) == 1 else f"{loss[0]:g} to {loss[-1]:g}"
+        parts.append(
+            f"{label}: {span} "
+            f"collectives per logged step in the loss, largest difference between splits "
+            f"{spread:.2g} ({where})"
+        )
+    return "; ".join(parts) + "."
+
+
 def _split(result: dict) -> str:
     return f"{result['spec']['per_device']}x{result['spec']['accumulation']}"
 
@@ -134,29 +158,27 @@ def main() -> None:
             "## trl_syncs: metric syncs of TRL's GRPOTrainer and ExactGRPOTrainer "
             "(`benchmarks/trl_syncs.py`)",
             "",
-            f"Machine: {os.cpu_count()} CPUs, {platform.machine()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}, trl {trl.__version__}, "
-            f"2 processes (torchrun, gloo on 127.0.0.1), {date.today()}.",
+            "Collectives and host reads (a tensor's `item`, `tolist`, `bool`/`float`/`int`, "
+            "`cpu`: each a device sync on a GPU) per logged step of rank 0, by trainer "
+            "phase, and the logged values, at three splits of the same batch.",
             "",
-            f"Cells: collectives / host reads per logged step, rank 0, over {STEPS} steps of "
-            "8 completions (split: per process x accumulation steps, 2 processes; "
-            "beta=0.04, num_iterations=2, so a generation every other step; a log every "
-            "step). Phases: loss = `_compute_loss` without the model's forward (every "
-            "micro-batch), forward = the model's (transformers' mask checks), generation = "
-            "`_generate_and_score_completions` without its forwards, log() = the whole "
-            "`log()` call, first and later, other = transformers' Trainer (its NaN check "
-            "of each micro-batch's loss, the loss gather per log, the gradient norm). A "
-            "host read is a tensor's `item`, `tolist`, `bool`/`float`/`int` or `cpu` (a "
-            "device sync on a GPU, none on this CPU); the Tracker runs the path a GPU "
-            "tensor takes.",
+            f"Machine: {os.cpu_count()} CPUs (nproc), {platform.machine()}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}, trl {trl.__version__}, "
+            f"2 processes (torchrun, gloo on 127.0.0.1), {date.today()}. Settings: "
+            f"{STEPS} steps of 8 completions, split = per process x accumulation steps, "
+            "beta=0.04, num_iterations=2, a log every step.",
+            "",
+            "Cells: collectives / host reads. loss: `_compute_loss` without the model's "
+            "forward; forward: the model's; generation: `_generate_and_score_completions` "
+            "without its forwards; other: transformers' Trainer.",
             "",
             table(results),
             "",
-            "The same runs' logged values (2 processes; `kl` is 0 at step 1, where the "
-            "policy is the reference, and the clip ratios are 0 there, the first "
-            "iteration on fresh generations):",
+            "Logged values at steps 1 and 2, per split:",
             "",
             drift(results),
+            "",
+            reading(results),
             END,
         ]
     )

@@ -20,7 +20,8 @@ def bench() -> Iterator[dict[str, ModuleType]]:
     """The benchmark modules, imported with benchmarks/ on sys.path for this module."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
-        names = ("op_count", "log_bench", "sync_ops", "step_bench")
+        patch.setenv("OMP_NUM_THREADS", "1")  # sync_bench sets it on import; undone after
+        names = ("op_count", "log_bench", "sync_ops", "step_bench", "sync_bench")
         yield {name: importlib.import_module(name) for name in names}
 
 
@@ -66,6 +67,39 @@ def test_sync_ops_verdict_needs_the_same_count(bench: dict[str, ModuleType]) -> 
     assert sync_ops.verdict({2: same, 4: grows}).endswith(": not met.")
     table = "\n".join(sync_ops.markdown({4: grows}))
     assert "| 4 | tensor path | 6 | 7 | no |" in table
+
+
+def _sync_results(medians_us: dict[int, dict[str, float]]) -> dict:
+    """sync_bench's per-iteration results for N=8 (three samples, median as given)."""
+
+    def times(world: int) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {"floats": [29, 16], "bare gathers": [1]}
+        for name in ("rlmetrics", "bare", "local", "bare pair", "verl", "torchmetrics"):
+            us = medians_us[world].get(name, 100.0)
+            for prefix in ("", "cpu:"):
+                out[prefix + name] = [int(us * 1e3), int(us * 1e3), -1, int(us * 2e3)]
+        out["torcheval"] = out["cpu:torcheval"] = [1000, 1000, 1000]
+        return out
+
+    return {world: {8: times(world)} for world in medians_us}
+
+
+def test_sync_target_judges_2_ranks_against_bare_plus_local(bench: dict[str, ModuleType]) -> None:
+    sync_bench = bench["sync_bench"]
+    results = _sync_results(
+        {
+            2: {"rlmetrics": 1090.0, "bare": 700.0, "local": 300.0},  # 1.09x of 1000
+            4: {"rlmetrics": 1300.0, "bare": 1000.0, "local": 300.0},  # 1.30x of bare
+        }
+    )
+    ratios = sync_bench.sync_ratios(results)
+    assert ratios[2, 8] == pytest.approx((1.09, 1.10)) and ratios[4, 8] == pytest.approx(
+        (1.3, 1.25)
+    )
+    table = "\n".join(sync_bench.sync_target_table(results))
+    assert "| 2 | 8 | 1,090 | 700 | 300 | rl / (bare + local) = 1.09x | ≤ 1.10x | met |" in table
+    assert "| 4 | 8 | 1,300 | 1,000 | 300 | rl / bare = 1.30x | ≤ 1.25x | missed |" in table
+    assert "missed at 4 ranks N=8" in sync_bench.verdict(results)[0]
 
 
 def test_sync_ops_counts_one_compute(bench: dict[str, ModuleType]) -> None:
