@@ -48,8 +48,6 @@ from scenarios import (
 
 from verl_formulas import kl_penalty, masked_mean, policy_loss, value_loss
 
-from local_ray import local_ray
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 WORLD_SIZE = 2
@@ -224,38 +222,45 @@ def whole_batch_truth(trainer: SimpleNamespace, batch: Any) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def runs(model_path: str) -> Iterator[dict[str, Any]]:
+def runs(model_path: str, verl_ray: None) -> Iterator[dict[str, Any]]:
     """Both worker groups' facts and logged metrics, and the truth; also written as JSON
-    to $RLMETRICS_VERL_RESULTS_DIR when set (the numbers docs/verl.md quotes)."""
+    to $RLMETRICS_VERL_RESULTS_DIR when set (the numbers docs/verl.md quotes). The
+    workers are ended before the other modules run."""
+    import ray
+
     import rlmetrics.integrations.verl as integration
 
     was_enabled = integration.is_enabled()
     integration.disable()  # the driver hands verl's own classes to Ray
+    trainers: dict[str, SimpleNamespace] = {}
     try:
-        with local_ray(num_cpus=2 * WORLD_SIZE):
-            config = ray_trainer_config(model_path)
-            env = {"VERL_USE_EXTERNAL_MODULES": WORKER_MODULE}
-            trainers = {
-                name: start_workers(config, env | extra) for name, extra in VARIANTS.items()
-            }
-            for trainer in trainers.values():
-                init_workers(trainer)
-            batch = make_batch(seed=SEED, rows=ROWS)
-            from verl.workers import engine_workers
+        config = ray_trainer_config(model_path)
+        env = {"VERL_USE_EXTERNAL_MODULES": WORKER_MODULE}
+        for name, extra in VARIANTS.items():
+            trainers[name] = start_workers(config, env | extra)
+        for trainer in trainers.values():
+            init_workers(trainer)
+        batch = make_batch(seed=SEED, rows=ROWS)
+        from verl.workers import engine_workers
 
-            out: dict[str, Any] = {
-                "driver_classes": [
-                    f"{c.__module__}.{c.__qualname__}"
-                    for c in (
-                        engine_workers.TrainingWorker,
-                        engine_workers.ActorRolloutRefWorker.actor_worker_cls,
-                    )
-                ],
-                "truth": whole_batch_truth(trainers["exact"], batch),
-            }
-            for name, trainer in trainers.items():
-                out[name] = {"facts": facts(trainer), "logged": updates(trainer, batch)}
+        out: dict[str, Any] = {
+            "driver_classes": [
+                f"{c.__module__}.{c.__qualname__}"
+                for c in (
+                    engine_workers.TrainingWorker,
+                    engine_workers.ActorRolloutRefWorker.actor_worker_cls,
+                )
+            ],
+            "truth": whole_batch_truth(trainers["exact"], batch),
+        }
+        for name, trainer in trainers.items():
+            out[name] = {"facts": facts(trainer), "logged": updates(trainer, batch)}
     finally:
+        for trainer in trainers.values():
+            for worker in trainer.group.workers:
+                ray.kill(worker)
+            for placement_group in trainer.group.resource_pool.pgs or ():
+                ray.util.remove_placement_group(placement_group)
         if was_enabled:
             integration.enable()
     folder = os.environ.get("RLMETRICS_VERL_RESULTS_DIR")
