@@ -1,7 +1,8 @@
 """The verl suite runs in .venv-verl (``make test-verl``); elsewhere it is skipped whole.
 
 Real verl 0.9.1 runs on the CPU here (``cpu_verl.py``); the spawned ranks share one
-temporary HOME/TMPDIR, so nothing is written outside it.
+temporary HOME/TMPDIR, so nothing is written outside it. The tests that need Ray share
+one local Ray (``verl_ray``), started once.
 """
 
 from __future__ import annotations
@@ -35,3 +36,13 @@ def model_path(verl_home: str) -> str:
     path = os.path.join(verl_home, "models")
     make_models(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def verl_ray() -> Iterator[None]:
+    """One local Ray for the suite (4 logical CPUs: two worker groups of 2), started on
+    first use and shut down at the end of the session."""
+    from local_ray import local_ray
+
+    with local_ray(num_cpus=4):
+        yield

@@ -110,22 +110,22 @@ def trainer_config(model_path: str, lr: float = 0.0) -> Any:
     return config
 
 
-def make_batch(seed: int = 1) -> Any:
-    """BATCH sequences (left-padded prompts, right-padded responses of different
+def make_batch(seed: int = 1, rows: int = BATCH) -> Any:
+    """``rows`` sequences (left-padded prompts, right-padded responses of different
     lengths) with old and reference log-probs and advantages, as verl's driver holds
     them before ``_update_actor``."""
     from tensordict import TensorDict
 
     gen = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(2, PROMPT_LEN + 1, (BATCH,), generator=gen)
-    response_lens = torch.randint(1, RESPONSE_LEN + 1, (BATCH,), generator=gen)
-    input_ids = torch.randint(0, VOCAB, (BATCH, PROMPT_LEN + RESPONSE_LEN), generator=gen)
+    prompt_lens = torch.randint(2, PROMPT_LEN + 1, (rows,), generator=gen)
+    response_lens = torch.randint(1, RESPONSE_LEN + 1, (rows,), generator=gen)
+    input_ids = torch.randint(0, VOCAB, (rows, PROMPT_LEN + RESPONSE_LEN), generator=gen)
     positions = torch.arange(PROMPT_LEN + RESPONSE_LEN)
     prompt_mask = positions[None, :PROMPT_LEN] >= (PROMPT_LEN - prompt_lens)[:, None]
     response_mask = positions[None, :RESPONSE_LEN] < response_lens[:, None]
     attention_mask = torch.cat((prompt_mask, response_mask), dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    shape = (BATCH, RESPONSE_LEN)
+    shape = (rows, RESPONSE_LEN)
     return TensorDict(
         {
             "input_ids": input_ids,
@@ -140,7 +140,7 @@ def make_batch(seed: int = 1) -> Any:
             "values": 0.3 * torch.randn(shape, generator=gen),
             "returns": torch.randn(shape, generator=gen),
         },
-        batch_size=[BATCH],
+        batch_size=[rows],
     )
 
 
@@ -195,17 +195,12 @@ def build_actor(model_path: str, lr: float = 0.0) -> Any:
     return worker
 
 
-def build_critic(model_path: str) -> Any:
-    """verl's critic as its trainer builds it: the TrainingWorker class looked up at
-    build time in ``verl.workers.engine_workers``, given ``value_loss``."""
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers import engine_workers
-    from verl.workers.utils.losses import value_loss
-
-    config = trainer_config(model_path)
-    critic = config.critic
+def set_critic(config: Any, model_path: str) -> None:
+    """Point verl's trainer config's critic at the value model in ``model_path``, set up
+    for the CPU as the actor is (``trainer_config``)."""
     from omegaconf import open_dict
 
+    critic = config.critic
     with open_dict(config):
         critic.strategy = "fsdp2"
         critic.model.path = model_path
@@ -221,8 +216,17 @@ def build_critic(model_path: str) -> Any:
         critic.optim.lr = 0.0
         critic.ppo_micro_batch_size_per_gpu = BATCH
         critic.ppo_mini_batch_size = BATCH
-    critic_config = omega_conf_to_dataclass(critic)
+
+
+def critic_worker_config(config: Any) -> tuple[Any, Any]:
+    """The critic's ``TrainingWorkerConfig`` and ``CriticConfig``, made from the trainer
+    config as ``RayPPOTrainer.init_workers`` makes them."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers import engine_workers
+
+    critic_config = omega_conf_to_dataclass(config.critic)
     critic_config.engine.max_token_len_per_gpu = critic_config.ppo_max_token_len_per_gpu
+    critic_config.engine.infer_max_token_len_per_gpu = critic_config.ppo_infer_max_token_len_per_gpu
     worker_config = engine_workers.TrainingWorkerConfig(
         model_type="value_model",
         model_config=critic_config.model,
@@ -230,6 +234,18 @@ def build_critic(model_path: str) -> Any:
         optimizer_config=critic_config.optim,
         checkpoint_config=critic_config.checkpoint,
     )
+    return worker_config, critic_config
+
+
+def build_critic(model_path: str) -> Any:
+    """verl's critic as its trainer builds it: the TrainingWorker class looked up at
+    build time in ``verl.workers.engine_workers``, given ``value_loss``."""
+    from verl.workers import engine_workers
+    from verl.workers.utils.losses import value_loss
+
+    config = trainer_config(model_path)
+    set_critic(config, model_path)
+    worker_config, critic_config = critic_worker_config(config)
     worker = engine_workers.TrainingWorker(config=worker_config)
     worker.reset()
     worker.set_loss_fn(partial(value_loss, config=critic_config))
@@ -315,3 +331,27 @@ def collect(rank: int, world_size: int, port: int, model_path: str) -> dict[str,
         out["lr_exact"] = lr_steps(model_path, exact=True)
         out["lr_verl"] = lr_steps(model_path, exact=False)
     return out
+
+
+def worker_facts(worker: Any) -> dict[str, Any]:
+    """What a colocated Ray worker process (verl's ``WorkerDict``, holding ``actor`` and
+    ``critic``) reports about itself: whether rlmetrics' integration was imported in it,
+    and the classes verl built there for the actor's update and for the critic. Run in
+    the worker by the driver (``__ray_call__``); imports nothing of rlmetrics."""
+    import sys
+
+    from verl.plugin.platform import get_platform
+
+    inner = worker.worker_dict
+
+    def qualified(cls: type) -> str:
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    return {
+        "integration_imported": "rlmetrics.integrations.verl" in sys.modules,
+        "actor_update_class": qualified(type(inner["actor"].actor)),
+        "critic_class": qualified(type(inner["critic"])),
+        "platform": get_platform().device_name,
+        "plugins_policy": os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "auto"),
+        "pid": os.getpid(),
+    }

@@ -32,8 +32,6 @@ from rlmetrics.integrations.verl.dataproto import (
     metrics_field,
 )
 
-from local_ray import local_ray
-
 
 def make_data(seed: int, rows: int) -> DataProto:
     rng = np.random.default_rng(seed)
@@ -328,7 +326,7 @@ def test_driver_metrics_passed_through_by_every_rank_count_once() -> None:
     assert collected["rows"] == 16.0  # the driver's 8 rows once, and the ranks' 8
 
 
-def test_blocking_false_futures_merge_the_ranks_metrics() -> None:
+def test_blocking_false_futures_merge_the_ranks_metrics(verl_ray: None) -> None:
     """A ``blocking=False`` call: verl's collect returns a DataProtoFuture over the ranks'
     Ray objects; its ``get`` merges their metrics while the integration is on, and raises
     verl's own AssertionError once ``disable()`` restores verl's ``get``."""
@@ -339,16 +337,15 @@ def test_blocking_false_futures_merge_the_ranks_metrics() -> None:
     data = make_data(5, 9)
     group = fake_group(3)
     outputs = [run_rank(piece) for piece in data.chunk(3)]
-    with local_ray():
-        future = collect_nd_compute_dataproto([True] * 3, group, [ray.put(o) for o in outputs])
-        assert isinstance(future, DataProtoFuture) and is_enabled()
-        check_merged(future.get(), outputs, data)
-        disable()
-        try:
-            with pytest.raises(AssertionError, match=METRICS_KEY):
-                future.get()
-        finally:
-            enable()
-        chunked = future.chunk(3)[1].get()  # a future passed on to another worker group
-        assert len(chunked) == 3
-        check_merged(chunked, outputs, data)
+    future = collect_nd_compute_dataproto([True] * 3, group, [ray.put(o) for o in outputs])
+    assert isinstance(future, DataProtoFuture) and is_enabled()
+    check_merged(future.get(), outputs, data)
+    disable()
+    try:
+        with pytest.raises(AssertionError, match=METRICS_KEY):
+            future.get()
+    finally:
+        enable()
+    chunked = future.chunk(3)[1].get()  # a future passed on to another worker group
+    assert len(chunked) == 3
+    check_merged(chunked, outputs, data)
