@@ -30,9 +30,11 @@ from pathlib import Path
 from results_md import load, machine, write_section
 
 REPO = Path(__file__).resolve().parents[1]
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+KEY_COLUMNS = {"ranks", "N", "world", "calls", "kind", "case", "input", "contender", "metric"}
+"""Headers of the columns that, after the first, name a row rather than measure it."""
 
-Cell = tuple[int, str, str]  # (table number, row label, column header)
+Cell = tuple[str, str, str]  # (the table's first header, row label, column header)
 
 
 def export(rev: str, into: Path) -> Path:
@@ -49,26 +51,32 @@ def export(rev: str, into: Path) -> Path:
 
 def tables(text: str) -> dict[Cell, float]:
     """Every numeric cell of every markdown table in ``text``: the first number of the
-    cell, keyed by (table number, the row's first cell, the column's header). A table
-    starts at a header row, the row right above a separator row (``|---|---:|``)."""
+    cell (thousands separators allowed), keyed by (the table's first header, the row's
+    label, the column's header). A row's label is its first cell and the cells after it
+    under ``KEY_COLUMNS`` headers (``2 / 8`` for ranks 2, N 8). A table starts at a
+    header row, the row right above a separator row (``|---|---:|``)."""
     rows = [
         [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
         for line in text.splitlines()
     ]
     cells: dict[Cell, float] = {}
-    number, header = -1, None
+    header: list[str] | None = None
     for i, row in enumerate(rows):
         if row is None:
             header = None
         elif _separator(row):
             continue
         elif i + 1 < len(rows) and rows[i + 1] is not None and _separator(rows[i + 1]):
-            number, header = number + 1, row
+            header = row
         elif header is not None:
-            for column, cell in zip(header[1:], row[1:], strict=False):
+            keys = 1
+            while keys < len(header) and header[keys] in KEY_COLUMNS:
+                keys += 1
+            label = " / ".join(row[:keys])
+            for column, cell in zip(header[keys:], row[keys:], strict=False):
                 found = NUMBER.search(cell)
                 if found:
-                    cells[number, row[0], column] = float(found.group())
+                    cells[header[0], label, column] = float(found.group().replace(",", ""))
     return cells
 
 
@@ -76,8 +84,9 @@ def _separator(row: list[str] | None) -> bool:
     return row is not None and all(cell and set(cell) <= set("-: ") for cell in row)
 
 
-def run_once(tree: Path, script: str, args: list[str]) -> dict[Cell, float]:
-    """One run of ``tree``'s own benchmark script, its library on the path."""
+def run_once(tree: Path, script: str, args: list[str], keep: Path | None) -> dict[Cell, float]:
+    """One run of ``tree``'s own benchmark script, its library on the path (its output
+    also appended to ``keep``/<tree>.txt)."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     done = subprocess.run(
         [sys.executable, str(tree / "benchmarks" / script), *args, "--no-write"],
@@ -89,6 +98,10 @@ def run_once(tree: Path, script: str, args: list[str]) -> dict[Cell, float]:
     )
     if done.returncode != 0:
         sys.exit(f"{script} failed on {tree.name}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        with open(keep / f"{tree.name}.txt", "a") as out:
+            out.write(done.stdout + "\n")
     return tables(done.stdout)
 
 
@@ -103,7 +116,7 @@ def compare(
                 samples[cell][tree].append(value)
     rows = [
         f"| table | row | column | {before} | {after} | after - before | after / before |",
-        "|---:|---|---|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for (number, label, column), by_tree in sorted(samples.items(), key=lambda kv: kv[0]):
         if only and not any(word in column for word in only):
@@ -125,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--columns", nargs="*", default=[], help="keep columns naming these")
     parser.add_argument("--write", metavar="NAME", help="write the table into RESULTS.md")
+    parser.add_argument("--keep", type=Path, help="a folder for each run's raw output")
     parser.add_argument("script", help="the benchmark script, e.g. log_bench.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     args = parser.parse_args(argv)
@@ -138,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.runs):
             order = list(trees) if i % 2 == 0 else list(reversed(trees))
             for name in order:
-                runs[name].append(run_once(trees[name], args.script, script_args))
+                runs[name].append(run_once(trees[name], args.script, script_args, args.keep))
                 print(f"run {i + 1}/{args.runs}: {name} done", file=sys.stderr)
     loads.append(load())
     rows = compare(runs, args.before, after, args.columns)
