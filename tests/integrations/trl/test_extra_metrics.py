@@ -1,0 +1,130 @@
+"""ExactGRPOTrainer's ExtraMetrics against real TRL 1.16, on two processes (torchrun,
+gloo; the runs of the shared launch in conftest.py): per value of a dataset column.
+
+Each process holds one prompt's 4 completions per step and the step's two prompts come
+from different sources, so each process holds no sample of one source. Every added key
+must equal numpy over the whole step's completions of its source, both processes must
+log the same keys and values, the switch must add no collective, and with it off the
+logs must be exactly those of the run without it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("trl", reason="needs the .venv-trl environment (make test-trl)")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import grpo_runs
+import reference
+from grpo_runs import EXTRA_SPLITS
+
+TOL = 1e-6
+NOT_BATCH = {"step_time", "epoch", "step"}
+SOURCES = ("long", "short")
+
+
+def _row_source(prompt_ids: np.ndarray) -> str:
+    return grpo_runs.source_of(grpo_runs.prompt_of(prompt_ids))
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=TOL, abs_tol=TOL) or (math.isnan(a) and math.isnan(b))
+
+
+def _added(key: str) -> bool:
+    """A key ExtraMetrics adds: one ending in a source's name."""
+    return key.rsplit("/", 1)[-1] in SOURCES
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_runs_import_the_tree_under_test(split: str, two_processes: dict) -> None:
+    """torchrun's processes import this tree's rlmetrics, not another install."""
+    for result in two_processes["exact+extra", split]:
+        assert Path(result["rlmetrics_file"]).is_relative_to(grpo_runs.SRC)
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_each_process_lacks_a_source(split: str, two_processes: dict) -> None:
+    """The premise of the tests below: at step 1 each process generates for one source
+    only, and the two processes' sources differ."""
+    per_process = [
+        {s for item in result["captures"] if "sources" in item for s in item["sources"]}
+        for result in two_processes["exact+extra", split]
+    ]
+    assert per_process[0] | per_process[1] == set(SOURCES)
+    assert all(len(sources) == 1 for sources in per_process)
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_per_source_keys_equal_whole_batch_numpy(split: str, two_processes: dict) -> None:
+    result = two_processes["exact+extra", split]
+    captures = [rank["captures"] for rank in result]
+    for rank in result:
+        for entry in rank["logs"]:
+            want = reference.expected(captures, entry["step"], rank["spec"])
+            want.update(
+                reference.expected_by_source(captures, entry["step"], rank["spec"], _row_source)
+            )
+            added = {key for key in entry if _added(key)}
+            assert added == {key for key in want if _added(key)}, entry["step"]
+            # x 2 sources: entropy, kl, 5 clip ratios; at the generation step (step 1;
+            # step 2 reuses its completions) also 4 completion and 7 reward keys
+            per_source = 7 + 11 if entry["step"] == 1 else 7
+            assert len(added) == 2 * per_source
+            wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+            assert not wrong, f"step {entry['step']}: (logged, numpy) {wrong}"
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_processes_log_the_same_keys_and_values(split: str, two_processes: dict) -> None:
+    first, second = (
+        [_batch(entry) for entry in r["logs"]] for r in two_processes["exact+extra", split]
+    )
+    assert first == second
+
+
+def _batch(entry: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in entry.items() if k not in NOT_BATCH and not math.isnan(v)}
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_switch_off_logs_exactly_todays_keys_and_values(split: str, two_processes: dict) -> None:
+    """The same run without ExtraMetrics (today's trainer) logs exactly the keys and
+    values the run with it logs, less the added keys: the switch changes nothing else."""
+    on = [_batch(entry) for entry in two_processes["exact+extra", split][0]["logs"]]
+    off = [_batch(entry) for entry in two_processes["exact", split][0]["logs"]]
+    assert len(on) == len(off) == 2
+    for with_switch, without in zip(on, off, strict=True):
+        assert not any(_added(key) for key in without)
+        assert {k: v for k, v in with_switch.items() if not _added(k)} == without
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_switch_adds_no_collective(split: str, two_processes: dict) -> None:
+    """In steady state, one collective per log() with the switch as without it, and the
+    same collectives and host reads in the loss, generation and elsewhere. The first
+    log() agrees on the metric names across processes; there the processes' names
+    differ (each lacks a source), which takes the schema agreement's extra rounds (3),
+    as any name new to one process does."""
+    for rank in range(2):
+        on = two_processes["exact+extra", split][rank]
+        off = two_processes["exact", split][rank]
+        collectives = [
+            [calls.get("log/collectives", 0) for calls in run["log_counts"]] for run in (on, off)
+        ]
+        assert collectives[0][1:] == collectives[1][1:] == [1, 1]  # step 2, train()'s last
+        assert collectives[0][0] <= collectives[1][0] + 3
+        for phase in ("loss", "generation", "forward", "other"):
+            for what in ("collectives", "host_reads"):
+                key = f"{phase}/{what}"
+                assert on["counts"].get(key, 0) == off["counts"].get(key, 0), key
+        reads = [
+            [calls.get("log/host_reads", 0) for calls in run["log_counts"]] for run in (on, off)
+        ]
+        assert reads[0][1:] == reads[1][1:]
