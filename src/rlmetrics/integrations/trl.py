@@ -21,7 +21,8 @@ The hooks override private methods of ``trl==1.16.0`` (``_compute_loss``,
 ``_log_metric``, ``log``); another TRL version is refused rather than trusted.
 
 ``extra_metrics=ExtraMetrics(...)`` (off by default) adds keys TRL does not have:
-per value of a dataset column (``by_column``). See docs/trl.md.
+per value of a dataset column (``by_column``), quantiles of per-token quantities
+(``token_quantiles``). See docs/trl.md.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ from typing import Any
 import torch
 
 from rlmetrics.integrations.trl_loss import (
+    TOKEN_QUANTILE_STATS,
     LossConfig,
     Normalizer,
     aggregate_loss,
+    finish_token_quantiles,
     importance_ratio,
     kl_k3,
     log_policy_metrics,
+    log_token_quantiles,
     per_token_policy_loss,
 )
 from rlmetrics.integrations.trl_rollout import (
@@ -122,9 +126,14 @@ class ExtraMetrics:
             lengths, entropy, KL and clip ratios are also reported per value of the
             column as ``<key>/<value>`` (the value as ``str``). A process that holds no
             completion of some value reports the same keys as the others.
+        token_quantiles: ``entropy/{p50,p90,p99,max}``,
+            ``importance_ratio/{p50,p90,p99,max}`` and, with ``beta > 0``,
+            ``kl/{p50,p90,p99,max}`` over the window's completion tokens, from quantile
+            sketches (within relative error 0.01; max exact; docs/quantiles.md).
     """
 
     by_column: str | None = None
+    token_quantiles: bool = False
 
 
 def check_trl_version(version: str) -> None:
@@ -154,11 +163,15 @@ def _unsupported(trainer: Any) -> list[str]:
     return [name for name, bad in checks.items() if bad]
 
 
-def column_labels(inputs: Sequence[dict[str, Any]], column: str) -> list[str]:
+def column_labels(
+    inputs: Sequence[dict[str, Any]], column: str, reserved: Sequence[str] = ()
+) -> list[str]:
     """Each completion's label: its dataset row's value of ``column``, as ``str``.
 
     Raises:
         KeyError: a row lacks the column (naming it and the columns there are).
+        ValueError: a value is one of ``reserved`` (the token quantiles' key parts,
+            which ``entropy/<value>`` would clash with).
     """
     labels = []
     for row in inputs:
@@ -168,6 +181,12 @@ def column_labels(inputs: Sequence[dict[str, Any]], column: str) -> list[str]:
                 f"(a row has {sorted(row)})"
             )
         labels.append(str(row[column]))
+    clashing = set(labels) & set(reserved)
+    if clashing:
+        raise ValueError(
+            f"ExtraMetrics: values {sorted(clashing)} of column {column!r} would give keys "
+            "that token_quantiles reports (entropy/p50, ...); rename them"
+        )
     return labels
 
 
@@ -258,6 +277,10 @@ class ExactGRPOTrainer(GRPOTrainer):
             config=config,
             by=inputs.get(LABELS_KEY),
         )
+        if self.extra_metrics.token_quantiles:
+            log_token_quantiles(
+                log, mask=mask, entropies=entropies, ratio=ratio, per_token_kl=per_token_kl
+            )
         return loss
 
     def _normalizer(self, mode: str, inputs: dict[str, Any]) -> Normalizer:
@@ -289,7 +312,8 @@ class ExactGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         column = self.extra_metrics.by_column
-        labels = None if column is None else column_labels(inputs, column)
+        reserved = TOKEN_QUANTILE_STATS if self.extra_metrics.token_quantiles else ()
+        labels = None if column is None else column_labels(inputs, column, reserved)
         self._generation_labels = labels
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -344,7 +368,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         if mode == "train" and self._window_steps:
             tracker.max("step_time", self._window_seconds / self._window_steps)
             self._window_seconds, self._window_steps = 0.0, 0
-        results = finish_results(tracker.compute())
+        results = finish_token_quantiles(finish_results(tracker.compute()))
         trl_metrics = self._metrics[mode]
         for key in [key for key in trl_metrics if key in OWNED_KEYS or key in results]:
             del trl_metrics[key]

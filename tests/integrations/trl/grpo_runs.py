@@ -38,7 +38,7 @@ SOURCE_COLUMN = "data_source"
 OPTIONS = {"beta": 0.04, "num_iterations": 2}
 ONE_PROCESS = [(8, 1), (4, 2), (2, 4)]
 TWO_PROCESSES = [(4, 1), (2, 2), (1, 4)]
-EXTRA = {"by_column": SOURCE_COLUMN}
+EXTRA = {"by_column": SOURCE_COLUMN, "token_quantiles": True}
 EXTRA_SPLITS = [(2, 2)]
 
 
@@ -221,7 +221,8 @@ def _capturing(base: type) -> type:
                 loss = super()._compute_loss(model, inputs)
             logps, entropies, _ = self.captured_forward
             item = {"step": self.state.global_step + 1, "logp": logps, "entropy": entropies}
-            for key in ("completion_mask", "advantages", "old_per_token_logps", "prompt_ids"):
+            keys = ("completion_mask", "advantages", "old_per_token_logps", "prompt_ids")
+            for key in (*keys, "prompt_mask"):
                 item[key] = inputs.get(key)
             item["ref"] = inputs.get("ref_per_token_logps")
             self._capture(item)

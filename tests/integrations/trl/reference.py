@@ -234,3 +234,29 @@ def _zero_std_per_completion(rewards: np.ndarray, num_generations: int) -> np.nd
     totals = np.where(scored, np.nansum(rewards, axis=1), np.nan).reshape(-1, num_generations)
     stds = np.array([_sample_std(group[~np.isnan(group)]) for group in totals])
     return np.repeat(np.isclose(stds, 0.0), num_generations)
+
+
+def token_values(per_rank: list[list[dict[str, Any]]], step: int, spec: dict) -> dict:
+    """The window's per-token entropy, importance ratio and KL (beta > 0) over every
+    completion token of every process (one ratio per sequence when it is per sequence)."""
+    options = spec["options"]
+    window = range(step - spec.get("logging_steps", 1) + 1, step + 1)
+    micro = [item for captures in per_rank for item in captures if item["step"] in window]
+    micro = [item for item in micro if "logp" in item]
+    mask = _rows(micro, "completion_mask").astype(bool)
+    logp = _rows(micro, "logp")
+    old = _rows(micro, "old_per_token_logps") if "old_per_token_logps" in micro[0] else logp
+    out = {"entropy": _rows(micro, "entropy")[mask]}
+    ratio = np.exp(logp - old)
+    if options.get("importance_sampling_level") == "sequence":
+        seq = np.exp(((logp - old) * mask).sum(1) / np.maximum(mask.sum(1), 1))
+        out["importance_ratio"] = seq
+    else:
+        out["importance_ratio"] = ratio[mask]
+    if options.get("beta", 0.0):
+        diff = _rows(micro, "ref") - logp
+        kl = np.exp(diff) - diff - 1
+        if options.get("use_bias_correction_kl", True):
+            kl = kl * ratio
+        out["kl"] = kl[mask]
+    return out

@@ -1,5 +1,6 @@
 """ExactGRPOTrainer's ExtraMetrics against real TRL 1.16, on two processes (torchrun,
-gloo; the runs of the shared launch in conftest.py): per value of a dataset column.
+gloo; the runs of the shared launch in conftest.py): per value of a dataset column, and
+quantiles of per-token entropy, importance ratio and KL.
 
 Each process holds one prompt's 4 completions per step and the step's two prompts come
 from different sources, so each process holds no sample of one source. Every added key
@@ -27,6 +28,10 @@ from grpo_runs import EXTRA_SPLITS
 TOL = 1e-6
 NOT_BATCH = {"step_time", "epoch", "step"}
 SOURCES = ("long", "short")
+TOKEN_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+# the built-in quantile sketch's stated bound (docs/quantiles.md): relative error ALPHA
+# for magnitudes in [MIN_POSITIVE, 1e9], absolute error below MIN_POSITIVE / 2 below it
+ALPHA, MIN_POSITIVE = 0.01, 1e-9
 
 
 def _row_source(prompt_ids: np.ndarray) -> str:
@@ -38,7 +43,13 @@ def _close(a: float, b: float) -> bool:
 
 
 def _added(key: str) -> bool:
-    """A key ExtraMetrics adds: one ending in a source's name."""
+    """A key ExtraMetrics adds: one ending in a source's name, or a token quantile."""
+    name, _, last = key.rpartition("/")
+    quantile = name in ("entropy", "importance_ratio", "kl") and last in (*TOKEN_QUANTILES, "max")
+    return last in SOURCES or quantile
+
+
+def _by_source(key: str) -> bool:
     return key.rsplit("/", 1)[-1] in SOURCES
 
 
@@ -71,14 +82,34 @@ def test_per_source_keys_equal_whole_batch_numpy(split: str, two_processes: dict
             want.update(
                 reference.expected_by_source(captures, entry["step"], rank["spec"], _row_source)
             )
-            added = {key for key in entry if _added(key)}
-            assert added == {key for key in want if _added(key)}, entry["step"]
+            added = {key for key in entry if _by_source(key)}
+            assert added == {key for key in want if _by_source(key)}, entry["step"]
             # x 2 sources: entropy, kl, 5 clip ratios; at the generation step (step 1;
             # step 2 reuses its completions) also 4 completion and 7 reward keys
             per_source = 7 + 11 if entry["step"] == 1 else 7
             assert len(added) == 2 * per_source
             wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
             assert not wrong, f"step {entry['step']}: (logged, numpy) {wrong}"
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_token_quantiles_within_the_sketch_bound(split: str, two_processes: dict) -> None:
+    """p50, p90, p99 of every completion token of both processes within the sketch's
+    stated error of numpy's quantile (method "lower", the sketch's definition); max
+    exact."""
+    result = two_processes["exact+extra", split]
+    captures = [rank["captures"] for rank in result]
+    for entry in result[0]["logs"]:
+        values = reference.token_values(captures, entry["step"], result[0]["spec"])
+        assert set(values) == {"entropy", "importance_ratio", "kl"}
+        for name, tokens in values.items():
+            assert tokens.size > 8  # the tokens of both processes
+            assert _close(entry[f"{name}/max"], tokens.max()), name
+            for stat, q in TOKEN_QUANTILES.items():
+                true = np.quantile(tokens, q, method="lower")
+                bound = ALPHA * abs(true) if abs(true) >= MIN_POSITIVE else MIN_POSITIVE / 2
+                error = abs(entry[f"{name}/{stat}"] - true)
+                assert error <= bound * (1 + 1e-9), (entry["step"], name, stat, error, bound)
 
 
 @pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
@@ -128,3 +159,14 @@ def test_switch_adds_no_collective(split: str, two_processes: dict) -> None:
             [calls.get("log/host_reads", 0) for calls in run["log_counts"]] for run in (on, off)
         ]
         assert reads[0][1:] == reads[1][1:]
+
+
+def test_column_labels_name_a_missing_column_and_a_clashing_value() -> None:
+    from rlmetrics.integrations.trl import column_labels
+
+    rows = [{"prompt": "a", "data_source": 3}, {"prompt": "b", "data_source": "max"}]
+    assert column_labels(rows, "data_source") == ["3", "max"]
+    with pytest.raises(KeyError, match="no column 'source'"):
+        column_labels(rows, "source")
+    with pytest.raises(ValueError, match=r"values \['max'\] of column 'data_source'"):
+        column_labels(rows, "data_source", reserved=("p50", "p90", "p99", "max"))
