@@ -22,7 +22,8 @@ The hooks override private methods of ``trl==1.16.0`` (``_compute_loss``,
 
 ``extra_metrics=ExtraMetrics(...)`` (off by default) adds keys TRL does not have:
 per value of a dataset column (``by_column``), quantiles of per-token quantities
-(``token_quantiles``). See docs/trl.md.
+(``token_quantiles``), tokens per second over the slowest process
+(``tokens_per_second``). See docs/trl.md.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ BNPO_WARNING = (
 LABELS_KEY = "rlmetrics_by_column"
 
 
+# tokens_per_second's hidden parts: the window's tokens (each micro-batch's attention
+# mask, summed on its device at the fold), summed over processes, and the slowest
+# process's seconds: a sum and a max in the packed sync, nothing read before it
+WINDOW_TOKENS = "tokens_per_second/_tokens"
+SLOWEST_SECONDS = "tokens_per_second/_slowest_seconds"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExtraMetrics:
     """Metrics ``ExactGRPOTrainer`` adds to TRL's keys, each exact like the rest and
@@ -130,10 +138,16 @@ class ExtraMetrics:
             ``importance_ratio/{p50,p90,p99,max}`` and, with ``beta > 0``,
             ``kl/{p50,p90,p99,max}`` over the window's completion tokens, from quantile
             sketches (within relative error 0.01; max exact; docs/quantiles.md).
+        tokens_per_second: beside ``step_time``, ``tokens_per_second/total``: the
+            tokens (prompt and completion) every process's training steps processed in
+            the window, over the slowest process's time in them; ``tokens_per_second``:
+            that divided by the number of processes (per process, as verl's
+            ``perf/throughput``).
     """
 
     by_column: str | None = None
     token_quantiles: bool = False
+    tokens_per_second: bool = False
 
 
 def check_trl_version(version: str) -> None:
@@ -277,6 +291,8 @@ class ExactGRPOTrainer(GRPOTrainer):
             config=config,
             by=inputs.get(LABELS_KEY),
         )
+        if self.extra_metrics.tokens_per_second and mode == "train":
+            log.sum(WINDOW_TOKENS, attention_mask)  # its elements' sum: the tokens
         if self.extra_metrics.token_quantiles:
             log_token_quantiles(
                 log, mask=mask, entropies=entropies, ratio=ratio, per_token_kl=per_token_kl
@@ -367,8 +383,14 @@ class ExactGRPOTrainer(GRPOTrainer):
         tracker = self.exact_trackers[mode]
         if mode == "train" and self._window_steps:
             tracker.max("step_time", self._window_seconds / self._window_steps)
+            if self.extra_metrics.tokens_per_second:
+                tracker.max(SLOWEST_SECONDS, self._window_seconds)
             self._window_seconds, self._window_steps = 0.0, 0
         results = finish_token_quantiles(finish_results(tracker.compute()))
+        tokens, seconds = results.pop(WINDOW_TOKENS, None), results.pop(SLOWEST_SECONDS, None)
+        if tokens is not None and seconds:
+            results["tokens_per_second/total"] = tokens / seconds
+            results["tokens_per_second"] = tokens / seconds / self.accelerator.num_processes
         trl_metrics = self._metrics[mode]
         for key in [key for key in trl_metrics if key in OWNED_KEYS or key in results]:
             del trl_metrics[key]

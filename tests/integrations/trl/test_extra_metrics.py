@@ -1,6 +1,6 @@
 """ExactGRPOTrainer's ExtraMetrics against real TRL 1.16, on two processes (torchrun,
-gloo; the runs of the shared launch in conftest.py): per value of a dataset column, and
-quantiles of per-token entropy, importance ratio and KL.
+gloo; the runs of the shared launch in conftest.py): per value of a dataset column,
+quantiles of per-token entropy, importance ratio and KL, tokens per second.
 
 Each process holds one prompt's 4 completions per step and the step's two prompts come
 from different sources, so each process holds no sample of one source. Every added key
@@ -43,10 +43,11 @@ def _close(a: float, b: float) -> bool:
 
 
 def _added(key: str) -> bool:
-    """A key ExtraMetrics adds: one ending in a source's name, or a token quantile."""
+    """A key ExtraMetrics adds: one ending in a source's name, a token quantile, or
+    tokens per second."""
     name, _, last = key.rpartition("/")
     quantile = name in ("entropy", "importance_ratio", "kl") and last in (*TOKEN_QUANTILES, "max")
-    return last in SOURCES or quantile
+    return last in SOURCES or quantile or key.startswith("tokens_per_second")
 
 
 def _by_source(key: str) -> bool:
@@ -110,6 +111,27 @@ def test_token_quantiles_within_the_sketch_bound(split: str, two_processes: dict
                 bound = ALPHA * abs(true) if abs(true) >= MIN_POSITIVE else MIN_POSITIVE / 2
                 error = abs(entry[f"{name}/{stat}"] - true)
                 assert error <= bound * (1 + 1e-9), (entry["step"], name, stat, error, bound)
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_tokens_per_second_over_the_slowest_process(split: str, two_processes: dict) -> None:
+    """tokens_per_second/total = every process's trained tokens (numpy over the captured
+    prompt and completion masks) / the slowest process's seconds in the window, which
+    is step_time (the slowest process's mean per optimizer step) x steps in it;
+    tokens_per_second is that per process."""
+    result = two_processes["exact+extra", split]
+    spec = result[0]["spec"]
+    for entry in result[0]["logs"]:
+        micro = [
+            item
+            for rank in result
+            for item in rank["captures"]
+            if "logp" in item and item["step"] == entry["step"]
+        ]
+        tokens = sum(item["prompt_mask"].sum() + item["completion_mask"].sum() for item in micro)
+        seconds = entry["step_time"] * spec["logging_steps"]
+        assert entry["tokens_per_second/total"] == pytest.approx(tokens / seconds, rel=1e-9)
+        assert entry["tokens_per_second"] == pytest.approx(tokens / seconds / 2, rel=1e-9)
 
 
 @pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
