@@ -39,7 +39,7 @@ OPTIONS = {"beta": 0.04, "num_iterations": 2}
 ONE_PROCESS = [(8, 1), (4, 2), (2, 4)]
 TWO_PROCESSES = [(4, 1), (2, 2), (1, 4)]
 EXTRA = {"by_column": SOURCE_COLUMN, "token_quantiles": True, "tokens_per_second": True}
-EXTRA_SPLITS = [(2, 2)]
+EXTRA_SPLITS = [(2, 2), (1, 4)]
 
 
 def source_of(prompt: str) -> str:

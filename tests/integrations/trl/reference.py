@@ -186,7 +186,8 @@ def expected_by_source(
     for source in np.unique(sources):
         rows = sources == source
         metrics = policy_metrics([{k: v[rows] for k, v in whole.items()}], options)
-        out.update({f"{key}/{source}": metrics[key] for key in POLICY_KEYS_BY_SOURCE})
+        keys = [key for key in POLICY_KEYS_BY_SOURCE if key in metrics]  # kl: beta > 0
+        out.update({f"{key}/{source}": metrics[key] for key in keys})
     rewards = [item for captures in per_rank for item in captures if "rewards" in item]
     rewards = [item for item in rewards if item["step"] in window]
     if rewards:

@@ -23,7 +23,7 @@ pytest.importorskip("trl", reason="needs the .venv-trl environment (make test-tr
 sys.path.insert(0, str(Path(__file__).parent))
 import grpo_runs
 import reference
-from grpo_runs import EXTRA_SPLITS
+from grpo_runs import EXTRA, EXTRA_SPLITS, OPTIONS
 
 TOL = 1e-6
 NOT_BATCH = {"step_time", "epoch", "step"}
@@ -73,10 +73,11 @@ def test_each_process_lacks_a_source(split: str, two_processes: dict) -> None:
     assert all(len(sources) == 1 for sources in per_process)
 
 
-@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
-def test_per_source_keys_equal_whole_batch_numpy(split: str, two_processes: dict) -> None:
-    result = two_processes["exact+extra", split]
+def _check_by_source(result: list[dict]) -> list[int]:
+    """Every process's logs: the per-source keys are those numpy finds, with numpy's
+    values (and every other key numpy's). The number of per-source keys per step."""
     captures = [rank["captures"] for rank in result]
+    counts = []
     for rank in result:
         for entry in rank["logs"]:
             want = reference.expected(captures, entry["step"], rank["spec"])
@@ -85,26 +86,21 @@ def test_per_source_keys_equal_whole_batch_numpy(split: str, two_processes: dict
             )
             added = {key for key in entry if _by_source(key)}
             assert added == {key for key in want if _by_source(key)}, entry["step"]
-            # x 2 sources: entropy, kl, 5 clip ratios; at the generation step (step 1;
-            # step 2 reuses its completions) also 4 completion and 7 reward keys
-            per_source = 7 + 11 if entry["step"] == 1 else 7
-            assert len(added) == 2 * per_source
             wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
             assert not wrong, f"step {entry['step']}: (logged, numpy) {wrong}"
+            counts.append(len(added))
+    return counts
 
 
-@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
-def test_token_quantiles_within_the_sketch_bound(split: str, two_processes: dict) -> None:
-    """p50, p90, p99 of every completion token of both processes within the sketch's
+def _check_token_quantiles(result: list[dict], names: set[str]) -> None:
+    """p50, p90, p99 of every completion token of every process within the sketch's
     stated error of numpy's quantile (method "lower", the sketch's definition); max
     exact."""
-    result = two_processes["exact+extra", split]
     captures = [rank["captures"] for rank in result]
     for entry in result[0]["logs"]:
         values = reference.token_values(captures, entry["step"], result[0]["spec"])
-        assert set(values) == {"entropy", "importance_ratio", "kl"}
+        assert set(values) == names
         for name, tokens in values.items():
-            assert tokens.size > 8  # the tokens of both processes
             assert _close(entry[f"{name}/max"], tokens.max()), name
             for stat, q in TOKEN_QUANTILES.items():
                 true = np.quantile(tokens, q, method="lower")
@@ -113,25 +109,59 @@ def test_token_quantiles_within_the_sketch_bound(split: str, two_processes: dict
                 assert error <= bound * (1 + 1e-9), (entry["step"], name, stat, error, bound)
 
 
-@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
-def test_tokens_per_second_over_the_slowest_process(split: str, two_processes: dict) -> None:
+def _check_tokens_per_second(result: list[dict]) -> None:
     """tokens_per_second/total = every process's trained tokens (numpy over the captured
     prompt and completion masks) / the slowest process's seconds in the window, which
     is step_time (the slowest process's mean per optimizer step) x steps in it;
     tokens_per_second is that per process."""
-    result = two_processes["exact+extra", split]
     spec = result[0]["spec"]
     for entry in result[0]["logs"]:
+        window = range(entry["step"] - spec["logging_steps"] + 1, entry["step"] + 1)
         micro = [
             item
             for rank in result
             for item in rank["captures"]
-            if "logp" in item and item["step"] == entry["step"]
+            if "logp" in item and item["step"] in window
         ]
         tokens = sum(item["prompt_mask"].sum() + item["completion_mask"].sum() for item in micro)
         seconds = entry["step_time"] * spec["logging_steps"]
-        assert entry["tokens_per_second/total"] == pytest.approx(tokens / seconds, rel=1e-9)
-        assert entry["tokens_per_second"] == pytest.approx(tokens / seconds / 2, rel=1e-9)
+        total = tokens / seconds
+        assert entry["tokens_per_second/total"] == pytest.approx(total, rel=1e-9)
+        assert entry["tokens_per_second"] == pytest.approx(total / len(result), rel=1e-9)
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_per_source_keys_equal_whole_batch_numpy(split: str, two_processes: dict) -> None:
+    counts = _check_by_source(two_processes["exact+extra", split])
+    # x 2 sources: entropy, kl, 5 clip ratios; at the generation step (step 1; step 2
+    # reuses its completions) also 4 completion and 7 reward keys; per process
+    assert counts == [2 * (7 + 11), 2 * 7] * 2
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_token_quantiles_within_the_sketch_bound(split: str, two_processes: dict) -> None:
+    _check_token_quantiles(
+        two_processes["exact+extra", split], {"entropy", "importance_ratio", "kl"}
+    )
+
+
+@pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
+def test_tokens_per_second_over_the_slowest_process(split: str, two_processes: dict) -> None:
+    _check_tokens_per_second(two_processes["exact+extra", split])
+
+
+def test_sequence_level_ratio_one_process(model_dir: Path, tmp_path: Path) -> None:
+    """One process, grpo with one importance ratio per sequence and beta = 0 (no kl):
+    importance_ratio's quantiles are over sequences, the rest as on two processes."""
+    options = {**OPTIONS, "beta": 0.0, "loss_type": "grpo", "importance_sampling_level": "sequence"}
+    spec = grpo_runs.RunSpec("exact", 4, 2, options, extra=EXTRA)
+    result = [grpo_runs.run(spec, model_dir, str(tmp_path))]
+    # both sources at both steps (so a label carried to the wrong row would show): 6
+    # policy keys (no kl) per source, at step 1 also 4 completion and 7 reward keys
+    assert _check_by_source(result) == [2 * (6 + 11), 2 * 6]
+    _check_token_quantiles(result, {"entropy", "importance_ratio"})
+    _check_tokens_per_second(result)
+    assert not any(key.startswith("kl") for entry in result[0]["logs"] for key in entry)
 
 
 @pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
