@@ -126,8 +126,9 @@ SLOWEST_SECONDS = "tokens_per_second/_slowest_seconds"
 @dataclass(frozen=True, kw_only=True)
 class ExtraMetrics:
     """Metrics ``ExactGRPOTrainer`` adds to TRL's keys, each exact like the rest and
-    carried in the same packed sync (``ExactGRPOTrainer(..., extra_metrics=...)``; off
-    by default, and then the logged keys and values are TRL's keys as without it).
+    carried in the same packed sync (``ExactGRPOTrainer(..., extra_metrics=...)``).
+    Every field is off by default; with all off (or ``extra_metrics=None``) no key or
+    value changes.
 
     Attributes:
         by_column: a dataset column (for example ``"data_source"``): rewards, completion
