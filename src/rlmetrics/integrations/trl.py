@@ -19,23 +19,33 @@ seconds per optimizer step.
 The hooks override private methods of ``trl==1.16.0`` (``_compute_loss``,
 ``_calculate_rewards``, ``_generate``, ``_generate_and_score_completions``,
 ``_log_metric``, ``log``); another TRL version is refused rather than trusted.
+
+``extra_metrics=ExtraMetrics(...)`` (off by default) adds keys TRL does not have:
+per value of a dataset column (``by_column``), quantiles of per-token quantities
+(``token_quantiles``), tokens per second over the slowest process
+(``tokens_per_second``). See docs/trl.md.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlmetrics.integrations.trl_loss import (
+    TOKEN_QUANTILE_STATS,
     LossConfig,
     Normalizer,
     aggregate_loss,
+    finish_token_quantiles,
     importance_ratio,
     kl_k3,
     log_policy_metrics,
+    log_token_quantiles,
     per_token_policy_loss,
 )
 from rlmetrics.integrations.trl_rollout import (
@@ -101,6 +111,46 @@ BNPO_WARNING = (
 )
 
 
+# the generation batch's key that carries each completion's label to the micro-batches
+# (TRL shuffles and splits lists along with the tensors)
+LABELS_KEY = "rlmetrics_by_column"
+
+
+# tokens_per_second's hidden parts: the window's tokens (each micro-batch's attention
+# mask, summed on its device at the fold), summed over processes, and the slowest
+# process's seconds: a sum and a max in the packed sync, nothing read before it
+WINDOW_TOKENS = "tokens_per_second/_tokens"
+SLOWEST_SECONDS = "tokens_per_second/_slowest_seconds"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtraMetrics:
+    """Metrics ``ExactGRPOTrainer`` adds to TRL's keys, each exact like the rest and
+    carried in the same packed sync (``ExactGRPOTrainer(..., extra_metrics=...)``).
+    Every field is off by default; with all off (or ``extra_metrics=None``) no key or
+    value changes.
+
+    Attributes:
+        by_column: a dataset column (for example ``"data_source"``): rewards, completion
+            lengths, entropy, KL and clip ratios are also reported per value of the
+            column as ``<key>/<value>`` (the value as ``str``). A process that holds no
+            completion of some value reports the same keys as the others.
+        token_quantiles: ``entropy/{p50,p90,p99,max}``,
+            ``importance_ratio/{p50,p90,p99,max}`` and, with ``beta > 0``,
+            ``kl/{p50,p90,p99,max}`` over the window's completion tokens, from quantile
+            sketches (within relative error 0.01; max exact; docs/quantiles.md).
+        tokens_per_second: beside ``step_time``, ``tokens_per_second/total``: the
+            tokens (prompt and completion) every process's training steps processed in
+            the window, over the slowest process's time in them; ``tokens_per_second``:
+            that divided by the number of processes (per process, as verl's
+            ``perf/throughput``).
+    """
+
+    by_column: str | None = None
+    token_quantiles: bool = False
+    tokens_per_second: bool = False
+
+
 def check_trl_version(version: str) -> None:
     """Refuse a TRL version these hooks were not tested against.
 
@@ -128,11 +178,39 @@ def _unsupported(trainer: Any) -> list[str]:
     return [name for name, bad in checks.items() if bad]
 
 
+def column_labels(
+    inputs: Sequence[dict[str, Any]], column: str, reserved: Sequence[str] = ()
+) -> list[str]:
+    """Each completion's label: its dataset row's value of ``column``, as ``str``.
+
+    Raises:
+        KeyError: a row lacks the column (naming it and the columns there are).
+        ValueError: a value is one of ``reserved`` (the token quantiles' key parts,
+            which ``entropy/<value>`` would clash with).
+    """
+    labels = []
+    for row in inputs:
+        if column not in row:
+            raise KeyError(
+                f"ExtraMetrics(by_column={column!r}): the dataset has no column {column!r} "
+                f"(a row has {sorted(row)})"
+            )
+        labels.append(str(row[column]))
+    clashing = set(labels) & set(reserved)
+    if clashing:
+        raise ValueError(
+            f"ExtraMetrics: values {sorted(clashing)} of column {column!r} would give keys "
+            "that token_quantiles reports (entropy/p50, ...); rename them"
+        )
+    return labels
+
+
 class ExactGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with exact, partition-invariant logged metrics.
 
     Takes exactly ``GRPOTrainer``'s arguments and trains identically (the loss is
     computed the same way); only what is logged changes, and how it is synced.
+    ``extra_metrics`` (keyword, default None) adds the keys ``ExtraMetrics`` describes.
 
     Raises:
         RuntimeError: the installed TRL is not a tested version.
@@ -141,7 +219,9 @@ class ExactGRPOTrainer(GRPOTrainer):
             bonus, off-policy masks, MoE aux loss, ``normalize_then_sum``).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, extra_metrics: ExtraMetrics | None = None, **kwargs: Any
+    ) -> None:
         check_trl_version(trl.__version__)
         super().__init__(*args, **kwargs)
         unsupported = _unsupported(self)
@@ -162,8 +242,10 @@ class ExactGRPOTrainer(GRPOTrainer):
         )
         if self.loss_type == "bnpo":
             warnings.warn(BNPO_WARNING, stacklevel=2)
+        self.extra_metrics = extra_metrics or ExtraMetrics()
         self.exact_trackers = {"train": Tracker(), "eval": Tracker()}
         self._scored_rewards: torch.Tensor | None = None
+        self._generation_labels: list[str] | None = None
         self._window_seconds = 0.0
         self._window_steps = 0
 
@@ -208,7 +290,14 @@ class ExactGRPOTrainer(GRPOTrainer):
             advantages=advantages,
             per_token_kl=per_token_kl,
             config=config,
+            by=inputs.get(LABELS_KEY),
         )
+        if self.extra_metrics.tokens_per_second and mode == "train":
+            log.sum(WINDOW_TOKENS, attention_mask)  # its elements' sum: the tokens
+        if self.extra_metrics.token_quantiles:
+            log_token_quantiles(
+                log, mask=mask, entropies=entropies, ratio=ratio, per_token_kl=per_token_kl
+            )
         return loss
 
     def _normalizer(self, mode: str, inputs: dict[str, Any]) -> Normalizer:
@@ -229,6 +318,7 @@ class ExactGRPOTrainer(GRPOTrainer):
             completion_ids=completion_ids,
             tool_mask=tool_mask,
             stop_ids=[*self.eos_token_ids, self._tokenizer.pad_token_id],
+            by=self._generation_labels,
         )
         return output
 
@@ -238,13 +328,24 @@ class ExactGRPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        output = super()._generate_and_score_completions(inputs)
+        column = self.extra_metrics.by_column
+        reserved = TOKEN_QUANTILE_STATS if self.extra_metrics.token_quantiles else ()
+        labels = None if column is None else column_labels(inputs, column, reserved)
+        self._generation_labels = labels
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._generation_labels = None
         rewards_per_func, self._scored_rewards = self._scored_rewards, None
         if rewards_per_func is not None:
-            self._log_rewards(rewards_per_func, len(inputs))
+            self._log_rewards(rewards_per_func, len(inputs), labels)
+        if labels is not None:
+            output[LABELS_KEY] = labels
         return output
 
-    def _log_rewards(self, rewards_per_func: torch.Tensor, num_local: int) -> None:
+    def _log_rewards(
+        self, rewards_per_func: torch.Tensor, num_local: int, labels: Sequence[str] | None
+    ) -> None:
         mode = self._mode()
         weights = self.reward_weights.to(rewards_per_func.device)
         scored = ~torch.isnan(rewards_per_func).all(dim=1)
@@ -259,6 +360,7 @@ class ExactGRPOTrainer(GRPOTrainer):
             reward_weights=weights,
             func_names=self.reward_func_names,
             is_std_zero=is_std_zero[local],
+            by=labels,
         )
 
     def _log_metric(self, name: str, value: float) -> None:
@@ -282,8 +384,14 @@ class ExactGRPOTrainer(GRPOTrainer):
         tracker = self.exact_trackers[mode]
         if mode == "train" and self._window_steps:
             tracker.max("step_time", self._window_seconds / self._window_steps)
+            if self.extra_metrics.tokens_per_second:
+                tracker.max(SLOWEST_SECONDS, self._window_seconds)
             self._window_seconds, self._window_steps = 0.0, 0
-        results = finish_results(tracker.compute())
+        results = finish_token_quantiles(finish_results(tracker.compute()))
+        tokens, seconds = results.pop(WINDOW_TOKENS, None), results.pop(SLOWEST_SECONDS, None)
+        if tokens is not None and seconds:
+            results["tokens_per_second/total"] = tokens / seconds
+            results["tokens_per_second"] = tokens / seconds / self.accelerator.num_processes
         trl_metrics = self._metrics[mode]
         for key in [key for key in trl_metrics if key in OWNED_KEYS or key in results]:
             del trl_metrics[key]
@@ -294,4 +402,10 @@ class ExactGRPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
 
-__all__ = ["BNPO_WARNING", "TESTED_TRL_VERSIONS", "ExactGRPOTrainer", "check_trl_version"]
+__all__ = [
+    "BNPO_WARNING",
+    "TESTED_TRL_VERSIONS",
+    "ExactGRPOTrainer",
+    "ExtraMetrics",
+    "check_trl_version",
+]

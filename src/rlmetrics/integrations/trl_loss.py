@@ -17,10 +17,19 @@ split into processes, micro-batches and accumulation steps:
   ``max_completion_length`` averaged over sequences (``dr_grpo``), a token mean
   (``dapo``). ``bnpo`` averages token means of micro-batches, so its loss (and its
   gradient) depends on the micro-batch size; it is logged as such, with a warning.
+
+Given ``by`` (one label per sequence), ``entropy``, ``kl`` and the clip ratios are also
+logged per label as ``<key>/<label>``: the same meaning over that label's sequences.
+
+``log_token_quantiles`` logs the window's per-token entropy, importance ratio (one per
+sequence with sequence-level sampling) and KL into quantile sketches (fixed-size states
+in the same packed sync); ``finish_token_quantiles`` names their results
+``<name>/{p50,p90,p99,max}``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,11 +153,27 @@ def log_policy_metrics(
     advantages: Tensor,
     per_token_kl: Tensor | None,
     config: LossConfig,
+    by: Sequence[str] | None = None,
 ) -> None:
-    """Log entropy, KL and the clip ratios of one micro-batch (device tensors, no sync)."""
-    log.mean("entropy", _zero_masked(entropies.detach(), mask), weight=mask)
+    """Log entropy, KL and the clip ratios of one micro-batch (device tensors, no sync);
+    with ``by`` (one label per sequence), each also per label."""
+    for labels in (None, by) if by is not None else (None,):
+        _log_policy_metrics(log, mask, entropies, ratio, advantages, per_token_kl, config, labels)
+
+
+def _log_policy_metrics(
+    log: LogMethods,
+    mask: Tensor,
+    entropies: Tensor,
+    ratio: Tensor,
+    advantages: Tensor,
+    per_token_kl: Tensor | None,
+    config: LossConfig,
+    by: Sequence[str] | None,
+) -> None:
+    log.mean("entropy", _zero_masked(entropies.detach(), mask), weight=mask, by=by)
     if per_token_kl is not None:
-        log.mean("kl", _zero_masked(per_token_kl.detach(), mask), weight=mask)
+        log.mean("kl", _zero_masked(per_token_kl.detach(), mask), weight=mask, by=by)
     ratio = ratio.detach()
     low = (ratio < 1 - config.epsilon_low) & (advantages < 0)
     high = (ratio > 1 + config.epsilon_high) & (advantages > 0)
@@ -163,11 +188,51 @@ def log_policy_metrics(
         low_frac = (low * mask).sum(-1) / tokens.clamp(min=1)
         high_frac = (high * mask).sum(-1) / tokens.clamp(min=1)
         has_tokens = tokens > 0
-    log.mean("clip_ratio/low_mean", low, weight=weight)
-    log.mean("clip_ratio/high_mean", high, weight=weight)
-    log.mean("clip_ratio/region_mean", low | high, weight=weight)
-    log.min("clip_ratio/low_min", low_frac, mask=has_tokens)
-    log.max("clip_ratio/high_max", high_frac, mask=has_tokens)
+    log.mean("clip_ratio/low_mean", low, weight=weight, by=by)
+    log.mean("clip_ratio/high_mean", high, weight=weight, by=by)
+    log.mean("clip_ratio/region_mean", low | high, weight=weight, by=by)
+    log.min("clip_ratio/low_min", low_frac, mask=has_tokens, by=by)
+    log.max("clip_ratio/high_max", high_frac, mask=has_tokens, by=by)
+
+
+# the sketch metrics' name suffix, and the statistics reported of each
+TOKEN_SKETCH_SUFFIX = "/_tokens"
+TOKEN_QUANTILE_STATS = ("p50", "p90", "p99", "max")
+
+
+def log_token_quantiles(
+    log: LogMethods,
+    *,
+    mask: Tensor,
+    entropies: Tensor,
+    ratio: Tensor,
+    per_token_kl: Tensor | None,
+) -> None:
+    """Log one micro-batch's per-token entropy, importance ratio and KL (when there is
+    one) into quantile sketches: completion tokens only; one ratio per sequence when
+    the ratio is per sequence (every sequence, as the clip ratios count them)."""
+    log.quantile("entropy" + TOKEN_SKETCH_SUFFIX, _zero_masked(entropies.detach(), mask), mask)
+    ratio = ratio.detach()
+    if ratio.shape[-1] == 1:
+        log.quantile("importance_ratio" + TOKEN_SKETCH_SUFFIX, ratio.squeeze(-1))
+    else:
+        log.quantile("importance_ratio" + TOKEN_SKETCH_SUFFIX, _zero_masked(ratio, mask), mask)
+    if per_token_kl is not None:
+        kl = _zero_masked(per_token_kl.detach(), mask)
+        log.quantile("kl" + TOKEN_SKETCH_SUFFIX, kl, mask)
+
+
+def finish_token_quantiles(results: dict[str, float]) -> dict[str, float]:
+    """The sketches' results as ``<name>/{p50,p90,p99,max}``; their other keys (mean,
+    std, min) are dropped (``entropy`` and ``kl`` already report exact means)."""
+    out = {}
+    for key, value in results.items():
+        name, found, stat = key.partition(TOKEN_SKETCH_SUFFIX + "/")
+        if not found:
+            out[key] = value
+        elif stat in TOKEN_QUANTILE_STATS:
+            out[f"{name}/{stat}"] = value
+    return out
 
 
 def _zero_masked(values: Tensor, mask: Tensor) -> Tensor:

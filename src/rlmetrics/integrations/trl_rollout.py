@@ -16,6 +16,11 @@ generation batches, processes and accumulation steps the window spans:
   ``scale_rewards="batch"``) has rewards of zero spread.
 - ``completions/*``: means, minima and maxima over completions; ``*_terminated_length``
   over completions that ended with EOS (0 when none did, as TRL reports).
+
+Given ``by`` (one label per completion, the value of a dataset column), the reward keys,
+``frac_reward_zero_std`` and ``completions/{mean,min,max}_length``, ``clipped_ratio`` are
+also logged per label as ``<key>/<label>``, with the same meaning over that label's
+completions.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ SQUARES_SUFFIX = "/_mean_of_squares"
 COUNT_SUFFIX = "/_count"
 # each std key's mean key
 MEAN_OF_STD = {"reward_std": "reward"}
+LENGTH_KEYS = [
+    ("completions/mean_length", "mean"),
+    ("completions/min_length", "min"),
+    ("completions/max_length", "max"),
+]
 TERMINATED_KEYS = (
     "completions/mean_terminated_length",
     "completions/min_terminated_length",
@@ -72,16 +82,19 @@ def log_rewards(
     reward_weights: Tensor,
     func_names: Sequence[str],
     is_std_zero: Tensor,
+    by: Sequence[str] | None = None,
 ) -> None:
     """Log this process's completions' rewards (rows of ``rewards_per_func``, NaN where a
-    function does not apply) and zero-spread flags."""
+    function does not apply) and zero-spread flags; with ``by``, also per label."""
     for i, name in enumerate(func_names):
-        _log_mean_and_std(log, f"rewards/{name}", rewards_per_func[:, i])
+        _log_mean_and_std(log, f"rewards/{name}", rewards_per_func[:, i], by=by)
     scored = ~torch.isnan(rewards_per_func).all(dim=1)
     weighted = (rewards_per_func * reward_weights.to(rewards_per_func.device)).nansum(dim=1)
     total = torch.where(scored, weighted, torch.nan)
-    _log_mean_and_std(log, "reward", total, mean_name="reward", std_name="reward_std")
+    _log_mean_and_std(log, "reward", total, mean_name="reward", std_name="reward_std", by=by)
     log.mean("frac_reward_zero_std", is_std_zero)
+    if by is not None:
+        log.mean("frac_reward_zero_std", is_std_zero, by=by)
 
 
 def _log_mean_and_std(
@@ -91,13 +104,15 @@ def _log_mean_and_std(
     *,
     mean_name: str | None = None,
     std_name: str | None = None,
+    by: Sequence[str] | None = None,
 ) -> None:
     valid = ~torch.isnan(values)
     values = torch.where(valid, values, 0.0).double()
     std_name = std_name or f"{prefix}/std"
-    log.mean(mean_name or f"{prefix}/mean", values, weight=valid)
-    log.mean(std_name + SQUARES_SUFFIX, values * values, weight=valid)
-    log.sum(std_name + COUNT_SUFFIX, valid.double())
+    for labels in (None, by) if by is not None else (None,):
+        log.mean(mean_name or f"{prefix}/mean", values, weight=valid, by=labels)
+        log.mean(std_name + SQUARES_SUFFIX, values * values, weight=valid, by=labels)
+        log.sum(std_name + COUNT_SUFFIX, valid.double(), by=labels)
 
 
 def log_completions(
@@ -106,24 +121,22 @@ def log_completions(
     completion_ids: Sequence[Sequence[int]],
     tool_mask: Sequence[Sequence[int]] | None,
     stop_ids: Sequence[int],
+    by: Sequence[str] | None = None,
 ) -> None:
     """Log this process's completion lengths (model tokens only, when a tool mask marks
-    tool output) and whether each was truncated (its last token is no EOS or pad)."""
+    tool output) and whether each was truncated (its last token is no EOS or pad); with
+    ``by``, the lengths and the truncated fraction also per label."""
     if tool_mask is not None:
         lengths = [float(sum(mask)) for mask in tool_mask]
     else:
         lengths = [float(len(ids)) for ids in completion_ids]
     stops = set(stop_ids)
     truncated = [len(ids) > 0 and ids[-1] not in stops for ids in completion_ids]
-    log.log_shared(
-        [
-            ("completions/mean_length", "mean"),
-            ("completions/min_length", "min"),
-            ("completions/max_length", "max"),
-        ],
-        lengths,
-    )
+    log.log_shared(LENGTH_KEYS, lengths)
     log.mean("completions/clipped_ratio", [float(t) for t in truncated])
+    if by is not None:
+        log.log_shared(LENGTH_KEYS, lengths, by=by)
+        log.mean("completions/clipped_ratio", [float(t) for t in truncated], by=by)
     terminated = [not t for t in truncated]
     if any(terminated):
         log.log_shared(
@@ -135,20 +148,34 @@ def log_completions(
 
 def finish_results(results: dict[str, float]) -> dict[str, float]:
     """Turn a computed window into TRL's keys: sample stds from the hidden sums (which
-    are dropped), and TRL's 0 for terminated lengths when no completion terminated."""
-    hidden = (SQUARES_SUFFIX, COUNT_SUFFIX)
-    out = {key: value for key, value in results.items() if not key.endswith(hidden)}
+    are dropped; per label too, where ``/<label>`` follows the hidden suffix), and TRL's
+    0 for terminated lengths when no completion terminated."""
+    out = {key: value for key, value in results.items() if _hidden_part(key) is None}
     for key, count in results.items():
-        if key.endswith(COUNT_SUFFIX):
-            std_key = key[: -len(COUNT_SUFFIX)]
-            mean_key = MEAN_OF_STD.get(std_key, std_key.removesuffix("/std") + "/mean")
-            mean, squares = out.get(mean_key), results.get(std_key + SQUARES_SUFFIX)
-            if mean is not None and squares is not None:
-                out[std_key] = _sample_std(mean, squares, count)
+        parts = _hidden_part(key)
+        if parts is None or parts[1] != COUNT_SUFFIX:
+            continue
+        std_key, _, label = parts
+        mean_key = MEAN_OF_STD.get(std_key, std_key.removesuffix("/std") + "/mean")
+        mean = out.get(mean_key + label)
+        squares = results.get(std_key + SQUARES_SUFFIX + label)
+        if mean is not None and squares is not None:
+            out[std_key + label] = _sample_std(mean, squares, count)
     if "completions/mean_length" in out:
         for key in TERMINATED_KEYS:
             out.setdefault(key, 0.0)
     return out
+
+
+def _hidden_part(key: str) -> tuple[str, str, str] | None:
+    """(std key, hidden suffix, ``/<label>`` or "") of a hidden companion's key, else None."""
+    for suffix in (SQUARES_SUFFIX, COUNT_SUFFIX):
+        if key.endswith(suffix):
+            return key[: -len(suffix)], suffix, ""
+        head, found, label = key.partition(suffix + "/")
+        if found:
+            return head, suffix, "/" + label
+    return None
 
 
 def _sample_std(mean: float, mean_of_squares: float, count: float) -> float:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -25,6 +28,27 @@ import torch
 WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
 SPECIAL = ["<pad>", "<unk>", "<eos>"]
 PROMPTS = ["a b c", "d e f g", "h a", "b c d e f", "g h a", "b d f h", "c e", "a c e g"]
+# the dataset's `data_source` column: a function of the prompt, so the reference can
+# recover each row's source from its prompt tokens, independently of the trainer
+SOURCE_COLUMN = "data_source"
+
+# the tests' runs: beta > 0 (so `kl` is logged), num_iterations=2 (step 2 reuses step
+# 1's generations, so it clips); the splits (per-device batch x accumulation) of the 8
+# completions per step on one and on two processes; ExtraMetrics with every switch on
+OPTIONS = {"beta": 0.04, "num_iterations": 2}
+ONE_PROCESS = [(8, 1), (4, 2), (2, 4)]
+TWO_PROCESSES = [(4, 1), (2, 2), (1, 4)]
+EXTRA = {"by_column": SOURCE_COLUMN, "token_quantiles": True, "tokens_per_second": True}
+EXTRA_SPLITS = [(2, 2), (1, 4)]
+
+
+def source_of(prompt: str) -> str:
+    return "short" if len(prompt.split()) <= 3 else "long"
+
+
+def prompt_of(ids: np.ndarray) -> str:
+    """A prompt's text from its (left-padded) token ids: the word tokens, in order."""
+    return " ".join(WORDS[int(i) - len(SPECIAL)] for i in ids if i >= len(SPECIAL))
 
 
 @dataclass(frozen=True)
@@ -37,10 +61,16 @@ class RunSpec:
     options: dict[str, Any] = field(default_factory=dict)
     max_steps: int = 2
     logging_steps: int = 1
+    extra: dict[str, Any] | None = None  # ExtraMetrics' fields (exact only); None: off
 
     @property
     def split(self) -> str:
         return f"{self.per_device}x{self.accumulation}"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(trainer, split), the trainer marked "+extra" when ExtraMetrics is on."""
+        return (self.trainer + ("+extra" if self.extra is not None else ""), self.split)
 
 
 def build_model_dir(path: Path) -> Path:
@@ -191,7 +221,8 @@ def _capturing(base: type) -> type:
                 loss = super()._compute_loss(model, inputs)
             logps, entropies, _ = self.captured_forward
             item = {"step": self.state.global_step + 1, "logp": logps, "entropy": entropies}
-            for key in ("completion_mask", "advantages", "old_per_token_logps"):
+            keys = ("completion_mask", "advantages", "old_per_token_logps", "prompt_ids")
+            for key in (*keys, "prompt_mask"):
                 item[key] = inputs.get(key)
             item["ref"] = inputs.get("ref_per_token_logps")
             self._capture(item)
@@ -203,7 +234,9 @@ def _capturing(base: type) -> type:
 
         def _calculate_rewards(self, *args: Any) -> Any:
             rewards = super()._calculate_rewards(*args)
-            self._capture({"step": self.state.global_step + 1, "rewards": rewards})
+            sources = np.array([source_of(prompt) for prompt in args[1]])  # this process's
+            item = {"step": self.state.global_step + 1, "rewards": rewards}
+            self._capture({**item, "reward_sources": sources})
             return rewards
 
         def _generate(self, prompts: list) -> Any:
@@ -215,6 +248,7 @@ def _capturing(base: type) -> type:
             words = [sum(i >= len(SPECIAL) for i in ids) for ids in out[1]]
             item = {"step": self.state.global_step + 1, "lengths": np.array(lengths, float)}
             item["words"] = np.array(words, float)
+            item["sources"] = np.array([source_of(prompt) for prompt in prompts])
             self._capture({**item, "truncated": np.array(truncated)})
             return out
 
@@ -251,6 +285,13 @@ def make_config(spec: RunSpec, out_dir: str) -> Any:
     )
 
 
+def two_process_specs() -> list[RunSpec]:
+    """The specs of the tests' one torchrun launch: both trainers at every two-process
+    split, and ExactGRPOTrainer with ExtraMetrics at EXTRA_SPLITS."""
+    runs = [RunSpec(t, p, a, OPTIONS) for t in ("exact", "plain") for p, a in TWO_PROCESSES]
+    return runs + [RunSpec("exact", p, a, OPTIONS, extra=EXTRA) for p, a in EXTRA_SPLITS]
+
+
 def run(
     spec: RunSpec, model_dir: Path, out_dir: str, count: bool = False, warn: bool = False
 ) -> dict[str, Any]:
@@ -263,12 +304,16 @@ def run(
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from trl import GRPOTrainer
 
-    from rlmetrics.integrations.trl import ExactGRPOTrainer
+    import rlmetrics
+    from rlmetrics.integrations.trl import ExactGRPOTrainer, ExtraMetrics
 
     base = ExactGRPOTrainer if spec.trainer == "exact" else GRPOTrainer
+    extra = {} if spec.extra is None else {"extra_metrics": ExtraMetrics(**spec.extra)}
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
+    prompts = PROMPTS * 4
+    sources = [source_of(prompt) for prompt in prompts]
+    dataset = Dataset.from_dict({"prompt": prompts, SOURCE_COLUMN: sources})
     with warnings.catch_warnings():
         if not warn:
             warnings.simplefilter("ignore")
@@ -278,6 +323,7 @@ def run(
             args=make_config(spec, out_dir),
             train_dataset=dataset,
             processing_class=tokenizer,
+            **extra,
         )
     trainer.captures = []
     counter = trainer.counter = SyncCounter()
@@ -286,6 +332,7 @@ def run(
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "entropy" in entry]
     result = {"spec": asdict(spec), "logs": logs, "captures": trainer.captures}
+    result["rlmetrics_file"] = rlmetrics.__file__  # which tree the run imported
     return {**result, "counts": dict(counter.counts), "log_counts": trainer.log_counts}
 
 
@@ -297,7 +344,8 @@ def save(result: dict[str, Any], path: Path) -> None:
         for key, value in item.items()
     }
     np.savez(path.with_suffix(".npz"), **arrays)
-    meta = {key: result[key] for key in ("spec", "logs", "counts", "log_counts")}
+    keys = ("spec", "logs", "counts", "log_counts", "rlmetrics_file")
+    meta = {key: result[key] for key in keys}
     path.with_suffix(".json").write_text(json.dumps(meta))
 
 
@@ -311,6 +359,36 @@ def load(path: Path) -> dict[str, Any]:
             captures.setdefault(int(index), {})[key] = value.item() if key == "step" else value
     data["captures"] = [captures[i] for i in sorted(captures)]
     return data
+
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[2] / "src"  # the tree under test, which torchrun's processes import
+
+
+def launch_two_processes(specs: list[RunSpec], model_dir: Path, out: Path) -> dict:
+    """Run every spec in one torchrun launch (2 processes, gloo): spec.key -> per rank.
+
+    The processes get this directory and this tree's ``src`` first on PYTHONPATH (then
+    the caller's), so they import the rlmetrics under test, whatever is installed; each
+    result records the ``rlmetrics.__file__`` it imported."""
+    specs_path = out / "specs.json"
+    specs_path.write_text(json.dumps([vars(spec) for spec in specs]))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"),
+        *("--master_addr", "127.0.0.1", "--master_port", str(port)),
+        *(str(HERE / "run_dist.py"), str(specs_path), str(model_dir), str(out)),
+    ]
+    path = [str(HERE), str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {
+        spec.key: [load(out / f"{index}-rank{rank}.json") for rank in range(2)]
+        for index, spec in enumerate(specs)
+    }
 
 
 def rank() -> int:

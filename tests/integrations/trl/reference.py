@@ -150,3 +150,114 @@ def lengths_in_words(gen: list[dict[str, Any]]) -> float:
     """``reward_vowels``'s log_metric: one call per process and generation batch, each
     the mean number of words of its completions; logged: the mean over calls."""
     return float(np.mean([item["words"].mean() for item in gen]))
+
+
+POLICY_KEYS_BY_SOURCE = (
+    "entropy",
+    "kl",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+)
+COMPLETION_KEYS_BY_SOURCE = (
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+)
+
+
+def expected_by_source(
+    per_rank: list[list[dict[str, Any]]], step: int, spec: dict[str, Any], source_of: Any
+) -> dict[str, float]:
+    """``<key>/<source>`` for every source of the window: each metric over that
+    source's completions only. A micro-batch row's source comes from its prompt tokens
+    (``source_of(prompt_ids row)``), a generation's from its prompt text."""
+    options = spec["options"]
+    window = range(step - spec.get("logging_steps", 1) + 1, step + 1)
+    items = [item for captures in per_rank for item in captures if item["step"] in window]
+    micro = [item for item in items if "logp" in item]
+    sources = np.concatenate([[source_of(row) for row in item["prompt_ids"]] for item in micro])
+    fields = ("completion_mask", "logp", "entropy", "advantages", "old_per_token_logps", "ref")
+    whole = {key: _rows(micro, key) for key in fields if key in micro[0]}
+    out: dict[str, float] = {}
+    for source in np.unique(sources):
+        rows = sources == source
+        metrics = policy_metrics([{k: v[rows] for k, v in whole.items()}], options)
+        keys = [key for key in POLICY_KEYS_BY_SOURCE if key in metrics]  # kl: beta > 0
+        out.update({f"{key}/{source}": metrics[key] for key in keys})
+    rewards = [item for captures in per_rank for item in captures if "rewards" in item]
+    rewards = [item for item in rewards if item["step"] in window]
+    if rewards:
+        out.update(_rewards_by_source(per_rank, window, options.get("num_generations", 4)))
+        gen = [item for item in items if "lengths" in item]
+        lengths = np.concatenate([item["lengths"] for item in gen])
+        truncated = np.concatenate([item["truncated"] for item in gen]).astype(bool)
+        gen_sources = np.concatenate([item["sources"] for item in gen])
+        for source in np.unique(gen_sources):
+            rows = gen_sources == source
+            metrics = completion_metrics(lengths[rows], truncated[rows])
+            out.update({f"{key}/{source}": metrics[key] for key in COMPLETION_KEYS_BY_SOURCE})
+    return out
+
+
+def _rewards_by_source(
+    per_rank: list[list[dict[str, Any]]], window: range, num_generations: int
+) -> dict[str, float]:
+    """Reward keys per source. Every process captured the gathered rewards (all
+    processes' rows, in process order) and its own rows' sources: the sources of the
+    gathered rows are the processes' sources concatenated in process order."""
+    out: dict[str, float] = {}
+    first = [item for item in per_rank[0] if "rewards" in item and item["step"] in window]
+    for batch, rewards in enumerate(item["rewards"] for item in first):
+        local = [
+            [item for item in captures if "rewards" in item and item["step"] in window][batch]
+            for captures in per_rank
+        ]
+        sources = np.concatenate([item["reward_sources"] for item in local])
+        assert len(sources) == len(rewards)
+        zero_std = _zero_std_per_completion(rewards, num_generations)
+        for source in np.unique(sources):
+            rows = sources == source
+            metrics = reward_metrics(rewards[rows], num_generations=1)
+            metrics["frac_reward_zero_std"] = zero_std[rows].mean()
+            out.update({f"{key}/{source}": value for key, value in metrics.items()})
+    if len(first) > 1:
+        raise NotImplementedError("per-source rewards over several generation batches")
+    return out
+
+
+def _zero_std_per_completion(rewards: np.ndarray, num_generations: int) -> np.ndarray:
+    """Per completion: does its group's total reward have zero sample spread?"""
+    scored = ~np.isnan(rewards).all(1)
+    totals = np.where(scored, np.nansum(rewards, axis=1), np.nan).reshape(-1, num_generations)
+    stds = np.array([_sample_std(group[~np.isnan(group)]) for group in totals])
+    return np.repeat(np.isclose(stds, 0.0), num_generations)
+
+
+def token_values(per_rank: list[list[dict[str, Any]]], step: int, spec: dict) -> dict:
+    """The window's per-token entropy, importance ratio and KL (beta > 0) over every
+    completion token of every process (one ratio per sequence when it is per sequence)."""
+    options = spec["options"]
+    window = range(step - spec.get("logging_steps", 1) + 1, step + 1)
+    micro = [item for captures in per_rank for item in captures if item["step"] in window]
+    micro = [item for item in micro if "logp" in item]
+    mask = _rows(micro, "completion_mask").astype(bool)
+    logp = _rows(micro, "logp")
+    old = _rows(micro, "old_per_token_logps") if "old_per_token_logps" in micro[0] else logp
+    out = {"entropy": _rows(micro, "entropy")[mask]}
+    ratio = np.exp(logp - old)
+    if options.get("importance_sampling_level") == "sequence":
+        seq = np.exp(((logp - old) * mask).sum(1) / np.maximum(mask.sum(1), 1))
+        out["importance_ratio"] = seq
+    else:
+        out["importance_ratio"] = ratio[mask]
+    if options.get("beta", 0.0):
+        diff = _rows(micro, "ref") - logp
+        kl = np.exp(diff) - diff - 1
+        if options.get("use_bias_correction_kl", True):
+            kl = kl * ratio
+        out["kl"] = kl[mask]
+    return out

@@ -10,14 +10,10 @@ step from the same per-token values; plain GRPOTrainer must show the drift.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -27,11 +23,8 @@ pytest.importorskip("trl", reason="needs the .venv-trl environment (make test-tr
 sys.path.insert(0, str(Path(__file__).parent))
 import grpo_runs
 import reference
-from grpo_runs import RunSpec
+from grpo_runs import ONE_PROCESS, OPTIONS, TWO_PROCESSES, RunSpec
 
-OPTIONS = {"beta": 0.04, "num_iterations": 2}
-ONE_PROCESS = [(8, 1), (4, 2), (2, 4)]
-TWO_PROCESSES = [(4, 1), (2, 2), (1, 4)]
 # keys whose value is not a function of the batch (wall time, the epoch counter)
 NOT_BATCH = {"step_time", "epoch", "step"}
 TOL = 1e-6
@@ -42,55 +35,13 @@ def _specs(splits: list[tuple[int, int]], trainer: str, options: dict) -> list[R
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return grpo_runs.build_model_dir(tmp_path_factory.mktemp("trl") / "model")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def quiet_home(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """HF caches and logs go to a temp dir; nothing is downloaded."""
-    home = tmp_path_factory.mktemp("home")
-    with pytest.MonkeyPatch.context() as patch:  # the module-scoped form of monkeypatch
-        patch.setenv("HOME", str(home))
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setenv("TOKENIZERS_PARALLELISM", "false")
-        yield
-
-
-@pytest.fixture(scope="module")
 def one_process(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every single-process run, by (trainer, split): one result per process (one)."""
     out = tmp_path_factory.mktemp("out")
     runs = {}
     for spec in _specs(ONE_PROCESS, "exact", OPTIONS) + _specs(ONE_PROCESS, "plain", OPTIONS):
-        runs[spec.trainer, spec.split] = [grpo_runs.run(spec, model_dir, str(out))]
+        runs[spec.key] = [grpo_runs.run(spec, model_dir, str(out))]
     return runs
-
-
-@pytest.fixture(scope="module")
-def two_processes(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every two-process run, from one torchrun launch: (trainer, split) -> per rank."""
-    out = tmp_path_factory.mktemp("dist")
-    specs = _specs(TWO_PROCESSES, "exact", OPTIONS) + _specs(TWO_PROCESSES, "plain", OPTIONS)
-    specs_path = out / "specs.json"
-    specs_path.write_text(json.dumps([vars(spec) for spec in specs]))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"),
-        *("--master_addr", "127.0.0.1", "--master_port", str(port)),
-        *(str(Path(__file__).parent / "run_dist.py"), str(specs_path), str(model_dir), str(out)),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return {
-        (spec.trainer, spec.split): [
-            grpo_runs.load(out / f"{index}-rank{rank}.json") for rank in range(2)
-        ]
-        for index, spec in enumerate(specs)
-    }
 
 
 def _logs(result: list[dict]) -> list[dict[str, float]]:
