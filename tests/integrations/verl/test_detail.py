@@ -130,7 +130,7 @@ def test_with_the_switch_off_the_logged_keys_and_values_are_todays(ranks: list[d
                 before = result["off"][role][split]
                 after = result["off_again"][role][split]
                 assert sorted(before) == sorted(after)
-                assert not [k for k in before if k.endswith(("/a", "/b"))]
+                assert not [k for k in before if k.endswith(("/a", "/b", "/p50"))]
                 stable = {k: v for k, v in before.items() if not k.startswith(VOLATILE)}
                 assert stable == {k: after[k] for k in stable}, (role, split)
 
@@ -151,3 +151,42 @@ def test_with_the_switch_on_the_other_values_are_unchanged(ranks: list[dict]) ->
 
 def test_the_sources_are_split_unevenly(ranks: list[dict]) -> None:
     assert np.asarray(ranks[0]["forward"]["log_probs"]).shape[0] == 4
+
+
+QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+
+
+@pytest.fixture(scope="module")
+def token_values(ranks: list[dict], model_path: str) -> dict[str, np.ndarray]:
+    """Every response token's entropy, importance ratio and KL over the whole batch."""
+    b = whole_batch(ranks)
+    actor = trainer_config(os.path.join(model_path, "actor")).actor_rollout_ref.actor
+    mask = b["mask"]
+    log_ratio = np.clip(b["new_log_probs"] - b["old_log_probs"], -20.0, 20.0)
+    kl = kl_penalty(b["new_log_probs"], b["ref_log_prob"], actor.kl_loss_type)
+    return {
+        "actor/token_entropy": b["new_entropy"][mask],
+        "actor/importance_ratio": np.exp(log_ratio)[mask],
+        "actor/token_kl": kl[mask],
+    }
+
+
+@pytest.mark.parametrize("split", list(DETAIL_SPLITS))
+def test_token_quantiles_are_within_the_sketchs_bound(
+    ranks: list[dict], token_values: dict, split: str
+) -> None:
+    """p50, p90, p99 within the sketch's stated relative error of numpy's element of that
+    rank (``method="lower"``); max exact (to float32 rounding of the forward pass)."""
+    from rlmetrics.kinds.quantile import QuantileSketch
+
+    bound = QuantileSketch().relative_error
+    for rank, result in enumerate(ranks):
+        logged = result["on"]["actor"][split]
+        for name, values in token_values.items():
+            assert logged[f"{name}/max"] == pytest.approx(values.max(), rel=TOLERANCE)
+            for key, q in QUANTILES.items():
+                want = np.quantile(values, q, method="lower")
+                got = logged[f"{name}/{key}"]
+                assert abs(got - want) <= bound * abs(want) + TOLERANCE, (
+                    f"rank {rank}, {split}: {name}/{key} = {got}, numpy {want}, bound {bound}"
+                )

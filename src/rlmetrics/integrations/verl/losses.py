@@ -169,6 +169,8 @@ class RecordingLoss:
         self.loss_fn = loss_fn
         self.tracker = tracker
         self.loss_agg_mode = mode
+        self.config = config
+        self.is_policy_loss = getattr(loss_fn, "func", None) is _policy_loss()
 
     def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[Any, Any]:
         loss, metrics = self.loss_fn(model_output=model_output, data=data, dp_group=dp_group)
@@ -179,7 +181,7 @@ class RecordingLoss:
 
     def _log_detail(self, model_output: Any, data: Any, dp_group: Any) -> None:
         """The opt-in extras (``rlmetrics.integrations.verl.detail``): the micro-batch's
-        metrics per data source."""
+        metrics per data source, and (actor) its tokens' entropy, ratio and KL sketches."""
         detail.log_per_source(
             self.tracker,
             self.loss_fn,
@@ -188,3 +190,12 @@ class RecordingLoss:
             data,
             dp_group,
         )
+        if self.is_policy_loss:
+            detail.log_token_quantiles(self.tracker, model_output, data, self.config)
+
+
+def _policy_loss() -> Any:
+    """verl's ``ppo_loss`` (imported here: this module is importable without verl)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    return ppo_loss
