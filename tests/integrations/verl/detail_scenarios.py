@@ -37,6 +37,34 @@ DETAIL_SPLITS: dict[str, dict[str, Any]] = {
     "2minibatches": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2, "mini_batches": 2},
 }
 SWITCH = "RLMETRICS_VERL_DETAIL"
+PROMISED_FLOPS = 1e12
+"""The CPU's promised FLOPS for verl's MFU (verl knows none for a CPU: its MFU reads 0)."""
+SLOW_RANK = 1
+SLOW_SECONDS = 1.0
+"""Rank SLOW_RANK's engine train step takes this much longer (inside verl's timer)."""
+
+
+def slow_down(engine: Any) -> None:
+    """Make this rank's engine train step SLOW_SECONDS slower, after its last collective
+    (so the other rank does not wait for it inside its own step)."""
+    import time
+
+    inner = engine.train_batch
+
+    def slower(*args: Any, **kwargs: Any) -> Any:
+        output = inner(*args, **kwargs)
+        time.sleep(SLOW_SECONDS)
+        return output
+
+    engine.train_batch = slower
+
+
+def expected_mfu(counter: Any, seconds: float, world_size: int) -> float:
+    """verl's FLOPs estimate for every sequence of the batch (its global token counts)
+    over ``seconds``, per device: what the step's exact MFU must be."""
+    lengths = make_batch()["attention_mask"].sum(-1).tolist()
+    achieved, promised = counter.estimate_flops(lengths, seconds)
+    return achieved / promised / world_size
 
 
 def with_sources(batch: Any) -> Any:
@@ -85,8 +113,15 @@ def run_updates(actor: Any, critic: Any, batch: Any, world_size: int) -> dict[st
             before = counts["n"]
             output = update(update_input(batch, split, world_size))
             out["collectives"][f"{role}/{name}"] = counts["n"] - before
-            out[role][name] = driver_reduce(output, f"{role}/")
-            out["keys"][f"{role}/{name}"] = sorted(out[role][name])
+            out[role][name] = logged = driver_reduce(output, f"{role}/")
+            out["keys"][f"{role}/{name}"] = sorted(logged)
+            seconds = logged.get(f"{role}/update_time_s")
+            if seconds is not None:
+                counter = (actor.actor if role == "actor" else critic).flops_counter
+                mfu = expected_mfu(counter, seconds, world_size)
+                out.setdefault("expected_mfu", {})[f"{role}/{name}"] = mfu
+                fastest = expected_mfu(counter, logged[f"{role}/update_time_s/min"], world_size)
+                out.setdefault("mean_of_rank_ratios", {})[f"{role}/{name}"] = (mfu + fastest) / 2
     return out
 
 
@@ -97,8 +132,14 @@ def collect_detail(rank: int, world_size: int, port: int, model_path: str) -> di
 
     integration.enable()
     batch = rank_slice(with_sources(make_batch()), rank, world_size)
+    from verl.utils import flops_counter
+
+    flops_counter._DEVICE_FLOPS["CPU"] = PROMISED_FLOPS
     actor = build_actor(os.path.join(model_path, "actor"))
     critic = build_critic(os.path.join(model_path, "critic"))
+    if rank == SLOW_RANK:
+        slow_down(actor.actor.engine)
+        slow_down(critic.engine)
     out: dict[str, Any] = {"forward": forward_pass(actor, critic, batch)}
     os.environ.pop(SWITCH, None)
     out["off"] = run_updates(actor, critic, batch, world_size)

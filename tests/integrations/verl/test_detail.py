@@ -13,7 +13,13 @@ import os
 
 import numpy as np
 import pytest
-from detail_scenarios import DETAIL_SPLITS, collect_detail, whole_batch
+from detail_scenarios import (
+    DETAIL_SPLITS,
+    SLOW_RANK,
+    SLOW_SECONDS,
+    collect_detail,
+    whole_batch,
+)
 from scenarios import trainer_config
 
 from verl_formulas import kl_penalty, masked_mean, policy_loss, value_loss
@@ -130,7 +136,7 @@ def test_with_the_switch_off_the_logged_keys_and_values_are_todays(ranks: list[d
                 before = result["off"][role][split]
                 after = result["off_again"][role][split]
                 assert sorted(before) == sorted(after)
-                assert not [k for k in before if k.endswith(("/a", "/b", "/p50"))]
+                assert not [k for k in before if k.endswith(("/a", "/b", "/p50", "_rank"))]
                 stable = {k: v for k, v in before.items() if not k.startswith(VOLATILE)}
                 assert stable == {k: after[k] for k in stable}, (role, split)
 
@@ -190,3 +196,43 @@ def test_token_quantiles_are_within_the_sketchs_bound(
                 assert abs(got - want) <= bound * abs(want) + TOLERANCE, (
                     f"rank {rank}, {split}: {name}/{key} = {got}, numpy {want}, bound {bound}"
                 )
+
+
+TRAIN_STEPS = {"whole": 1, "micro1": 1, "dynamic16": 1, "2minibatches": 2}
+"""Engine train steps (mini-batches) per update, per split."""
+
+
+@pytest.mark.parametrize("split", list(DETAIL_SPLITS))
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_update_time_is_the_slowest_ranks_and_names_it(
+    ranks: list[dict], role: str, split: str
+) -> None:
+    """Rank 1's engine step is SLOW_SECONDS slower per mini-batch: it is named, its
+    time (with the sleeps) is the logged one, every rank logs the same numbers."""
+    name = f"{role}/update_time_s"
+    logged = [r["on"][role][split] for r in ranks]
+    keys = (name, f"{name}/mean", f"{name}/min", f"{name}/slowest_rank")
+    assert [{k: x[k] for k in keys} for x in logged] == [{k: logged[0][k] for k in keys}] * 2
+    got = logged[0]
+    steps = TRAIN_STEPS[split]
+    assert got[f"{name}/slowest_rank"] == SLOW_RANK
+    assert got[name] >= steps * SLOW_SECONDS
+    assert got[name] - got[f"{name}/min"] >= 0.5 * steps * SLOW_SECONDS
+    assert got[f"{name}/mean"] == pytest.approx((got[name] + got[f"{name}/min"]) / 2)
+
+
+@pytest.mark.parametrize("split", list(DETAIL_SPLITS))
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_mfu_is_the_global_tokens_over_the_slowest_time(
+    ranks: list[dict], role: str, split: str
+) -> None:
+    """``perf/mfu/<role>`` (verl's driver renames the worker's ``mfu``): verl's FLOPs for
+    the whole batch over the slowest rank's time, per device; with the switch off verl
+    averages per-rank ratios over each rank's own time, which the fast rank inflates: on
+    the same two ranks' times (2 ranks: the logged max and min) that mean is higher."""
+    for result in ranks:
+        on = result["on"][role][split][f"{role}/mfu"]
+        want = result["on"]["expected_mfu"][f"{role}/{split}"]
+        assert on == pytest.approx(want, rel=1e-12)
+        assert on > 0
+        assert result["on"]["mean_of_rank_ratios"][f"{role}/{split}"] > on * 1.02

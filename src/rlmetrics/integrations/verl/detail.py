@@ -39,6 +39,9 @@ SOURCE_KEY = "data_source"
 LOG_RATIO_CLAMP = 20.0
 """verl clamps log(ratio) to ±20 before exponentiating (``compute_policy_loss_vanilla``)."""
 
+UPDATE_TIME = "update_time_s"
+"""The rank-time metric of an update, under the role: ``actor/update_time_s``."""
+
 TOKEN_QUANTILES = {
     "entropy": "actor/token_entropy",
     "ratio": "actor/importance_ratio",
