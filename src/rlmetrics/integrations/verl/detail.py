@@ -88,8 +88,12 @@ def log_per_source(
     model_output: Any,
     data: Any,
     dp_group: Any,
+    metrics: Mapping[str, Any] | None = None,
 ) -> None:
     """Log the micro-batch's loss metrics once per data source, as ``<key>/<source>``.
+
+    ``metrics``, the loss function's metrics for the whole micro-batch, are logged as
+    they are when the micro-batch holds one source (no second evaluation).
 
     ``log(tracker, metrics, data, suffix=..., rows=...)`` is the integration's own
     ``log_micro_batch`` with a name suffix and the source's row count: each source's
@@ -98,7 +102,11 @@ def log_per_source(
     sources = row_sources(data)
     if sources is None:
         return
-    for source in sorted(set(sources.tolist())):
+    present = sorted(set(sources.tolist()))
+    if len(present) == 1 and metrics is not None:  # one source: the micro-batch's own values
+        log(tracker, metrics, data, suffix=f"/{present[0]}")
+        return
+    for source in present:
         keep = torch.as_tensor(sources == source)
         part = restrict_to_rows(data, keep)
         with torch.no_grad():

@@ -176,10 +176,12 @@ class RecordingLoss:
         loss, metrics = self.loss_fn(model_output=model_output, data=data, dp_group=dp_group)
         log_micro_batch(self.tracker, metrics, data, loss_agg_mode=self.loss_agg_mode)
         if detail.enabled():
-            self._log_detail(model_output, data, dp_group)
+            self._log_detail(model_output, data, dp_group, metrics)
         return loss, metrics
 
-    def _log_detail(self, model_output: Any, data: Any, dp_group: Any) -> None:
+    def _log_detail(
+        self, model_output: Any, data: Any, dp_group: Any, metrics: Mapping[str, Any]
+    ) -> None:
         """The opt-in extras (``rlmetrics.integrations.verl.detail``): the micro-batch's
         metrics per data source, and (actor) its tokens' entropy, ratio and KL sketches."""
         detail.log_per_source(
@@ -189,6 +191,7 @@ class RecordingLoss:
             model_output,
             data,
             dp_group,
+            metrics,
         )
         if self.is_policy_loss:
             detail.log_token_quantiles(self.tracker, model_output, data, self.config)

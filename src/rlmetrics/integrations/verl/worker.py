@@ -13,7 +13,10 @@ steps. What changes is the metrics dict ``train_mini_batch`` returns:
   verl's under verl's own names, so the driver's ``reduce_metrics`` logs them as they
   are.
 
-Names this module does not produce keep verl's value.
+Names this module does not produce keep verl's value. With ``RLMETRICS_VERL_DETAIL=1``
+(``rlmetrics.integrations.verl.detail``) it also logs each rank's time in the engine's
+train steps (``<role>/update_time_s``, the slowest rank's and which) and replaces verl's
+``mfu`` with the step's global FLOPs over that slowest time.
 """
 
 from __future__ import annotations
