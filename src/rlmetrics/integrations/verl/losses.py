@@ -22,10 +22,12 @@ keep verl's value.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 
+from rlmetrics.integrations.verl import detail
 from rlmetrics.tracker import Tracker
 
 TOKEN_MEANS = frozenset(
@@ -99,24 +101,40 @@ def loss_share(
 
 
 def log_micro_batch(
-    tracker: Tracker, metrics: Mapping[str, Any], data: Any, *, loss_agg_mode: str
+    tracker: Tracker,
+    metrics: Mapping[str, Any],
+    data: Any,
+    *,
+    loss_agg_mode: str,
+    suffix: str = "",
+    rows: int | None = None,
 ) -> None:
-    """Log one micro-batch's verl metrics with their true weights into ``tracker``."""
+    """Log one micro-batch's verl metrics with their true weights into ``tracker``.
+
+    ``suffix`` is appended to every name (``"/<source>"`` for one data source's part);
+    ``rows``, when given, is the number of sequences the metrics stand for (a source's
+    rows, whose response mask alone does not tell empty rows from other sources').
+    """
     names = [name for name in metrics if name in TOKEN_MEANS or name in AGG_LOSSES]
     if not names:
         return
     counts = response_counts(data)
+    if rows is not None:
+        counts = (
+            *counts[:2],
+            torch.tensor(float(rows), dtype=torch.float64, device=counts[0].device),
+        )
     tokens = counts[0]
     info = {key: _non_tensor(data, key) for key in ("dp_size", "batch_num_tokens")}
     info["global_batch_size"] = _non_tensor(data, "global_batch_size")
     for name in names:
         value = scalar(metrics[name]).to(tokens.device)
         if name in TOKEN_MEANS:
-            tracker.mean(name, value, weight=tokens)
+            tracker.mean(name + suffix, value, weight=tokens)
             continue
         share = loss_share(value, mode=loss_agg_mode, counts=counts, info=info)
         if share is not None:
-            tracker.mean(name, *share)
+            tracker.mean(name + suffix, *share)
 
 
 def _non_tensor(data: Any, key: str) -> Any:
@@ -151,8 +169,36 @@ class RecordingLoss:
         self.loss_fn = loss_fn
         self.tracker = tracker
         self.loss_agg_mode = mode
+        self.config = config
+        self.is_policy_loss = getattr(loss_fn, "func", None) is _policy_loss()
 
     def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[Any, Any]:
         loss, metrics = self.loss_fn(model_output=model_output, data=data, dp_group=dp_group)
         log_micro_batch(self.tracker, metrics, data, loss_agg_mode=self.loss_agg_mode)
+        if detail.enabled():
+            self._log_detail(model_output, data, dp_group, metrics)
         return loss, metrics
+
+    def _log_detail(
+        self, model_output: Any, data: Any, dp_group: Any, metrics: Mapping[str, Any]
+    ) -> None:
+        """The opt-in extras (``rlmetrics.integrations.verl.detail``): the micro-batch's
+        metrics per data source, and (actor) its tokens' entropy, ratio and KL sketches."""
+        detail.log_per_source(
+            self.tracker,
+            self.loss_fn,
+            partial(log_micro_batch, loss_agg_mode=self.loss_agg_mode),
+            model_output,
+            data,
+            dp_group,
+            metrics,
+        )
+        if self.is_policy_loss:
+            detail.log_token_quantiles(self.tracker, model_output, data, self.config)
+
+
+def _policy_loss() -> Any:
+    """verl's ``ppo_loss`` (imported here: this module is importable without verl)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    return ppo_loss

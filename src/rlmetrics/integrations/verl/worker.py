@@ -13,7 +13,10 @@ steps. What changes is the metrics dict ``train_mini_batch`` returns:
   verl's under verl's own names, so the driver's ``reduce_metrics`` logs them as they
   are.
 
-Names this module does not produce keep verl's value.
+Names this module does not produce keep verl's value. With ``RLMETRICS_VERL_DETAIL=1``
+(``rlmetrics.integrations.verl.detail``) it also logs each rank's time in the engine's
+train steps (``<role>/update_time_s``, the slowest rank's and which) and replaces verl's
+``mfu`` with the step's global FLOPs over that slowest time.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss, value_loss
 
+from rlmetrics.integrations.verl import detail
 from rlmetrics.integrations.verl.losses import RecordingLoss
 from rlmetrics.tracker import Tracker
 
@@ -42,6 +46,15 @@ def _same_dispatch(parent: Any) -> Callable[[Any], Any]:
         return method
 
     return decorate
+
+
+def verl_train_time() -> float:
+    """The seconds verl's ``Timer(name="train_batch")`` has accumulated in this process
+    (codetiming's class-wide totals): the difference around one ``train_batch`` call is
+    the ``delta_time`` verl's MFU uses, the engine's train step alone."""
+    from codetiming import Timer
+
+    return float(Timer.timers.get("train_batch", 0.0))
 
 
 def optimizer_lr(engine: Any) -> float | None:
@@ -77,10 +90,17 @@ class ExactTrainingWorker(TrainingWorker):
     @_same_dispatch(TrainingWorker.train_batch)
     def train_batch(self, data: Any) -> Any:
         lr = optimizer_lr(self.engine)
+        timed = isinstance(self.loss_fn, RecordingLoss) and detail.enabled()
+        if timed:
+            started = verl_train_time()
+            tokens = tu.get(data, key="global_token_num", default=None)
+            images = tu.get(data, key="images_seqlens", default=None)
         output = super().train_batch(data)
         if not isinstance(self.loss_fn, RecordingLoss):
             return output
         tracker = self.metrics_tracker
+        if timed:
+            self._log_update_time(verl_train_time() - started, tokens, images)
         if lr is not None:
             tracker.last("lr", lr)
         if output is not None:
@@ -93,6 +113,7 @@ class ExactTrainingWorker(TrainingWorker):
     def train_mini_batch(self, data: Any) -> Any:
         tracker = self.metrics_tracker
         tracker.reset()
+        self.__dict__["_rlmetrics_step_tokens"] = []
         output = super().train_mini_batch(data)
         if not isinstance(self.loss_fn, RecordingLoss):
             return output
@@ -104,4 +125,39 @@ class ExactTrainingWorker(TrainingWorker):
         metrics = dict(tu.get(output, "metrics"))
         for name, value in exact.items():
             metrics[name] = [value]
+        mfu = self._step_mfu(exact)
+        if mfu is not None:
+            metrics["mfu"] = [mfu]
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
+
+    def _update_time_name(self) -> str:
+        """``<role>/update_time_s``: the role from the loss (``ppo_loss``: actor)."""
+        loss = self.loss_fn
+        role = "actor" if isinstance(loss, RecordingLoss) and loss.is_policy_loss else "critic"
+        return f"{role}/{detail.UPDATE_TIME}"
+
+    def _log_update_time(self, seconds: float, tokens: Any, images: Any) -> None:
+        """Log this rank's time in one engine ``train_batch`` (verl's own timer, the time
+        verl's MFU divides by) as a rank-time metric, and keep the mini-batch's global
+        token counts for the step's MFU (None: verl's MFU stays, as for image inputs)."""
+        group = self.engine.get_data_parallel_group()
+        where = {"group": group} if group is not None and torch.distributed.is_initialized() else {}
+        self.metrics_tracker.elapsed(self._update_time_name(), seconds, **where)
+        step_tokens = self.__dict__.setdefault("_rlmetrics_step_tokens", [])
+        if step_tokens is None or tokens is None or images is not None:
+            self.__dict__["_rlmetrics_step_tokens"] = None
+        else:
+            step_tokens.extend(tokens)
+
+    def _step_mfu(self, exact: dict[str, float]) -> float | None:
+        """The step's MFU: verl's FLOPs estimate for every sequence of the step (the
+        global token counts of all its mini-batches) over the slowest rank's time, per
+        device; None when the switch is off or a count is missing (verl's value stays)."""
+        tokens = self.__dict__.get("_rlmetrics_step_tokens")
+        seconds = exact.get(self._update_time_name())
+        counter = getattr(self, "flops_counter", None)
+        if not tokens or not seconds or counter is None:
+            return None
+        achieved, promised = counter.estimate_flops(tokens, seconds)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return float(achieved / promised / world)
