@@ -34,6 +34,7 @@ NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:e[-+]?\d+
 KEY_COLUMNS = {"ranks", "N", "world", "calls", "kind", "case", "input", "contender", "metric"}
 """Headers of the columns that, after the first, name a row rather than measure it."""
 
+RUN_END = "\n<!-- end of run -->\n"  # between the runs of a --keep file
 Cell = tuple[str, str, str]  # (the table's first header, row label, column header)
 
 
@@ -51,8 +52,9 @@ def export(rev: str, into: Path) -> Path:
 
 def tables(text: str) -> dict[Cell, float]:
     """Every numeric cell of every markdown table in ``text``: the first number of the
-    cell (thousands separators allowed), keyed by (the table's first header, the row's
-    label, the column's header). A row's label is its first cell and the cells after it
+    cell (thousands separators allowed), keyed by (the table's first header, with its
+    ordinal when an earlier table had the same header row, the row's label, the column's
+    header). A row's label is its first cell and the cells after it
     under ``KEY_COLUMNS`` headers (``2 / 8`` for ranks 2, N 8). A table starts at a
     header row, the row right above a separator row (``|---|---:|``)."""
     rows = [
@@ -61,6 +63,8 @@ def tables(text: str) -> dict[Cell, float]:
     ]
     cells: dict[Cell, float] = {}
     header: list[str] | None = None
+    seen: dict[tuple[str, ...], int] = {}  # tables with this header so far
+    name = ""
     for i, row in enumerate(rows):
         if row is None:
             header = None
@@ -68,6 +72,8 @@ def tables(text: str) -> dict[Cell, float]:
             continue
         elif i + 1 < len(rows) and rows[i + 1] is not None and _separator(rows[i + 1]):
             header = row
+            seen[tuple(row)] = count = seen.get(tuple(row), 0) + 1
+            name = row[0] if count == 1 else f"{row[0]} ({count})"
         elif header is not None:
             keys = 1
             while keys < len(header) and header[keys] in KEY_COLUMNS:
@@ -76,7 +82,7 @@ def tables(text: str) -> dict[Cell, float]:
             for column, cell in zip(header[keys:], row[keys:], strict=False):
                 found = NUMBER.search(cell)
                 if found:
-                    cells[header[0], label, column] = float(found.group().replace(",", ""))
+                    cells[name, label, column] = float(found.group().replace(",", ""))
     return cells
 
 
@@ -101,7 +107,7 @@ def run_once(tree: Path, script: str, args: list[str], keep: Path | None) -> dic
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
         with open(keep / f"{tree.name}.txt", "a") as out:
-            out.write(done.stdout + "\n")
+            out.write(done.stdout + RUN_END)
     return tables(done.stdout)
 
 
@@ -131,6 +137,29 @@ def compare(
     return rows
 
 
+def run_trees(
+    args: argparse.Namespace, after: str, script_args: list[str]
+) -> dict[str, list[dict[Cell, float]]]:
+    """Each tree's runs, alternating (the first tree swapped each run)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {args.before: export(args.before, Path(tmp))}
+        trees[after] = export(args.after, Path(tmp)) if args.after else REPO
+        runs: dict[str, list[dict[Cell, float]]] = {name: [] for name in trees}
+        for i in range(args.runs):
+            order = list(trees) if i % 2 == 0 else list(reversed(trees))
+            for name in order:
+                runs[name].append(run_once(trees[name], args.script, script_args, args.keep))
+                print(f"run {i + 1}/{args.runs}: {name} done", file=sys.stderr)
+    return runs
+
+
+def kept_runs(folder: Path, name: str) -> list[dict[Cell, float]]:
+    """The runs a --keep folder holds for the tree ``name``."""
+    file = REPO.name if name == "working tree" else name.replace("/", "_")
+    text = (folder / f"{file}.txt").read_text()
+    return [tables(run) for run in text.split(RUN_END) if run.strip()]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="a git revision")
@@ -139,21 +168,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--columns", nargs="*", default=[], help="keep columns naming these")
     parser.add_argument("--write", metavar="NAME", help="write the table into RESULTS.md")
     parser.add_argument("--keep", type=Path, help="a folder for each run's raw output")
+    parser.add_argument(
+        "--from-kept", type=Path, help="read the runs from a --keep folder instead of running"
+    )
     parser.add_argument("script", help="the benchmark script, e.g. log_bench.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     args = parser.parse_args(argv)
     script_args = [a for a in args.args if a != "--"]
     loads = [load()]
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = {args.before: export(args.before, Path(tmp))}
-        after = args.after or "working tree"
-        trees[after] = export(args.after, Path(tmp)) if args.after else REPO
-        runs: dict[str, list[dict[Cell, float]]] = {name: [] for name in trees}
-        for i in range(args.runs):
-            order = list(trees) if i % 2 == 0 else list(reversed(trees))
-            for name in order:
-                runs[name].append(run_once(trees[name], args.script, script_args, args.keep))
-                print(f"run {i + 1}/{args.runs}: {name} done", file=sys.stderr)
+    after = args.after or "working tree"
+    if args.from_kept:
+        runs = {name: kept_runs(args.from_kept, name) for name in (args.before, after)}
+    else:
+        runs = run_trees(args, after, script_args)
     loads.append(load())
     rows = compare(runs, args.before, after, args.columns)
     print("\n".join(rows))
