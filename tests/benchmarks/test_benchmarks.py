@@ -1,5 +1,6 @@
 """The benchmarks' measuring tools: the torch-op counter and the target verdicts of
-log_bench and sync_bench (sync_ops), and tiny log_bench and step_bench runs end to end."""
+log_bench and sync_bench (sync_ops), and tiny log_bench, step_bench and fold_bench runs end
+to end."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def bench() -> Iterator[dict[str, ModuleType]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
         patch.setenv("OMP_NUM_THREADS", "1")  # sync_bench sets it on import; undone after
-        names = ("op_count", "log_bench", "sync_ops", "step_bench", "sync_bench")
+        names = ("op_count", "log_bench", "sync_ops", "step_bench", "sync_bench", "fold_bench")
         yield {name: importlib.import_module(name) for name in names}
 
 
@@ -137,3 +138,15 @@ def test_step_bench_refuses_contenders_that_disagree(bench: dict[str, ModuleType
     results["rlmetrics"] = {"a": 1.0, "token/0": 2.5}
     with pytest.raises(AssertionError, match="rlmetrics: token/0"):
         bench["step_bench"].check_agree(results)
+
+
+def test_fold_bench_runs_end_to_end(
+    bench: dict[str, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Tiny sizes: every row printed, with its verdict (its checks against numpy passed)."""
+    args = ["--rounds", "1", "--calls", "5", "20", "--elements", "10", "--big", "1000"]
+    bench["fold_bench"].main([*args, "--no-write"])
+    out = capsys.readouterr().out
+    assert "| 5 calls, µs per call |" in out and "| 20 calls, µs per call |" in out
+    assert all(f"| {kind}, ns per element |" in out for kind in bench["fold_bench"].KINDS)
+    assert "| compute of 8 metrics, µs |" in out

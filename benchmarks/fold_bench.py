@@ -1,0 +1,237 @@
+"""Benchmark the host fold: a step's log calls and ``compute()`` against the eager way.
+
+Run from the repository root (about a minute on 2 cores):
+
+    .venv/bin/python benchmarks/fold_bench.py
+
+Options: ``--rounds 15`` (timed rounds, after one warm-up), ``--calls 200 3000`` (log
+calls per step), ``--elements 1000`` (per call), ``--metrics 8`` (the names the calls
+go to, in turn), ``--big 4000000`` (elements of the one call of the per-element rows),
+``--no-write`` (print only). By default the table is written into
+``benchmarks/RESULTS.md`` between the ``fold_bench`` markers.
+
+Rows (issue 30, item 1), each on CPU float32 tensors with a bool mask, host path
+(``Tracker`` defaults), torch on one thread, thread time:
+
+* a step of ``calls`` calls of ``elements`` elements: ``t.mean(name, x, weight=mask)``
+  per call then ``compute(sync=False)``, against the eager verl-style step (per call
+  ``metrics[name].append(((x * mask).sum() / mask.sum()).item())``, then ``np.mean``
+  per name), in µs per call; target: at most the eager cost (stretch: half of it);
+* one call of ``big`` elements of a mean, sum, max and min metric then
+  ``compute(sync=False)``, in ns per element; target: at most 4 ns;
+* ``compute(sync=False)`` alone of 8 mean metrics with one python float each (the
+  fixed cost of a step's end), in µs; target: at most 150 µs.
+
+Every round runs each row once, its contenders back to back in turn, so the machine's
+drift hits them alike; the table gives medians over the rounds. The rlmetrics results
+are checked against numpy over the whole batch before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from rlmetrics import Tracker
+
+from results_md import load, machine, write_section
+
+START, END = "<!-- fold_bench:start -->", "<!-- fold_bench:end -->"
+KINDS = ("mean", "sum", "max", "min")
+NS_PER_ELEMENT = 4.0
+COMPUTE_US = 150.0
+Call = tuple[str, torch.Tensor, torch.Tensor]
+
+
+def masked_calls(calls: int, elements: int, metrics: int, seed: int) -> list[Call]:
+    """``calls`` (name, float32 values, bool mask) log calls over ``metrics`` names."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            f"token/{i % metrics}",
+            torch.randn(elements, generator=gen),
+            torch.rand(elements, generator=gen) > 0.3,
+        )
+        for i in range(calls)
+    ]
+
+
+def rlmetrics_step(calls: list[Call]) -> Callable[[], dict[str, float]]:
+    tracker = Tracker()
+    mean = tracker.mean
+
+    def step() -> dict[str, float]:
+        for name, x, mask in calls:
+            mean(name, x, weight=mask)
+        return tracker.compute(sync=False)
+
+    return step
+
+
+def eager_step(calls: list[Call]) -> Callable[[], dict[str, float]]:
+    def step() -> dict[str, float]:
+        metrics: dict[str, list[float]] = {}
+        for name, x, mask in calls:
+            metrics.setdefault(name, []).append(((x * mask).sum() / mask.sum()).item())
+        return {name: float(np.mean(values)) for name, values in metrics.items()}
+
+    return step
+
+
+def big_step(kind: str, x: torch.Tensor, mask: torch.Tensor) -> Callable[[], dict[str, float]]:
+    tracker = Tracker()
+    log = getattr(tracker, kind)
+
+    def step() -> dict[str, float]:
+        log("big", x, weight=mask)
+        return tracker.compute(sync=False)
+
+    return step
+
+
+def compute_only(metrics: int) -> Callable[[], dict[str, float]]:
+    """A ``compute(sync=False)`` of ``metrics`` mean metrics; the log calls untimed."""
+    tracker = Tracker()
+    names = [f"loss/{i}" for i in range(metrics)]
+
+    def step() -> dict[str, float]:
+        for i, name in enumerate(names):
+            tracker.mean(name, 0.5 + i)
+        start = time.thread_time_ns()
+        out = tracker.compute(sync=False)
+        step.elapsed = time.thread_time_ns() - start  # type: ignore[attr-defined]
+        return out
+
+    return step
+
+
+def reference(calls: list[Call]) -> dict[str, float]:
+    """numpy's masked mean per name over the whole step's elements."""
+    by_name: dict[str, list[Call]] = {}
+    for call in calls:
+        by_name.setdefault(call[0], []).append(call)
+    out = {}
+    for name, mine in by_name.items():
+        x = np.concatenate([c[1].numpy().astype(np.float64) for c in mine])
+        mask = np.concatenate([c[2].numpy() for c in mine])
+        out[name] = float(x[mask].sum() / mask.sum())
+    return out
+
+
+def check(got: dict[str, float], want: dict[str, float], what: str) -> None:
+    """rlmetrics agrees with numpy over the whole batch (to float64 rounding)."""
+    if got.keys() != want.keys() or not all(
+        np.isclose(got[k], want[k], rtol=1e-12, atol=0) for k in want
+    ):
+        raise AssertionError(f"{what}: rlmetrics {got} != numpy {want}")
+
+
+def timed(step: Callable[[], object]) -> float:
+    start = time.thread_time_ns()
+    step()
+    return float(time.thread_time_ns() - start)
+
+
+def run(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per (row, contender), its samples: µs per call, ns per element or µs."""
+    steps: dict[str, tuple[Callable[[], object], float]] = {}  # name -> (step, divisor)
+    for calls in args.calls:
+        data = masked_calls(calls, args.elements, args.metrics, seed=calls)
+        mine = rlmetrics_step(data)
+        check(mine(), reference(data), f"{calls} calls")
+        steps[f"{calls} calls rlmetrics"] = (mine, 1000.0 * calls)
+        steps[f"{calls} calls eager"] = (eager_step(data), 1000.0 * calls)
+    gen = torch.Generator().manual_seed(1)
+    x, mask = torch.randn(args.big, generator=gen), torch.rand(args.big, generator=gen) > 0.3
+    selected = x.numpy()[mask.numpy()].astype(np.float64)
+    expected = {"mean": selected.mean(), "sum": selected.sum(), "max": selected.max()}
+    expected["min"] = selected.min()
+    for kind in KINDS:
+        step = big_step(kind, x, mask)
+        check(step(), {"big": float(expected[kind])}, f"{kind} of {args.big}")
+        steps[f"{kind} rlmetrics"] = (step, float(args.big))
+    compute = compute_only(8)
+    compute()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    samples["compute rlmetrics"] = []
+    for index in range(1 + args.rounds):
+        for name, (step, divisor) in steps.items():
+            elapsed = timed(step)
+            if index:
+                samples[name].append(elapsed / divisor)
+        compute()
+        if index:
+            samples["compute rlmetrics"].append(compute.elapsed / 1000)  # type: ignore[attr-defined]
+    return samples
+
+
+def markdown(samples: dict[str, list[float]], args: argparse.Namespace) -> list[str]:
+    """The table: per row the medians, the ratio to the eager way or the target, met."""
+    med = {name: statistics.median(xs) for name, xs in samples.items()}
+    rows = [
+        "| row | rlmetrics | eager (verl-style) | rlmetrics / eager | target | met |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for calls in args.calls:
+        mine, eager = med[f"{calls} calls rlmetrics"], med[f"{calls} calls eager"]
+        ratio = mine / eager
+        met = "yes, stretch too" if ratio <= 0.5 else "yes" if ratio <= 1 else "no"
+        rows.append(
+            f"| {calls} calls, µs per call | {mine:.2f} | {eager:.2f} | {ratio:.2f} "
+            f"| <= 1.00 (stretch 0.50) | {met} |"
+        )
+    for kind in KINDS:
+        ns = med[f"{kind} rlmetrics"]
+        met = "yes" if ns <= NS_PER_ELEMENT else "no"
+        rows.append(
+            f"| {kind}, ns per element | {ns:.2f} | - | - | <= {NS_PER_ELEMENT:.0f} | {met} |"
+        )
+    us = med["compute rlmetrics"]
+    met = "yes" if us <= COMPUTE_US else "no"
+    rows.append(f"| compute of 8 metrics, µs | {us:.1f} | - | - | <= {COMPUTE_US:.0f} | {met} |")
+    rows += [
+        "",
+        f"Steps of {' and '.join(map(str, args.calls))} calls of {args.elements} float32 "
+        f"elements with a bool mask over {args.metrics} mean metrics; one call of "
+        f"{args.big} elements per kind; medians of {args.rounds} rounds, thread time.",
+    ]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, nargs="+", default=[200, 3000])
+    parser.add_argument("--elements", type=int, default=1000)
+    parser.add_argument("--metrics", type=int, default=8)
+    parser.add_argument("--big", type=int, default=4_000_000)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    before = load()
+    samples = run(args)
+    loads = (before, load())
+    text = "\n".join(
+        [
+            START,
+            "## fold_bench: a step's log calls and compute() on the host, against the eager "
+            "way (`benchmarks/fold_bench.py`)",
+            "",
+            f"Machine: {machine('torch threads 1', loads)}.",
+            "",
+            *markdown(samples, args),
+            END,
+        ]
+    )
+    print(text)
+    if not args.no_write:
+        write_section(text, START, END)
+
+
+if __name__ == "__main__":
+    main()
