@@ -32,7 +32,7 @@ its value at the log call is gone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from operator import attrgetter
 from typing import Any
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from rlmetrics._engine.plan import ElementOrder, FoldPlan, StepPlan
-from rlmetrics._engine.record import NumberRecords
+from rlmetrics._engine.record import BOOL, NumberRecords
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import ModifiedInputError
 from rlmetrics.kinds.base import MetricRecords, carries_extra
@@ -317,7 +317,9 @@ def _joined_batch(
     for acc in accs:
         parts.add(acc)
     parts.flush()
-    value, weight = assemble(parts.values, device), assemble(parts.weights, device)
+    value = assemble(parts.values, device)
+    masks = device is None and all(map(_is_mask, parts.weights))
+    weight = assemble(parts.weights, device, np.bool_ if masks else np.float64)
     if len(value) != len(weight):
         raise _Misaligned([acc for acc in accs if _misaligned(acc)])
     calls = np.fromiter(map(len, map(_get_values, accs)), np.int64, len(accs))
@@ -325,9 +327,21 @@ def _joined_batch(
         index, np.asarray(parts.lengths, dtype=np.int64), calls, parts.call_lengths, len(plan.rows)
     )
     make = Batch if device is None else DeviceBatch
-    segments = on_backend(layout.segments, device)
-    rows = BatchRows(segments, layout.lengths, layout.call_lengths, layout.starts, layout.full)
+    place = None if device is None else _placer(device)
+    rows = BatchRows(
+        None, layout.lengths, layout.call_lengths, layout.starts, layout.full, None, place
+    )
     return make.of(value, weight, rows), layout
+
+
+def _placer(device: torch.device) -> Callable[[np.ndarray], Tensor]:
+    """What puts a host array on ``device``."""
+    return lambda array: to_device(array, device)
+
+
+def _is_mask(part: Any) -> bool:
+    """Whether a weight part (a host array or a tensor) is a bool mask."""
+    return part.dtype == (BOOL if isinstance(part, Tensor) else np.bool_)
 
 
 def _screen(
@@ -394,8 +408,10 @@ class Parts:
             self.flush()
             size = value.numel() if isinstance(value, Tensor) else value.size
             self.values.append(value)
-            if weight is None or type(weight) is float:
-                self.weights.append(np.full(size, 1.0 if weight is None else weight))
+            if weight is None or (type(weight) is float and weight == 1.0):  # all selected
+                self.weights.append(np.ones(size, dtype=np.bool_))
+            elif type(weight) is float:
+                self.weights.append(np.full(size, weight))
             else:
                 self.weights.append(weight)
             self.call_lengths.append(size)
@@ -409,9 +425,10 @@ class Parts:
             self.numbers, self.number_weights = [], []
 
 
-def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
+def assemble(parts: Sequence[Any], device: torch.device | None, dtype: type = np.float64) -> Array:
     """Flat parts (host arrays of any shape and real dtype, tensors) as one 1-D float64
-    array (``device`` None) or tensor on ``device``, in order.
+    array (``device`` None) or tensor on ``device``, in order; on the host ``dtype``
+    may be ``np.bool_`` instead, for parts that are all bool masks.
 
     Tensors are joined by class (device, dtype, 0-d ones stacked, others by their
     trailing shape), so the number of torch operations depends on the classes, not on
@@ -426,19 +443,20 @@ def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
     blocks: list[Any] = []
     order: list[int] = []
     if host:
-        flat = [_flat_host(parts[i]) for i in host]
+        flat = [_flat_host(parts[i], dtype) for i in host]
         blocks.append(np.concatenate(flat) if len(flat) > 1 else flat[0])
         order += host
     target = device or torch.device("cpu")
+    tensor_dtype = BOOL if dtype is np.bool_ else torch.float64
     for (_, _, scalar, _), members in classes.items():
         tensors = [parts[i] for i in members]
-        blocks.append(_tensor_block(tensors, scalar, target))
+        blocks.append(_tensor_block(tensors, scalar, target, tensor_dtype))
         order += members
     if device is None:
         blocks = [b if isinstance(b, np.ndarray) else b.numpy() for b in blocks]
         flat_all = np.concatenate(blocks) if len(blocks) > 1 else blocks[0] if blocks else None
         if flat_all is None:
-            return np.zeros(0)
+            return np.zeros(0, dtype=dtype)
     else:
         blocks = [to_device(b, device) if isinstance(b, np.ndarray) else b for b in blocks]
         if not blocks:
@@ -451,20 +469,24 @@ def assemble(parts: Sequence[Any], device: torch.device | None) -> Array:
     return flat_all
 
 
-def _flat_host(part: np.ndarray) -> np.ndarray:
-    if part.ndim == 1 and part.dtype == np.float64:
+def _flat_host(part: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    if part.ndim == 1 and part.dtype == dtype:
         return part
-    return np.asarray(part, dtype=np.float64).reshape(-1)
+    return np.asarray(part, dtype=dtype).reshape(-1)
 
 
-def _tensor_block(tensors: list[Tensor], scalar: bool, target: torch.device) -> Tensor:
-    """Tensors of one class (device, dtype, 0-d or trailing shape) as one flat float64
-    tensor on ``target``: joined in their own dtype (a copy), then converted (exact: one
-    dtype per class). ``reshape``, not
-    ``view``: ``cat`` keeps its inputs' memory format (channels_last stays so), whose
-    elements lie out of their logical order."""
+def _tensor_block(
+    tensors: list[Tensor], scalar: bool, target: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Tensors of one class (device, dtype, 0-d or trailing shape) as one flat tensor of
+    ``dtype`` on ``target``, a copy: joined in their own dtype, then converted (exact:
+    one dtype per class); a lone tensor of another dtype is only converted (the
+    conversion copies). ``reshape``, not ``view``: ``cat`` keeps its inputs' memory
+    format (channels_last stays so), whose elements lie out of their logical order."""
+    if len(tensors) == 1 and not scalar and tensors[0].dtype != dtype:
+        return tensors[0].reshape(-1).to(target, dtype)
     joined = torch.stack(tensors) if scalar else torch.cat(tensors).reshape(-1)
-    return joined.to(target, torch.float64)
+    return joined.to(target, dtype)
 
 
 def part_size(part: Any) -> int:

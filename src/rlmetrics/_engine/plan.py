@@ -145,7 +145,7 @@ class ElementOrder(NamedTuple):
     boundaries of each plan row's elements and calls."""
 
     order: np.ndarray | None  # elements into plan order (None: they are in it)
-    segments: np.ndarray  # per element (in plan order), its plan row
+    segments: np.ndarray | None  # per element (in plan order), its plan row (None: not made)
     lengths: np.ndarray  # per plan row, its elements
     starts: np.ndarray  # per plan row, where its elements start
     full: bool  # every plan row has an element
@@ -181,19 +181,20 @@ class ElementOrder(NamedTuple):
     ) -> ElementOrder:
         """The layout of records already in plan order: the metrics at plan rows ``rows``
         (ascending, each once) hold ``lengths`` elements in ``calls`` calls each, and the
-        calls, in order, hold ``call_lengths`` elements."""
+        calls, in order, hold ``call_lengths`` elements. Its element segments are not
+        made: the batch's rows make them from the lengths if a sum needs them."""
         row_lengths = np.zeros(num_rows, dtype=np.int64)
         row_lengths[rows] = lengths
         row_calls = np.zeros(num_rows, dtype=np.int64)
         row_calls[rows] = calls
-        segments, call_rows = np.repeat(rows, lengths), np.repeat(rows, calls)
+        call_rows = np.repeat(rows, calls)
         call_sizes = np.asarray(call_lengths, dtype=np.int64)
-        return ElementOrder._of(None, segments, row_lengths, row_calls, call_rows, call_sizes)
+        return ElementOrder._of(None, None, row_lengths, row_calls, call_rows, call_sizes)
 
     @staticmethod
     def _of(
         order: np.ndarray | None,
-        segments: np.ndarray,
+        segments: np.ndarray | None,
         lengths: np.ndarray,
         row_calls: np.ndarray,
         call_rows: np.ndarray,

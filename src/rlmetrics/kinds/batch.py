@@ -18,7 +18,7 @@ weight 0 and value 0, so no NaN hides behind a zero weight.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,10 @@ import torch
 from torch import Tensor
 
 Array = Any  # np.ndarray on the host, torch.Tensor on a device
+
+FEW_ROWS = 64
+"""Rows up to which a large host batch counts each row's selected elements apart
+(``np.count_nonzero`` per row) rather than by segment (a ``reduceat`` over bools)."""
 
 SMALL = 1 << 14
 """Elements up to which a batch is small: its sums go by key (``np.bincount``, element
@@ -41,7 +45,8 @@ class BatchRows:
 
     Attributes:
         segments: int64, 1-D, the row of each element, ascending (on the batch's
-            backend).
+            backend); built when first read (a large host batch sums by segment from
+            the row starts and never reads it).
         lengths: int64 host array, the number of elements of each row.
         call_lengths: int64 host array, the number of elements of each log call.
         num_rows: how many rows.
@@ -52,26 +57,40 @@ class BatchRows:
     """
 
     __slots__ = (
-        "_full", "_memo", "_starts", "call_lengths", "keyed", "lengths", "num_rows", "segments"
+        "_full", "_memo", "_place", "_segments", "_starts", "call_lengths", "keyed", "lengths",
+        "num_rows",
     )  # fmt: skip
 
     def __init__(
         self,
-        segments: Array,
+        segments: Array | None,
         lengths: Sequence[int] | np.ndarray,
         call_lengths: Sequence[int] | np.ndarray,
         starts: np.ndarray | None = None,
         full: bool | None = None,
         keyed: bool | None = None,
+        place: Callable[[np.ndarray], Array] | None = None,
     ) -> None:
-        self.segments = segments
-        self.keyed = len(segments) <= SMALL if keyed is None else keyed
+        """``segments`` None: made from ``lengths`` when first read, put on the batch's
+        backend by ``place`` (None: the host)."""
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        self._segments = segments
+        self._place = place
+        if keyed is None:
+            keyed = (len(segments) if segments is not None else int(self.lengths.sum())) <= SMALL
+        self.keyed = keyed
         self.call_lengths = np.asarray(call_lengths, dtype=np.int64)
         self.num_rows = len(self.lengths)
         self._starts = starts
         self._full = full
         self._memo: dict[Any, Any] = {}  # what follows from the rows, by what it is
+
+    @property
+    def segments(self) -> Array:
+        if self._segments is None:
+            segments = np.repeat(np.arange(self.num_rows), self.lengths)
+            self._segments = segments if self._place is None else self._place(segments)
+        return self._segments
 
     def starts(self) -> np.ndarray:
         """Per row, the position of its first element (host array)."""
@@ -117,17 +136,21 @@ class BatchRows:
         key = (rows.start, rows.stop)
         part = self._memo.get(key)
         if part is None:
-            segments = self.segments[elements]
+            segments = self._segments
+            if segments is not None:
+                segments = segments[elements]
+                segments = segments - rows.start if rows.start else segments
             starts = self._starts
             if starts is not None:
                 starts = starts[rows] - elements.start if elements.start else starts[rows]
             part = self._memo[key] = BatchRows(
-                segments - rows.start if rows.start else segments,
+                segments,
                 self.lengths[rows],
                 self.call_lengths[calls],
                 starts,
                 True if self._full else None,  # a part of a full batch is full
                 self.keyed,
+                self._place,
             )
         return part
 
@@ -145,7 +168,11 @@ class Batch:
 
     Attributes:
         values: float64, 1-D, every element in call order, metric by metric.
-        weights: float64, 1-D, the elements' weights (> 0: selected).
+        weights: float64, 1-D, the elements' weights (> 0: selected). A host batch
+            may be made with a bool mask instead (every call weighted by a mask or by
+            nothing): it is then the selection itself, its weight sums are counts and
+            its weighted values are its values, and the float64 weights are made only
+            when read.
         segments: int64, 1-D, the row (metric) of each element, ascending.
         lengths: int64 host array, the number of elements of each row.
         call_lengths: int64 host array, the number of elements of each log call, in
@@ -177,20 +204,39 @@ class Batch:
 
     def _set(self, values: Array, weights: Array, rows: BatchRows) -> None:
         self.values = values
-        self.weights = weights
+        self._mask: np.ndarray | None = None  # the bool weights of a masked host batch
+        self._weights: Array | None = weights
+        if isinstance(weights, np.ndarray) and weights.dtype == np.bool_:
+            self._mask, self._weights = weights, None
         self.rows = rows
-        self.segments = rows.segments
         self.lengths = rows.lengths
         self.call_lengths = rows.call_lengths
         self.num_rows = rows.num_rows
-        self._selected: Array | None = None
+        self._selected: Array | None = self._mask
+        self._zeroed = False  # the unselected values are 0 (``zero_unselected`` ran)
+
+    @property
+    def weights(self) -> Array:
+        if self._weights is None:
+            self._weights = self.as_float(self._mask)
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights: Array) -> None:
+        self._weights, self._mask, self._selected = weights, None, None
+
+    @property
+    def segments(self) -> Array:
+        return self.rows.segments
 
     def part(self, rows: slice, elements: slice, calls: slice) -> Batch:
         """The batch of ``rows`` (whose elements and calls are ``elements`` and
         ``calls``), its rows numbered from 0: the metrics of one kind."""
+        weights = self.weights if self._mask is None else self._mask
         part = self.of(
-            self.values[elements], self.weights[elements], self.rows.part(rows, elements, calls)
+            self.values[elements], weights[elements], self.rows.part(rows, elements, calls)
         )
+        part._zeroed = self._zeroed
         if self.all_selected:
             part.all_selected = True
         else:
@@ -216,6 +262,16 @@ class Batch:
         """Per row, the number of selected elements."""
         if self.all_selected:
             return self.rows.counts()
+        if self.on_host and not self.rows.keyed and self.num_rows <= FEW_ROWS:
+            selected, starts = self.selected(), self.row_starts()
+            ends = (starts + self.lengths).tolist()
+            return np.array(
+                [
+                    np.count_nonzero(selected[a:b])
+                    for a, b in zip(starts.tolist(), ends, strict=True)
+                ],
+                dtype=np.float64,
+            )
         return self.sum_by(self.selected())
 
     def column(self, name: str) -> Array:
@@ -228,6 +284,8 @@ class Batch:
         if name == "weight":
             return self.weights
         if name == "weighted_value":
+            if self._mask is not None and self._zeroed:
+                return self.values  # a weight of 1 where selected, a 0 value elsewhere
             return self.values * self.weights
         if name == "selected":
             return self.as_float(self.selected())
@@ -235,7 +293,7 @@ class Batch:
 
     def column_sum(self, name: str) -> Array:
         """Per row, the sum of the column ``name`` over the row's elements."""
-        if name == "selected":
+        if name == "selected" or (name == "weight" and self._mask is not None):
             return self.count()
         if self.one_per_row:
             return self.column(name)  # as it is: a sum would turn -0.0 into 0.0
@@ -290,6 +348,7 @@ class Batch:
             self.values = self.values * self.selected()
         else:
             self.values = self.where(self.selected(), self.values, 0.0)
+        self._zeroed = True
 
     def max_by(self, x: Array) -> Array:
         """Per row, the max of ``x`` (NaN wins; -inf for an empty row)."""
@@ -423,6 +482,7 @@ class DeviceBatch(Batch):
     def zero_unselected(self) -> None:
         if not self.all_selected:  # no check for non-finite values: it would wait for them
             self.values = torch.where(self.selected(), self.values, 0.0)
+            self._zeroed = True
 
     def max_by(self, x: Tensor) -> Tensor:
         out = torch.full((self.num_rows,), -math.inf, dtype=torch.float64, device=x.device)
