@@ -295,20 +295,22 @@ def _batch(
         batch = Batch.of(value, weight, cached.batch_rows)
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
-    batch, layout = _joined_batch(plan, accs, device)
+    batch, layout, owned = _joined_batch(plan, accs, device)
     counts = None
     if nonfinite != "propagate" or any(map(_get_num_deferred_checks, accs)):
         counts = _screen(batch, layout, device, nonfinite)
-    batch.zero_unselected()
+    batch.zero_unselected(in_place=owned)
     return batch, layout, counts
 
 
 def _joined_batch(
     plan: FoldPlan, accs: list[MetricRecords], device: torch.device | None
-) -> tuple[Batch, ElementOrder]:
+) -> tuple[Batch, ElementOrder, bool]:
     """The records of ``accs`` (one backend's metrics with records of their own) as one
-    batch in ``plan``'s order, unscreened, and its layout. Each metric's records are
-    laid out in turn, the metrics in plan order, so the elements need no sort."""
+    batch in ``plan``'s order, unscreened, its layout, and whether its values are an
+    array made for it (not a record itself, which may be written over). Each metric's
+    records are laid out in turn, the metrics in plan order, so the elements need no
+    sort."""
     index = plan.index[np.fromiter(map(_get_row, accs), np.int64, len(accs))]
     if len(index) > 1 and (index[1:] < index[:-1]).any():  # the host's come in tracker order
         order = np.argsort(index, kind="stable")
@@ -331,7 +333,13 @@ def _joined_batch(
     rows = BatchRows(
         None, layout.lengths, layout.call_lengths, layout.starts, layout.full, None, place
     )
-    return make.of(value, weight, rows), layout
+    return make.of(value, weight, rows), layout, device is None and _made(value, parts.values)
+
+
+def _made(value: np.ndarray, parts: list[Any]) -> bool:
+    """Whether ``assemble`` made ``value`` (a join, a conversion or a tensor block's
+    copy) rather than handing back a host part or a view of one."""
+    return isinstance(value.base, (Tensor, type(None))) and all(value is not p for p in parts)
 
 
 def _placer(device: torch.device) -> Callable[[np.ndarray], Tensor]:
@@ -434,12 +442,7 @@ def assemble(parts: Sequence[Any], device: torch.device | None, dtype: type = np
     trailing shape), so the number of torch operations depends on the classes, not on
     the number of parts; a permutation restores the order when there are several.
     """
-    host = [i for i, part in enumerate(parts) if not isinstance(part, Tensor)]
-    classes: dict[tuple[Any, ...], list[int]] = {}
-    for i, part in enumerate(parts):
-        if isinstance(part, Tensor):
-            key = (part.device, part.dtype, part.dim() == 0, part.shape[1:])
-            classes.setdefault(key, []).append(i)
+    host, classes = _classes(parts, device is not None)
     blocks: list[Any] = []
     order: list[int] = []
     if host:
@@ -448,9 +451,9 @@ def assemble(parts: Sequence[Any], device: torch.device | None, dtype: type = np
         order += host
     target = device or torch.device("cpu")
     tensor_dtype = BOOL if dtype is np.bool_ else torch.float64
-    for (_, _, scalar, _), members in classes.items():
+    for key, members in classes.items():
         tensors = [parts[i] for i in members]
-        blocks.append(_tensor_block(tensors, scalar, target, tensor_dtype))
+        blocks.append(_tensor_block(tensors, key[1] == 0, target, tensor_dtype))
         order += members
     if device is None:
         blocks = [b if isinstance(b, np.ndarray) else b.numpy() for b in blocks]
@@ -467,6 +470,33 @@ def assemble(parts: Sequence[Any], device: torch.device | None, dtype: type = np
         permutation = _permutation(order, sizes)
         flat_all = flat_all[permutation if device is None else on_backend(permutation, device)]
     return flat_all
+
+
+def _classes(
+    parts: Sequence[Any], devices: bool
+) -> tuple[list[int], dict[tuple[Any, ...], list[int]]]:
+    """The host parts (indices), and the tensor parts by class: dtype, dimensions,
+    trailing shape beyond one dimension, and (``devices``: a device fold, which may
+    hold tensors of several devices) device. A host fold's tensors are all plain CPU
+    ones."""
+    host: list[int] = []
+    classes: dict[tuple[Any, ...], list[int]] = {}
+    for i, part in enumerate(parts):
+        if not isinstance(part, Tensor):
+            host.append(i)
+            continue
+        dims = part.dim()
+        key: tuple[Any, ...] = (
+            (part.dtype, dims) if dims < 2 else (part.dtype, dims, part.shape[1:])
+        )
+        if devices:
+            key += (part.device,)
+        members = classes.get(key)
+        if members is None:
+            classes[key] = [i]
+        else:
+            members.append(i)
+    return host, classes
 
 
 def _flat_host(part: np.ndarray, dtype: type = np.float64) -> np.ndarray:
