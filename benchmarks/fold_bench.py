@@ -22,8 +22,9 @@ Rows (issue 30, item 1), each on CPU float32 tensors with a bool mask, host path
 * ``compute(sync=False)`` alone of 8 mean metrics with one python float each (the
   fixed cost of a step's end), in µs; target: at most 150 µs.
 
-Every round runs each row once, its contenders back to back in turn, so the machine's
-drift hits them alike; the table gives medians over the rounds. The rlmetrics results
+Every round runs each row's contenders once each, starting one step further each
+round, so the machine's drift and what a step leaves behind (freed memory) hit them
+alike; the table gives medians over the rounds. The rlmetrics results
 are checked against numpy over the whole batch before timing.
 """
 
@@ -159,8 +160,11 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
     compute()
     samples: dict[str, list[float]] = {name: [] for name in steps}
     samples["compute rlmetrics"] = []
+    names = list(steps)
     for index in range(1 + args.rounds):
-        for name, (step, divisor) in steps.items():
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:  # each row first in turn
+            step, divisor = steps[name]
             elapsed = timed(step)
             if index:
                 samples[name].append(elapsed / divisor)
