@@ -163,6 +163,10 @@ and weight 0 by then: it adds nothing); a MAX slot takes its column's max over t
 selected elements (-inf when there is none)."""
 
 
+_EMPTY: dict[np.ufunc, float] = {np.add: 0.0, np.maximum: -math.inf, np.minimum: math.inf}
+"""Per segment reduction, its value for a segment without an element."""
+
+
 class Batch:
     """One backend's records of one kind (see the module docstring).
 
@@ -328,17 +332,17 @@ class Batch:
         return column if self.one_per_row else self.max_by(column)
 
     def _max_of_selected(self, negate: bool) -> np.ndarray:
-        """Per row, the max of the selected values (negated: of their negations), from
-        the selected values alone, laid together (``np.compress``), rather than from
-        every value with the others replaced by -inf (a ``where``, which costs more
-        than the copy of the selected ones)."""
+        """Per row, the max of the selected values (negated: of their negations, the
+        negated min), from the selected values alone, laid together (``np.compress``),
+        rather than from every value with the others replaced by -inf (a ``where``,
+        which costs more than the copy of the selected ones)."""
         kept = np.compress(self.selected(), self._values)  # zeroed or not: the same
-        if negate:
-            kept = np.negative(kept)
         counts = self.count().astype(np.int64)
         nonempty = None if counts.all() else counts > 0
         starts = np.cumsum(counts) - counts
         starts = starts if nonempty is None else starts[nonempty]
+        if negate:
+            return -self._by_segments(np.minimum, kept, starts, nonempty, self.num_rows)
         return self._by_segments(np.maximum, kept, starts, nonempty, self.num_rows)
 
     def column_sums(self, names: Sequence[str]) -> Array:
@@ -409,14 +413,15 @@ class Batch:
         ufunc: np.ufunc, x: np.ndarray, starts: np.ndarray, nonempty: Any, size: int
     ) -> np.ndarray:
         """Per key in ``range(size)``, ``ufunc`` (``np.add``: 0 for a key without an
-        element; ``np.maximum``: -inf for none, NaN wins) over its elements, in float64:
+        element; ``np.maximum``: -inf for none, ``np.minimum``: inf; NaN wins) over its
+        elements, in float64:
         the elements of each key lie together in ascending order of keys, the keys with
         an element (``nonempty``; None: all) start at ``starts``. A segment's sum is
         added in ``reduceat``'s order, which depends on its elements only, not on where
         they lie."""
         if nonempty is None:
             return ufunc.reduceat(x, starts, dtype=np.float64)
-        out = np.full(size, 0.0 if ufunc is np.add else -math.inf)
+        out = np.full(size, _EMPTY[ufunc])
         if len(starts):
             out[nonempty] = ufunc.reduceat(x, starts, dtype=np.float64)
         return out
