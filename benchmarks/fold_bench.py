@@ -95,18 +95,18 @@ def big_step(kind: str, x: torch.Tensor, mask: torch.Tensor) -> Callable[[], dic
     return step
 
 
-def compute_only(metrics: int) -> Callable[[], dict[str, float]]:
-    """A ``compute(sync=False)`` of ``metrics`` mean metrics; the log calls untimed."""
+def compute_only(metrics: int) -> Callable[[], float]:
+    """Thread-time ns of a ``compute(sync=False)`` of ``metrics`` mean metrics with one
+    python float each (the log calls untimed)."""
     tracker = Tracker()
     names = [f"loss/{i}" for i in range(metrics)]
 
-    def step() -> dict[str, float]:
+    def step() -> float:
         for i, name in enumerate(names):
             tracker.mean(name, 0.5 + i)
         start = time.thread_time_ns()
-        out = tracker.compute(sync=False)
-        step.elapsed = time.thread_time_ns() - start  # type: ignore[attr-defined]
-        return out
+        tracker.compute(sync=False)
+        return float(time.thread_time_ns() - start)
 
     return step
 
@@ -132,21 +132,26 @@ def check(got: dict[str, float], want: dict[str, float], what: str) -> None:
         raise AssertionError(f"{what}: rlmetrics {got} != numpy {want}")
 
 
-def timed(step: Callable[[], object]) -> float:
-    start = time.thread_time_ns()
-    step()
-    return float(time.thread_time_ns() - start)
+def timed(step: Callable[[], object]) -> Callable[[], float]:
+    """``step`` timed: thread-time ns of a call."""
+
+    def run() -> float:
+        start = time.thread_time_ns()
+        step()
+        return float(time.thread_time_ns() - start)
+
+    return run
 
 
 def run(args: argparse.Namespace) -> dict[str, list[float]]:
     """Per (row, contender), its samples: µs per call, ns per element or µs."""
-    steps: dict[str, tuple[Callable[[], object], float]] = {}  # name -> (step, divisor)
+    steps: dict[str, tuple[Callable[[], float], float]] = {}  # name -> (timed step, divisor)
     for calls in args.calls:
         data = masked_calls(calls, args.elements, args.metrics, seed=calls)
         mine = rlmetrics_step(data)
         check(mine(), reference(data), f"{calls} calls")
-        steps[f"{calls} calls rlmetrics"] = (mine, 1000.0 * calls)
-        steps[f"{calls} calls eager"] = (eager_step(data), 1000.0 * calls)
+        steps[f"{calls} calls rlmetrics"] = (timed(mine), 1000.0 * calls)
+        steps[f"{calls} calls eager"] = (timed(eager_step(data)), 1000.0 * calls)
     gen = torch.Generator().manual_seed(1)
     x, mask = torch.randn(args.big, generator=gen), torch.rand(args.big, generator=gen) > 0.3
     selected = x.numpy()[mask.numpy()].astype(np.float64)
@@ -155,22 +160,17 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
     for kind in KINDS:
         step = big_step(kind, x, mask)
         check(step(), {"big": float(expected[kind])}, f"{kind} of {args.big}")
-        steps[f"{kind} rlmetrics"] = (step, float(args.big))
-    compute = compute_only(8)
-    compute()
+        steps[f"{kind} rlmetrics"] = (timed(step), float(args.big))
+    steps["compute rlmetrics"] = (compute_only(8), 1000.0)
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    samples["compute rlmetrics"] = []
     names = list(steps)
     for index in range(1 + args.rounds):
         shift = index % len(names)
-        for name in names[shift:] + names[:shift]:  # each row first in turn
+        for name in names[shift:] + names[:shift]:  # each step first in turn
             step, divisor = steps[name]
-            elapsed = timed(step)
+            elapsed = step()
             if index:
                 samples[name].append(elapsed / divisor)
-        compute()
-        if index:
-            samples["compute rlmetrics"].append(compute.elapsed / 1000)  # type: ignore[attr-defined]
     return samples
 
 
