@@ -22,15 +22,17 @@ Rows (issue 30, item 1), each on CPU float32 tensors with a bool mask, host path
 * ``compute(sync=False)`` alone of 8 mean metrics with one python float each (the
   fixed cost of a step's end), in µs; target: at most 150 µs.
 
-Every round runs each row's contenders once each, starting one step further each
-round, so the machine's drift and what a step leaves behind (freed memory) hit them
-alike; the table gives medians over the rounds. The rlmetrics results
+Every round runs each row's contenders once each, in a new shuffled order, so the
+machine's drift and what a step leaves behind (memory freed or cached, which changes
+the next step's cost by up to 2x here) hit them alike; the table gives medians over the
+rounds. The rlmetrics results
 are checked against numpy over the whole batch before timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -163,10 +165,10 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
         steps[f"{kind} rlmetrics"] = (timed(step), float(args.big))
     steps["compute rlmetrics"] = (compute_only(8), 1000.0)
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    names = list(steps)
+    names, order = list(steps), random.Random(0)
     for index in range(1 + args.rounds):
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:  # each step first in turn
+        order.shuffle(names)  # no step always follows the same one
+        for name in names:
             step, divisor = steps[name]
             elapsed = step()
             if index:
