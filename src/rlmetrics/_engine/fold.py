@@ -299,7 +299,7 @@ def _batch(
     counts = None
     if nonfinite != "propagate" or any(map(_get_num_deferred_checks, accs)):
         counts = _screen(batch, layout, device, nonfinite)
-    batch.zero_unselected(in_place=owned)
+    batch._zero_unselected(in_place=owned)
     return batch, layout, counts
 
 

@@ -379,12 +379,15 @@ class Batch:
             raise TypeError("sum_by: keys take a size")
         return np.bincount(keys, weights=x, minlength=size)[:size]
 
-    def zero_unselected(self, in_place: bool = False) -> None:
+    def zero_unselected(self) -> None:
         """Give the elements that are not selected the value 0, so that no arithmetic
-        on them (``NaN * 0`` is NaN) reaches a sum; ``in_place``: the values are the
-        batch's own (made for it by the fold) and may be written over. Done when the
-        values are first read: a max of the selected values reads only those
-        (``_max_of_selected``)."""
+        on them (``NaN * 0`` is NaN) reaches a sum. Done when the values are first
+        read: a max of the selected values reads only those (``_max_of_selected``)."""
+        self._zero_unselected(in_place=False)
+
+    def _zero_unselected(self, in_place: bool) -> None:
+        """``zero_unselected``; ``in_place``: the values are the batch's own (made for
+        it by the fold) and may be written over."""
         if not self.all_selected:
             self._zero_pending, self._owned, self._zeroed = True, in_place, True
 
@@ -527,7 +530,7 @@ class DeviceBatch(Batch):
     def zeros(self, size: int) -> Tensor:
         return torch.zeros(size, dtype=torch.float64, device=self.values.device)
 
-    def zero_unselected(self, in_place: bool = False) -> None:
+    def _zero_unselected(self, in_place: bool) -> None:
         if not self.all_selected:  # no check for non-finite values: it would wait for them
             self.values = torch.where(self.selected(), self.values, 0.0)
             self._zeroed = True
