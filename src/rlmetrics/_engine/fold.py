@@ -186,13 +186,13 @@ def _modified(acc: MetricRecords) -> bool:
     """Whether a tensor record changed in place since its log call (its version counter
     moved); ``versions`` holds, per tensor record in call order, the weight's then the
     value's version at the log call."""
-    now = [
-        part._version
-        for record in zip(acc.weights, acc.values, strict=True)
-        for part in record
-        if isinstance(part, Tensor)
-    ]
-    return now != acc.versions
+    versions = iter(acc.versions)
+    for value, weight in zip(acc.values, acc.weights, strict=True):
+        if isinstance(weight, Tensor) and weight._version != next(versions):
+            return True
+        if isinstance(value, Tensor) and value._version != next(versions):
+            return True
+    return False
 
 
 def _misaligned(acc: MetricRecords) -> bool:
