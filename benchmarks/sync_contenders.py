@@ -141,6 +141,29 @@ def bare_contenders(rl: RlMetrics, values: Values) -> tuple[Bare, Bare]:
     return bare, Bare("bare pair", num_sums, num_maxes, False)
 
 
+class LocalThenBare(Contender):
+    """``local`` then ``bare``, one after the other in one timed run: what a sync costs
+    at least when it does the local work and then the collective (the ranks' local work
+    ends at different times, and the collective starts from there)."""
+
+    name = "local then bare"
+
+    def __init__(self, local: Local, bare: Bare) -> None:
+        self.local, self.bare = local, bare
+
+    def prepare(self, values: Values) -> None:
+        self.local.prepare(values)
+        self.bare.prepare(values)
+
+    def run(self) -> Any:
+        self.local.run()
+        return self.bare.run()
+
+    def finish(self) -> None:
+        self.local.finish()
+        self.bare.finish()
+
+
 class VerlStyle(Contender):
     name = "verl"
 
