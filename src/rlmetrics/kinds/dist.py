@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
@@ -114,7 +115,7 @@ class Dist(ExtraKind):
         with np.errstate(invalid="ignore"):  # inf - inf under nonfinite="propagate"
             out = {
                 "mean": float(values.mean()),
-                "std": float(values.std()),
+                "std": _std(values),
                 "min": float(values.min()),
                 "max": float(values.max()),
             }
@@ -146,3 +147,17 @@ def as_array(extra: Any) -> np.ndarray:
     scalars = [x for x in extra if not isinstance(x, np.ndarray)]
     arrays = [x.astype(np.float64, copy=False).ravel() for x in extra if isinstance(x, np.ndarray)]
     return np.concatenate([np.asarray(scalars, dtype=np.float64), *arrays])
+
+
+# Above this magnitude the squares in a standard deviation overflow float64.
+_SQUARE_LIMIT = 1e150
+
+
+def _std(values: np.ndarray) -> float:
+    """The population standard deviation of a non-empty array; values large enough for
+    their squares to overflow are scaled by their largest magnitude first, so a finite
+    spread is reported as finite."""
+    scale = float(np.max(np.abs(values)))
+    if not scale > _SQUARE_LIMIT or scale == math.inf:
+        return float(values.std())
+    return scale * float((values / scale).std())

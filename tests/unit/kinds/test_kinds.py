@@ -261,3 +261,17 @@ def test_dist_std_with_large_mean_matches_numpy() -> None:
     b.dist(NAME, x[200:])
     got = a.merge(b).compute()[f"{NAME}/std"]
     assert got == pytest.approx(np.std(x), rel=1e-6, abs=0)
+
+
+@pytest.mark.filterwarnings("error")  # numpy's overflow in its squares
+def test_dist_std_of_values_whose_squares_overflow_is_finite() -> None:
+    """The spread of values near float64's largest is finite, as statistics' exact
+    population deviation says, and no numpy overflow warning escapes."""
+    import statistics
+
+    x = [1e300, -1e300, 3e299, 0.0]
+    tracker = Tracker()
+    tracker.dist(NAME, x[:2])
+    tracker.dist(NAME, torch.tensor(x[2:], dtype=torch.float64))
+    got = tracker.compute()[f"{NAME}/std"]
+    assert got == pytest.approx(statistics.pstdev(x), rel=1e-12)
