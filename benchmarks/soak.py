@@ -112,7 +112,7 @@ def run_rank(rank: int, world: int, port: int, args: dict[str, Any], queue: Any)
             "rss_step100_mib": rss.get(100),
             "rss_end_mib": rss[steps],
             "agreements": agreements["n"],
-            "cached_layouts": len(tracker.plan.group_syncs),
+            "cached_layouts": len(tracker._plan.group_syncs),
             "checked_steps": checked,
             "exact_steps": exact,
         }

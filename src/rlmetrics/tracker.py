@@ -27,7 +27,7 @@ from rlmetrics._engine.record import (
     record_prepared,
     record_tensor,
 )
-from rlmetrics._engine.sync import as_timeout, should_sync, sync_reduce
+from rlmetrics._engine.sync import SyncedParts, as_timeout, should_sync, sync_reduce
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import RejectedInputError
 from rlmetrics.groups import Groups, LabelledPart, check_kinds
@@ -614,20 +614,11 @@ class Tracker(LogMethods):
         """The names logged since the last reset, with their kind names."""
         return {name: acc.kind.name for name, acc in self._accumulators.items()}
 
-    @property
-    def accumulators(self) -> Mapping[str, MetricRecords]:
-        """The live accumulators (read-only view, for the sync code)."""
-        return self._accumulators
-
-    @property
-    def table(self) -> StateTable:
-        """The folded states, a row per metric (for the sync code)."""
-        return self._table
-
-    @property
-    def plan(self) -> StepPlan:
-        """Every cache this tracker keeps between steps (for the fold and sync code)."""
-        return self._plan
+    def _synced_step(self, group: Any, timeout: float | timedelta | None) -> ReducedStep:
+        """This step's folded states merged over ``group`` (``Window`` syncs its
+        reporter's through it too)."""
+        parts = SyncedParts(self._accumulators, self._table, self._plan, self.kind)
+        return sync_reduce(parts, group=group, timeout=timeout)
 
     @_locked
     def device(self) -> torch.device:
@@ -825,7 +816,7 @@ class Tracker(LogMethods):
         if sync and should_sync(group):
             dropped = self._fold_for_sync()
             try:
-                reduced = sync_reduce(self, group=group, timeout=timeout)
+                reduced = self._synced_step(group, timeout)
             except RejectedInputError as error:
                 self._forget_rejected()
                 if dropped is not None:

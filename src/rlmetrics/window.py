@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from rlmetrics._engine.packing import ReducedStep
-from rlmetrics._engine.sync import as_timeout, should_sync, sync_reduce
+from rlmetrics._engine.sync import as_timeout, should_sync
 from rlmetrics._window_keys import Decoded, decode, empty_state, latest_of, window_key
 from rlmetrics.errors import MalformedStateError, RejectedInputError
 from rlmetrics.kinds import Kind, MetricState
@@ -222,7 +222,7 @@ class Window:
         reporter.sum(window_key("r", "rejected"), float(self._num_rejected))
         reporter.merge(self._encoded())  # folds the count too: the reporter holds no records
         if self.sync and should_sync(self.group):
-            return sync_reduce(reporter, group=self.group, timeout=self.timeout).states()
+            return reporter._synced_step(self.group, self.timeout).states()
         return dict(reporter.state().metrics)
 
     def _results(self, states: Mapping[str, MetricState]) -> dict[str, float]:

@@ -381,8 +381,8 @@ def recreated_group(rank: int, world: int, port: int) -> dict:
             "new_world_agreements": new_world,
             "cycles": outs,
             "reused_ids": len(ids) - len(set(ids)),
-            "cache_size": len(tracker.plan.group_syncs),
-            "pickled_cache": len(pickle.loads(pickle.dumps(tracker)).plan.group_syncs),
+            "cache_size": len(tracker._plan.group_syncs),
+            "pickled_cache": len(pickle.loads(pickle.dumps(tracker))._plan.group_syncs),
         }
 
 

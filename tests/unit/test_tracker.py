@@ -526,10 +526,10 @@ def test_cpu_and_array_data_reduce_on_the_host_device_tensors_do_not() -> None:
     t.mean("array", np.ones(3))
     t.reduce_host_data_with_numpy = False
     t.mean("tensor_path", torch.ones(3))
-    devices = {name: acc.record_device for name, acc in t.accumulators.items()}
+    devices = {name: acc.record_device for name, acc in t._accumulators.items()}
     assert devices == {"cpu": None, "array": None, "tensor_path": torch.device("cpu")}
     t.device()  # folds the records into the states
-    table, rows = t.table, {name: acc.row for name, acc in t.accumulators.items()}
+    table, rows = t._table, {name: acc.row for name, acc in t._accumulators.items()}
     host = {name: table.sums[table.sum_at[row]] for name, row in rows.items()}
     device = {name: float(table.device_part.sums[table.sum_at[row]]) for name, row in rows.items()}
     assert host == {"cpu": 3.0, "array": 3.0, "tensor_path": 0.0}
@@ -849,11 +849,11 @@ def test_a_reused_accumulator_starts_empty() -> None:
     t.mean("x", torch.tensor([1.0, math.nan]))  # device part and a non-finite count
     t.dist("d", [1.0, 2.0, 3.0])
     t.mean("k", 5.0)
-    kept = t.accumulators["x"]
+    kept = t._accumulators["x"]
     first = t.compute()
     assert first["x"] == 1.0 and first["x/nonfinite_count"] == 1.0 and first["d/max"] == 3.0
     second_step(t)
-    assert t.accumulators["x"] is kept
+    assert t._accumulators["x"] is kept
     fresh = Tracker(nonfinite="skip")
     fresh.reduce_host_data_with_numpy = False
     second_step(fresh)

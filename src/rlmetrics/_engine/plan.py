@@ -5,7 +5,7 @@ packing derive from the set of metrics (the fold plan per device, with its table
 positions and the layout of the flat numbers; the packing of ``compute(sync=False)``
 and ``state()``; per process group, the packing of the sync; the device copies of
 index arrays) is made once and reused. Each tracker holds one ``StepPlan``
-(``Tracker.plan``); pickling or copying a tracker gives the copy a new, empty one.
+(a tracker's ``_plan``); pickling or copying a tracker gives the copy a new, empty one.
 
 The one invalidation rule: an entry is reused while the step's accumulators are the
 same objects, in the same order, as those it was made for (``same_metrics``), and the

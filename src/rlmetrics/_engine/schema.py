@@ -10,12 +10,16 @@ Schemas travel as JSON: nothing here unpickles what a peer sent.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlmetrics._engine.layout import BufferLayout
 from rlmetrics.kinds import kind_names
+from rlmetrics.kinds.base import Kind, MetricRecords
 from rlmetrics.kinds.rank_time import family_kind
+
+KindOf = Callable[[str], Kind]
+"""A tracker's kind by name (``Tracker.kind``: its own ``dist`` and ``quantile``)."""
 
 
 def read_schema(rank: int, data: bytes) -> dict[str, Any]:
@@ -49,19 +53,17 @@ def read_schema(rank: int, data: bytes) -> dict[str, Any]:
     return schema
 
 
-def schema_payload(tracker: Any) -> bytes:
+def schema_payload(accumulators: Mapping[str, MetricRecords], kind_of: KindOf) -> bytes:
     """What this rank sends to agree on a schema: JSON of its metrics' (name, kind name,
     ``Kind.settings()``) and the settings of every kind it would report with (its own
     ``dist`` and ``quantile``, and each registered kind), so that a rank which did not
     log a name still reports it alike."""
-    kinds = {name: tracker.kind(name).settings() for name in kind_names()}
-    local = sorted(
-        (name, acc.kind.name, acc.kind.settings()) for name, acc in tracker.accumulators.items()
-    )
+    kinds = {name: kind_of(name).settings() for name in kind_names()}
+    local = sorted((name, acc.kind.name, acc.kind.settings()) for name, acc in accumulators.items())
     return json.dumps({"metrics": local, "kinds": kinds}).encode()
 
 
-def agreed_layout(tracker: Any, payloads: Sequence[bytes]) -> BufferLayout:
+def agreed_layout(kind_of: KindOf, payloads: Sequence[bytes]) -> BufferLayout:
     """The union of every rank's (name, kind) pairs, from every rank's
     ``schema_payload`` in rank order (every rank computes the same union).
 
@@ -108,6 +110,4 @@ def agreed_layout(tracker: Any, payloads: Sequence[bytes]) -> BufferLayout:
                 )
     if conflicts:
         raise ValueError("ranks disagree on metric kinds: " + "; ".join(conflicts.values()))
-    return BufferLayout(
-        [(name, tracker.kind(kind_name)) for name, (kind_name, _, _) in union.items()]
-    )
+    return BufferLayout([(name, kind_of(kind_name)) for name, (kind_name, _, _) in union.items()])

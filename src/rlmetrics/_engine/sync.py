@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -63,8 +63,8 @@ from rlmetrics._engine.packing import (
     unpack,
     with_nan_counts,
 )
-from rlmetrics._engine.plan import same_metrics
-from rlmetrics._engine.schema import agreed_layout, schema_payload
+from rlmetrics._engine.plan import StepPlan, same_metrics
+from rlmetrics._engine.schema import KindOf, agreed_layout, schema_payload
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import SyncTimeoutError
 from rlmetrics.kinds.base import MetricRecords
@@ -275,8 +275,19 @@ class GroupLayouts:
 GATHER_LIMIT = 200_000
 
 
+class SyncedParts(NamedTuple):
+    """What the sync stage reads of a tracker: its records of the step (folded), its
+    table of states, its plan (where the per-group ``GroupSync`` is kept) and its kinds
+    by name."""
+
+    accumulators: Mapping[str, MetricRecords]
+    table: StateTable
+    plan: StepPlan
+    kind_of: KindOf
+
+
 def agree_schema(
-    tracker: Any, group: Any, device: torch.device, timeout: timedelta | None
+    parts: SyncedParts, group: Any, device: torch.device, timeout: timedelta | None
 ) -> BufferLayout:
     """The union of every rank's metrics, agreed over ``group`` with one exchange of
     schemas (``rlmetrics._engine.schema``).
@@ -284,8 +295,8 @@ def agree_schema(
     Raises:
         ValueError: on every rank, when ranks disagree (``schema.agreed_layout``).
     """
-    sent = gather_bytes(schema_payload(tracker), group, device, timeout)
-    return agreed_layout(tracker, sent)
+    payload = schema_payload(parts.accumulators, parts.kind_of)
+    return agreed_layout(parts.kind_of, gather_bytes(payload, group, device, timeout))
 
 
 @dataclass(eq=False)
@@ -362,10 +373,10 @@ _NO_LAYOUT = BufferLayout([])  # what a rank without a layout the group holds pa
 _GROUP_LAYOUTS: weakref.WeakKeyDictionary[Any, GroupLayouts] = weakref.WeakKeyDictionary()
 
 
-def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> GroupSync:
+def _group_sync(parts: SyncedParts, group: Any, wait: timedelta | None) -> GroupSync:
     """The tracker's sync state for ``group`` (kept in its ``StepPlan``); on the
     group's first sync in this process (so on every rank's), the schema agreed first."""
-    cache = tracker.plan.group_syncs
+    cache = parts.plan.group_syncs
     sync = cache.get(group)
     if isinstance(sync, GroupSync):
         return sync
@@ -373,7 +384,7 @@ def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> GroupSync:
     agreed = _GROUP_LAYOUTS.get(group)
     if agreed is None:  # no tracker synced over this group yet, on any rank
         agreed = _GROUP_LAYOUTS[group] = GroupLayouts()
-        layout = agree_schema(tracker, group, device, wait)
+        layout = agree_schema(parts, group, device, wait)
         agreed.use(layout)
     # else the step itself tells whether this rank's guess is its peers' layout
     sync = cache[group] = GroupSync(layout, agreed, device, dist.get_world_size(group))
@@ -381,18 +392,19 @@ def _group_sync(tracker: Any, group: Any, wait: timedelta | None) -> GroupSync:
 
 
 def sync_reduce(
-    tracker: Any, *, group: Any = None, timeout: float | timedelta | None = None
+    parts: SyncedParts, *, group: Any = None, timeout: float | timedelta | None = None
 ) -> ReducedStep:
-    """The tracker's step merged over ``group`` (every rank gets the same).
+    """A tracker's step (its ``parts``, folded) merged over ``group`` (every rank gets
+    the same).
 
     Names in the cached layout that no rank logged this step are left out of the
     result, as a single process would leave them out.
     """
     pg = resolve_group(group)
     wait = as_timeout(timeout)
-    sync = _group_sync(tracker, pg, wait)
-    accumulators, table = tracker.accumulators, tracker.table
-    tracker.plan.valid_for(table)
+    sync = _group_sync(parts, pg, wait)
+    accumulators, table = parts.accumulators, parts.table
+    parts.plan.valid_for(table)
     for _ in range(2):
         packing = sync.packing_for(accumulators, table)
         sums, maxes = _reduce(packing, table, sync, pg, wait)
@@ -406,7 +418,7 @@ def sync_reduce(
             sums, maxes = sums[: layout.num_sums], maxes[:size]
             gather = partial(_gather_extras, group=pg, device=sync.device, wait=wait)
             return unpack(packing, table, sums, maxes, sync.device, logged, gather)
-        sync.layout = agree_schema(tracker, pg, sync.device, wait)
+        sync.layout = agree_schema(parts, pg, sync.device, wait)
         sync.agreed.use(sync.layout)
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 

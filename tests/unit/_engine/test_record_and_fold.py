@@ -153,7 +153,7 @@ def test_a_tensor_that_requires_grad_is_recorded_detached(
     t.mean("loss", loss)
     t.mean("weighted", loss, weight=weight)
     for name in ("loss", "weighted"):
-        recorded = [*t.accumulators[name].values, *t.accumulators[name].weights]
+        recorded = [*t._accumulators[name].values, *t._accumulators[name].weights]
         assert all(r is None or (not r.requires_grad and r.grad_fn is None) for r in recorded)
     (loss + weight).backward()
     assert t.compute() == {"loss": 6.0, "weighted": 6.0}
@@ -184,7 +184,7 @@ def test_a_refused_tensor_raises_in_the_call_and_records_nothing(
     t = Tracker()
     t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     t.mean("m", torch.tensor([1.0, 3.0]))
-    acc = t.accumulators["m"]
+    acc = t._accumulators["m"]
     before = (len(acc.values), len(acc.weights), list(acc.versions), acc.arrays)
     args = (bad, None) if role == "value" else (torch.ones(3), bad)
     with pytest.raises(TypeError, match=re.escape(f"metric 'm': {role} {message}")):
@@ -287,7 +287,7 @@ def test_a_weight_made_to_require_grad_between_calls_is_recorded_detached(
     weight.requires_grad_(True)
     value.requires_grad_(True)
     t.mean("b", torch.tensor([1.0, 4.0]), weight=weight)
-    assert not any(w.requires_grad for w in t.accumulators["b"].weights)
+    assert not any(w.requires_grad for w in t._accumulators["b"].weights)
     assert t.compute() == {"a": 3.0, "b": 3.0, "c": 6.0}
 
 
@@ -360,7 +360,7 @@ def test_the_record_folds_past_its_bound_with_the_same_result(
                     kind, value, torch.from_numpy(keep[:1] if kind == "last" else keep), kind=kind
                 )
             t.mean("number", float(i))
-            assert all(len(acc.values) <= limit + 1 for acc in t.accumulators.values())
+            assert all(len(acc.values) <= limit + 1 for acc in t._accumulators.values())
         results.append(t.compute())
     assert results[0] == pytest.approx(results[1], rel=1e-13)
     x = np.concatenate([x for x, _ in chunks])
