@@ -369,3 +369,27 @@ def test_default_config_has_every_switch_off() -> None:
     assert replace(ALL_ON, per_source=False, token_quantiles=False, update_timing=False) == (
         MetricsConfig()
     )
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_off_runs_none_of_the_extras(algo, monkeypatch) -> None:
+    """Off, the trainer takes today's path: no extra is evaluated, nothing is hidden in
+    the sync (``finish`` finds nothing to pop), the counts come from rl.global_counts."""
+    from rlmetrics.trainer import extras
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("an opt-in metric ran with every switch off")
+
+    for name in ("global_source_counts", "per_source", "token_quantiles", "ideal_seconds"):
+        monkeypatch.setattr(extras, name, refuse)
+    real_finish = extras.finish
+
+    def finish(metrics: dict[str, float]) -> dict[str, float]:
+        before = dict(metrics)
+        assert real_finish(metrics) == before
+        return metrics
+
+    monkeypatch.setattr(extras, "finish", finish)
+    history = train_module.train(replace(config(algo, MetricsConfig()), run=RunConfig(
+        steps=2, seed=1, progress=False, loggers="", log_every=0)), report=False)  # fmt: skip
+    assert len(history) == 2 and "actor/pg_clipfrac" in history[0]
