@@ -205,9 +205,10 @@ def actor_objective(
 def actor_loss(actor: TinyGPT, cfg: AlgoConfig, extra: MetricsConfig | None = None) -> LossFn:
     """The policy objective of a micro-batch: clipped PPO/GRPO + KL - entropy bonus.
 
-    With ``extra.per_source``, the same objective again over each data source's rows
-    (no gradient, the same forward pass), as ``<key>/<source>``; with
-    ``extra.token_quantiles``, the sketches of the tokens' entropy, ratio and KL.
+    Given per-source counts (``optimize(..., per_source=True)``), the same objective
+    again over each data source's rows (no gradient, the same forward pass), as
+    ``<key>/<source>``; with ``extra.token_quantiles``, the sketches of the tokens'
+    entropy, ratio and KL.
     """
     extra = extra or MetricsConfig()
 
