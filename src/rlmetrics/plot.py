@@ -1,6 +1,6 @@
 """Plot a JSONL metrics file: one subplot per metric against step (matplotlib, Agg).
 
-From the command line: ``rlmetrics plot RUN.jsonl --metrics a,b --out fig.png``.
+From the command line: ``rlmetrics plot RUN.jsonl --metrics a,b --by x,y --out fig.png``.
 
 Metrics are drawn in pages of at most ``PAGE_SIZE`` subplots, one page per prefix group
 (``actor/...``, ``critic/...``; a large group takes several pages). One page goes to
@@ -16,6 +16,10 @@ divided by a power of ten, named in the subplot's title; infinite values are gap
 nulls are; a metric with no finite value keeps its subplot with a note saying why.
 Each such metric gets one ``PlotWarning`` naming it. Only when no selected metric can
 be drawn at all does the plot fail (``ValueError``), writing nothing.
+
+``by`` (``--by short,long``) draws per-group curves: a metric's ``<name>/<label>`` keys
+(the tracker's ``by=`` groups, such as a trainer's per data source ones) go on the
+metric's own subplot, one line per label beside the whole batch's ("all"), with a legend.
 """
 
 from __future__ import annotations
@@ -83,14 +87,34 @@ def read_jsonl(path: str | os.PathLike) -> Series:
 
 
 @dataclass
-class Panel:
-    """One metric as drawn: its points, its title, and what the reader must know."""
+class Curve:
+    """One line of a subplot: its label in the legend ("" with a single line), points
+    and colour."""
 
+    label: str
     steps: list[float]
     values: list[float]
+    color: str = "C0"
+
+
+@dataclass
+class Panel:
+    """One metric as drawn: its lines, its title, and what the reader must know."""
+
+    curves: list[Curve]
     title: str
     notes: list[str] = field(default_factory=list)  # why it is not drawn as it is
     drawn: bool = True  # False: no finite value, the subplot holds only its note
+
+    @property
+    def steps(self) -> list[float]:
+        """The first line's steps."""
+        return self.curves[0].steps
+
+    @property
+    def values(self) -> list[float]:
+        """The first line's values (as drawn: scaled when the title says so)."""
+        return self.curves[0].values
 
 
 def panel(name: str, steps: Sequence[int], values: Sequence[float]) -> Panel:
@@ -102,22 +126,32 @@ def panel(name: str, steps: Sequence[int], values: Sequence[float]) -> Panel:
     counts the infinite values (``[2 inf]``). With no finite value left, the panel is
     not drawn.
     """
-    xs: list[float] = []
-    ys: list[float] = []
-    far = infinite = 0
-    for step, value in zip(steps, values, strict=True):
-        try:
-            x = float(step)
-        except OverflowError:
-            x = math.inf
-        if not abs(x) <= AXIS_LIMIT:
-            far += 1
-            continue
-        if math.isinf(value):
-            infinite += 1
-            value = math.nan
-        xs.append(x)
-        ys.append(value)
+    return grouped_panel(name, [("", steps, values)])
+
+
+def grouped_panel(name: str, lines: Sequence[tuple[str, Sequence[int], Sequence[float]]]) -> Panel:
+    """``panel`` of several labelled lines on one subplot (``(label, steps, values)``):
+    one scale for all, the notes counting over all."""
+    curves = []
+    far = infinite = total = 0
+    for label, steps, values in lines:
+        xs: list[float] = []
+        ys: list[float] = []
+        total += len(values)
+        for step, value in zip(steps, values, strict=True):
+            try:
+                x = float(step)
+            except OverflowError:
+                x = math.inf
+            if not abs(x) <= AXIS_LIMIT:
+                far += 1
+                continue
+            if math.isinf(value):
+                infinite += 1
+                value = math.nan
+            xs.append(x)
+            ys.append(value)
+        curves.append(Curve(label, xs, ys))
     notes = []
     title = name
     if infinite:
@@ -125,18 +159,19 @@ def panel(name: str, steps: Sequence[int], values: Sequence[float]) -> Panel:
         title = f"{title} [{infinite} inf]"
     if far:
         notes.append(f"{far} point(s) at steps beyond ±{AXIS_LIMIT:g} left out")
-    finite = [abs(v) for v in ys if math.isfinite(v)]
+    finite = [abs(v) for c in curves for v in c.values if math.isfinite(v)]
     if not finite:
-        notes.insert(0, f"not drawn: no finite value in {len(values)} point(s)")
-        return Panel(xs, ys, title, notes, drawn=False)
+        notes.insert(0, f"not drawn: no finite value in {total} point(s)")
+        return Panel(curves, title, notes, drawn=False)
     peak = max(finite)
     if peak > AXIS_LIMIT:
         exponent = math.floor(math.log10(peak))
         scale = 10.0**exponent
-        ys = [v / scale for v in ys]
+        for c in curves:
+            c.values = [v / scale for v in c.values]
         title = f"{title} (×1e{exponent})"
         notes.append(f"values reach {peak:.3g}: drawn divided by 1e{exponent}")
-    return Panel(xs, ys, title, notes)
+    return Panel(curves, title, notes)
 
 
 def pages(names: Sequence[str], size: int = PAGE_SIZE) -> list[tuple[str, list[str]]]:
@@ -197,7 +232,7 @@ class PageFigure:
         )  # fmt: skip
         self.cols = cols
         self.axes = list(self.fig.subplots(rows, cols, squeeze=False).ravel())
-        self.lines = [ax.plot([], [], linewidth=1.2)[0] for ax in self.axes]
+        self.lines = [[ax.plot([], [], linewidth=1.2)[0]] for ax in self.axes]
         for ax in self.axes:
             ax.grid(True, alpha=0.3)
             ax.locator_params(nbins=5)
@@ -222,8 +257,7 @@ class PageFigure:
             if i >= len(panels):
                 continue
             p = panels[i]
-            line.set_data(p.steps, p.values) if p.drawn else line.set_data([], [])
-            line.set_marker("." if len(p.steps) < 50 else "None")
+            self._draw_curves(ax, line, p)
             note.set_text("" if p.drawn else "\n".join(p.notes))
             ax.set_title(p.title, loc="left", fontsize=9, y=1.0, pad=3)
             ax.tick_params(axis="y", labelleft=p.drawn)
@@ -238,9 +272,32 @@ class PageFigure:
             ax.set_xlabel("step" if bottom else "")
         self.title.set_text(title)
 
+    @staticmethod
+    def _draw_curves(ax: Any, lines: list[Any], p: Panel) -> None:
+        """The panel's curves on the cell's lines (made as needed, the spare ones
+        emptied), each in its colour; a legend when the curves are labelled."""
+        while len(lines) < len(p.curves):
+            lines.append(ax.plot([], [], linewidth=1.2)[0])
+        labelled = any(curve.label for curve in p.curves)
+        for j, line in enumerate(lines):
+            curve = p.curves[j] if j < len(p.curves) and p.drawn else None
+            line.set_data(curve.steps, curve.values) if curve else line.set_data([], [])
+            if curve is not None:
+                line.set_marker("." if len(curve.steps) < 50 else "None")
+                line.set_label(curve.label or "_")
+                line.set_color(curve.color)
+        legend = ax.get_legend()
+        if legend is not None:
+            legend.remove()
+        if labelled and p.drawn:
+            ax.legend(handles=lines[: len(p.curves)], fontsize=7, loc="best", frameon=False)
+
 
 def plot_jsonl(
-    path: str | os.PathLike, metrics: Sequence[str] | None = None, out: str | os.PathLike = ""
+    path: str | os.PathLike,
+    metrics: Sequence[str] | None = None,
+    out: str | os.PathLike = "",
+    by: Sequence[str] | None = None,
 ) -> list[Path]:
     """Plot metrics of a JSONL file; returns the files written.
 
@@ -249,6 +306,11 @@ def plot_jsonl(
         metrics: the names to plot, in order; None plots every metric, sorted.
         out: the image file (its suffix picks the format); "" means ``path`` with .png.
             Several pages go to one PDF (a ``.pdf`` out) or to one file per page.
+        by: group labels (``["short", "long"]``): each metric's ``<name>/<label>`` keys
+            are drawn on its subplot, one line per label in the file beside the
+            metric's own ("all"), in the colours of the order given, with a legend; a
+            metric may then exist only through its labels. Without ``metrics`` the
+            ``<name>/<label>`` keys get no subplot of their own.
 
     A metric that cannot be drawn as it is (see ``panel``: huge or infinite values, no
     finite value) costs only itself and is named in a ``PlotWarning``.
@@ -260,8 +322,9 @@ def plot_jsonl(
     """
     require("matplotlib", "plot", "plotting")
     series = read_jsonl(path)
-    names = select(series, metrics, path)
-    panels = {name: panel(name, *series[name]) for name in names}
+    labels = list(dict.fromkeys(by or ()))
+    names = select(series, metrics, path, labels)
+    panels = {name: metric_panel(series, name, labels) for name in names}
     if not any(p.drawn for p in panels.values()):
         reasons = "; ".join(f"{n!r}: {', '.join(p.notes)}" for n, p in panels.items())
         raise ValueError(f"nothing to draw in {os.fspath(path)!r}: {reasons}")
@@ -287,13 +350,18 @@ def plot_jsonl(
     return paths
 
 
-def select(series: Series, metrics: Sequence[str] | None, path: Any) -> list[str]:
-    """The metric names to plot, checked against the file's."""
+def select(
+    series: Series, metrics: Sequence[str] | None, path: Any, by: Sequence[str] = ()
+) -> list[str]:
+    """The metric names to plot, checked against the file's (with ``by``, a name whose
+    ``<name>/<label>`` keys are in the file counts as there, and without ``metrics``
+    those keys are drawn on their metric's subplot, not on their own)."""
+    grouped = {f"/{label}" for label in by}
     if metrics is None:
-        names = sorted(series)
+        names = sorted({_base(name, grouped) for name in series})
     else:
         names = list(metrics)
-        missing = [n for n in names if n not in series]
+        missing = [n for n in names if n not in series and not _labelled(series, n, by)]
         if missing:
             raise ValueError(
                 f"metrics {missing} are not in {os.fspath(path)!r}; it has: "
@@ -302,6 +370,34 @@ def select(series: Series, metrics: Sequence[str] | None, path: Any) -> list[str
     if not names:
         raise ValueError(f"{os.fspath(path)!r} holds no metrics to plot")
     return names
+
+
+def _base(name: str, grouped: set[str]) -> str:
+    """``name`` less a ``/<label>`` ending of ``grouped``, else ``name``."""
+    head, sep, tail = name.rpartition("/")
+    return head if sep and head and f"/{tail}" in grouped else name
+
+
+def _labelled(series: Series, name: str, by: Sequence[str]) -> list[str]:
+    """The labels of ``by`` whose ``<name>/<label>`` key is in ``series``."""
+    return [label for label in by if f"{name}/{label}" in series]
+
+
+ALL = "all"  # the legend entry of a metric's own (whole-batch) line among its labels'
+
+
+def metric_panel(series: Series, name: str, by: Sequence[str] = ()) -> Panel:
+    """``name``'s subplot: its own line, and with ``by`` one line per label in the file
+    (colour ``C<i>`` for the i-th label of ``by``; the metric's own line black)."""
+    labels = _labelled(series, name, by)
+    if not labels:
+        return panel(name, *series[name])
+    lines = [(ALL, *series[name])] if name in series else []
+    lines += [(label, *series[f"{name}/{label}"]) for label in labels]
+    grouped = grouped_panel(name, lines)
+    for curve in grouped.curves:
+        curve.color = "black" if curve.label == ALL else f"C{list(by).index(curve.label)}"
+    return grouped
 
 
 def split_names(text: str | None) -> list[str] | None:
@@ -328,6 +424,13 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--metrics", default=None, help="comma-separated metric names (default: all)"
     )
     parser.add_argument(
+        "--by",
+        default=None,
+        metavar="LABELS",
+        help="comma-separated group labels (e.g. short,long): each metric's <name>/<label> "
+        "keys (per data source, by= groups) drawn on its subplot, one line per label",
+    )
+    parser.add_argument(
         "--out",
         default="",
         help=f"the image file (default: RUN with .png); more than {PAGE_SIZE} metrics go "
@@ -344,7 +447,9 @@ def run_plot(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PlotWarning)
             try:
-                written = plot_jsonl(args.run, split_names(args.metrics), args.out)
+                written = plot_jsonl(
+                    args.run, split_names(args.metrics), args.out, split_names(args.by)
+                )
             finally:
                 _show(caught)
     except (OSError, ValueError, ImportError) as err:
@@ -371,7 +476,7 @@ def _shorten(paths: list[Path]) -> Iterator[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rlmetrics.plot RUN.jsonl [--metrics a,b] [--out fig.png]``."""
+    """``python -m rlmetrics.plot RUN.jsonl [--metrics a,b] [--by x,y] [--out fig.png]``."""
     parser = add_plot_arguments(
         argparse.ArgumentParser(prog="rlmetrics plot", description=__doc__.splitlines()[0])
     )

@@ -1,9 +1,9 @@
 """The Ray launcher: `rlmetrics demo --launcher ray` logs what the spawn launcher logs.
 
-One local Ray (2 CPUs, no dashboard) for the module. A tiny float64 run (dp=2, 2 steps)
-goes through the CLI three times: spawn, Ray with the collective metrics path, Ray with
-the driver merge. Every metric but timings and throughput agrees with spawn within 1e-9
-at step 1 (1e-6 later), and the two Ray paths agree bit for bit.
+One local Ray (2 CPUs, no dashboard) for the module. A tiny float64 run (dp=2, 2 steps,
+the opt-in metrics on) goes through the CLI three times: spawn, Ray with the collective
+metrics path, Ray with the driver merge. Every metric but timings and throughput agrees
+with spawn within 1e-9 at step 1 (1e-6 later), and the two Ray paths agree bit for bit.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ except ImportError:  # the no-Ray test below still runs
 needs_ray = pytest.mark.skipif(
     ray is None, reason="ray is not installed (pip install 'rlmetrics[ray]')"
 )
-SKIP = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "critic/perf/")
+SKIP = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "critic/perf/",
+        "actor/update_time_s", "critic/update_time_s")  # fmt: skip
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--num-symbols", "3",
         "--max-prompt-len", "3", "--num-prompts", "4", "--samples-per-prompt", "3",
         "--mini-batches", "2", "--epochs", "2", "--micro-batch-size", "2", "--warmup-steps", "1",
         "--dtype", "float64", "--steps", "2", "--seed", "3", "--dp", "2", "--no-progress",
-        "--log-every", "0", "--loggers", "jsonl"]  # fmt: skip
+        "--log-every", "0", "--loggers", "jsonl", "--per-source", "--token-quantiles",
+        "--update-timing"]  # fmt: skip
 RUNS = {
     "spawn": [],
     "ray-collective": ["--launcher", "ray", "--metrics-path", "collective"],
@@ -81,6 +83,11 @@ def test_ray_launcher_matches_spawn(histories: dict[str, list], run: str) -> Non
     assert "actor/pg_clipfrac" in spawned[0] and "critic/score/mean" in spawned[0]
     for step, (got, want) in enumerate(zip(histories[run], spawned, strict=True), start=1):
         assert "timing_s/metrics" in got and "perf/throughput" in got
+        assert {"actor/pg_clipfrac/short", "actor/token_entropy/p50"} <= set(got)
+        # update timing: the exact MFU is worked out after the sync (on the driver's merge
+        # too) and its hidden sum is gone
+        assert got["perf/mfu/actor"] > 0 and got["actor/update_time_s"] > 0
+        assert not any(key.startswith("perf/_") for key in got)
         assert_close(run, strip(got), strip(want), 1e-9 if step == 1 else 1e-6, step)
 
 

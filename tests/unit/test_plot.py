@@ -259,3 +259,76 @@ def test_plot_with_nothing_to_draw_is_an_error_naming_each_metric(tmp_path, caps
     err = capsys.readouterr().err
     assert "nothing to draw" in err and "'a': not drawn: no finite value" in err and "'b'" in err
     assert not out.exists()
+
+
+# -- per-group curves (--by) ----------------------------------------------------------
+@pytest.fixture
+def grouped_file(tmp_path):
+    """A per-source run: critic/score/mean with /short and /long, a metric with no
+    labels, and one that exists only per label (short only on even steps)."""
+    path = tmp_path / "grouped.jsonl"
+    with open(path, "w") as f:
+        for step in range(1, 7):
+            row = {"step": step, "critic/score/mean": step / 10,
+                   "critic/score/mean/short": step / 5, "critic/score/mean/long": step / 20,
+                   "actor/grad_norm": 1.0, "actor/pg_loss/long": -step}  # fmt: skip
+            if step % 2 == 0:
+                row["actor/pg_loss/short"] = step
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def drawn_cells(monkeypatch):
+    """What each saved figure's visible cells show: {title: {legend label: (x, y)}}."""
+    from matplotlib.figure import Figure
+
+    cells: dict[str, dict[str, tuple[list, list]]] = {}
+    real_savefig = Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        for ax in fig.axes:
+            if not ax.get_visible():
+                continue
+            lines = [line for line in ax.get_lines() if len(line.get_xdata())]
+            legend = ax.get_legend()
+            names = [t.get_text() for t in legend.get_texts()] if legend else [""]
+            assert len(names) == len(lines), (ax.get_title(loc="left"), names)
+            cells[ax.get_title(loc="left")] = {
+                n: (list(line.get_xdata()), list(line.get_ydata()), line.get_color())
+                for n, line in zip(names, lines, strict=True)
+            }
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return cells
+
+
+def test_by_draws_each_label_on_its_metric_subplot(grouped_file, tmp_path, monkeypatch):
+    cells = drawn_cells(monkeypatch)
+    plot_jsonl(grouped_file, out=tmp_path / "g.png", by=["short", "long"])
+    assert sorted(cells) == ["actor/grad_norm", "actor/pg_loss", "critic/score/mean"]
+    score = cells["critic/score/mean"]
+    assert list(score) == ["all", "short", "long"]
+    assert score["all"][:2] == ([1, 2, 3, 4, 5, 6], pytest.approx([s / 10 for s in range(1, 7)]))
+    assert score["short"][1] == pytest.approx([s / 5 for s in range(1, 7)])
+    assert score["long"][1] == pytest.approx([s / 20 for s in range(1, 7)])
+    assert [c[2] for c in score.values()] == ["black", "C0", "C1"]
+    pg = cells["actor/pg_loss"]  # only per label; the colours follow the order of by
+    assert list(pg) == ["short", "long"] and pg["short"][0] == [2, 4, 6]
+    assert [c[2] for c in pg.values()] == ["C0", "C1"]
+    assert list(cells["actor/grad_norm"]) == [""]  # no label: one line, no legend
+
+
+def test_by_with_selected_metrics_and_the_cli(grouped_file, tmp_path, monkeypatch, capsys):
+    cells = drawn_cells(monkeypatch)
+    out = tmp_path / "c.png"
+    args = ["--metrics", "critic/score/mean,actor/pg_loss", "--by", "long", "--out", str(out)]
+    assert main([str(grouped_file), *args]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert list(cells["critic/score/mean"]) == ["all", "long"]
+    assert list(cells["actor/pg_loss"]) == ["long"]
+    assert main([str(grouped_file), "--metrics", "actor/pg_loss", "--out", str(out)]) == 2
+    assert "['actor/pg_loss'] are not in" in capsys.readouterr().err  # no --by: no such key
+    cells.clear()
+    plot_jsonl(grouped_file, ["critic/score/mean/short"], tmp_path / "one.png", by=["long"])
+    assert list(cells) == ["critic/score/mean/short"]  # a labelled key chosen by name

@@ -245,6 +245,30 @@ class RunConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MetricsConfig:
+    """Opt-in metrics: the switches of the verl and TRL integrations (all off by default)."""
+
+    per_source: bool = opt(
+        False,
+        "also report every update metric (actor: losses, clip fractions, ppo_kl, entropy, "
+        "kl_loss; critic: vf_loss, vf_clipfrac, vpred_mean) per data source as "
+        "<key>/<source> (verl's RLMETRICS_VERL_DETAIL, TRL's by_column)",
+    )
+    token_quantiles: bool = opt(
+        False,
+        "report p50, p90, p99, max, min, mean and std of every update token's entropy, "
+        "importance ratio and (with a KL loss) KL: actor/token_entropy/*, "
+        "actor/importance_ratio/*, actor/token_kl/* (a quantile sketch)",
+    )
+    update_timing: bool = opt(
+        False,
+        "report {actor,critic}/update_time_s (the slowest rank's update time, with /mean, "
+        "/min, /slowest_rank) and make perf/mfu/{actor,critic} the whole step's FLOPs over "
+        "that time (not a mean of per-rank ratios)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """Everything a rank needs to train."""
 
@@ -252,6 +276,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         for name, kind in SECTIONS.items():
@@ -265,4 +290,5 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "algo": AlgoConfig,
     "run": RunConfig,
+    "metrics": MetricsConfig,
 }

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from rlmetrics.integrations.ray import call_and_merge, compute_states, init_ray, with_metrics
 from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
+from rlmetrics.trainer import extras
 from rlmetrics.trainer.config import METRICS_PATHS, TrainConfig, check
 from rlmetrics.trainer.launch import free_port, threads_per_rank
 from rlmetrics.trainer.rank import Rank
@@ -152,7 +153,7 @@ def drive(cfg: TrainConfig, actors: list[Any], metrics_path: str) -> list[dict[s
                 metrics = agreed(results)
             else:
                 start = time.perf_counter()
-                metrics = compute_states(state)
+                metrics = extras.finish(compute_states(state))
                 metrics[SYNC_TIME] = time.perf_counter() - start  # the driver's compute
             history.append(metrics)
             reporter.log(step, metrics)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import itertools
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from rlmetrics import rl
 from rlmetrics.tracker import Tracker
-from rlmetrics.trainer import checkpoint, perf
+from rlmetrics.trainer import checkpoint, extras, perf
 from rlmetrics.trainer.config import TrainConfig
 from rlmetrics.trainer.model import build_models
 from rlmetrics.trainer.rank import Rank
@@ -102,6 +103,11 @@ def prepare(r: Rank, batch: Sequences, tracker: Tracker) -> tuple[Sequences, lis
         rl.entropy_metric(both[..., 1], mask, algo.loss_agg),
         perf.mfu_update("actor_infer", learner_flops(r, r.actor, shard) / 3, seconds, r.device),
     ])  # fmt: skip
+    if r.cfg.metrics.per_source:  # actor/entropy/<source>: the same metric over its rows
+        for s in sorted(set(shard["source"].tolist())):
+            part = mask & (shard["source"] == s)[:, None]
+            entropy = rl.entropy_metric(both[..., 1], part, algo.loss_agg)
+            rl.log_updates(tracker, [replace(entropy, name=f"{entropy.name}/{SOURCES[s]}")])
     if algo.kl_coef:
         with stage_timer(r, tracker, "ref", **tokens):
             shard["ref_log_probs"] = infer(
@@ -144,16 +150,26 @@ def log_batch(r: Rank, shard: Sequences, tracker: Tracker) -> None:
 
 def update(r: Rank, learner: Learner, loss: Any, shard: Sequences, minis: list, tracker: Tracker,
            total_tokens: float) -> None:  # fmt: skip
-    """One learner's update stage, timed, with its MFU and memory metrics."""
-    algo, name = r.cfg.algo, learner.name
+    """One learner's update stage, timed, with its MFU and memory metrics.
+
+    With ``update_timing``, also ``<name>/update_time_s`` (rank-aware: the slowest
+    rank's) and the exact MFU (``extras.finish``) in place of the mean of per-rank ones.
+    """
+    algo, name, extra = r.cfg.algo, learner.name, r.cfg.metrics
     with stage_timer(r, tracker, f"update_{name}", num_tokens=total_tokens):
         start = time.perf_counter()
         optimize(learner, loss, shard, minis, algo, tracker, world_size=r.world_size,
-                 group=r.group)  # fmt: skip
+                 group=r.group, per_source=extra.per_source)  # fmt: skip
         seconds = time.perf_counter() - start
     flops = learner_flops(r, learner, shard, passes=algo.epochs)
-    rl.log_updates(tracker, [perf.mfu_update(name, flops, seconds, r.device),
-                             *perf.memory_updates(name, r.device)])  # fmt: skip
+    if extra.update_timing:
+        tracker.elapsed(f"{name}/{extras.UPDATE_TIME}", seconds, rank=r.rank,
+                        world_size=r.world_size)  # fmt: skip
+        peak = perf.peak_flops(r.device)
+        mfu = extras.ideal_seconds(name, flops, peak, r.world_size)
+    else:
+        mfu = perf.mfu_update(name, flops, seconds, r.device)
+    rl.log_updates(tracker, [mfu, *perf.memory_updates(name, r.device)])
 
 
 def log_step(r: Rank, step: int, tracker: Tracker) -> None:
@@ -175,7 +191,8 @@ def log_step(r: Rank, step: int, tracker: Tracker) -> None:
     log_batch(r, shard, tracker)
     if r.critic is not None:
         update(r, r.critic, critic_loss(r.critic.model, algo), shard, minis, tracker, total_tokens)
-    update(r, r.actor, actor_loss(r.actor.model, algo), shard, minis, tracker, total_tokens)
+    actor = actor_loss(r.actor.model, algo, r.cfg.metrics)
+    update(r, r.actor, actor, shard, minis, tracker, total_tokens)
     rl.log_updates(tracker, [
         rl.kl_coef_update(algo.kl_coef),
         rl.MetricUpdate("training/global_step", "last", step),
@@ -192,7 +209,7 @@ def train_step(r: Rank, step: int, tracker: Tracker) -> dict[str, float]:
     """One step on this rank; returns the step's metrics, merged over all ranks."""
     log_step(r, step, tracker)
     start = time.perf_counter()
-    metrics = tracker.compute(group=r.group, timeout=r.cfg.run.timeout)
+    metrics = extras.finish(tracker.compute(group=r.group, timeout=r.cfg.run.timeout))
     metrics["timing_s/metrics"] = time.perf_counter() - start  # this rank's sync, after it
     return metrics
 

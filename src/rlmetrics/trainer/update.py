@@ -21,11 +21,16 @@ from torch import Tensor
 
 from rlmetrics import rl
 from rlmetrics.tracker import Tracker
-from rlmetrics.trainer.config import AlgoConfig
+from rlmetrics.trainer import extras
+from rlmetrics.trainer.config import AlgoConfig, MetricsConfig
+from rlmetrics.trainer.extras import SourceCounts
 from rlmetrics.trainer.model import TinyGPT, token_log_probs
 from rlmetrics.trainer.rollout import Sequences, response_mask, select
 
-LossFn = Callable[[Sequences, rl.BatchCounts], tuple[Tensor, list[rl.MetricUpdate]]]
+LossFn = Callable[
+    [Sequences, rl.BatchCounts, SourceCounts | None], tuple[Tensor, list[rl.MetricUpdate]]
+]
+"""(micro-batch, the mini-batch's global counts, per data source or None) -> (loss, updates)."""
 
 
 @dataclass
@@ -175,43 +180,88 @@ def named(updates: list[rl.MetricUpdate], name: str) -> rl.MetricUpdate:
     return next(u for u in updates if u.name == name)
 
 
-def actor_loss(actor: TinyGPT, cfg: AlgoConfig) -> LossFn:
-    """The policy objective of a micro-batch: clipped PPO/GRPO + KL - entropy bonus."""
+def actor_objective(
+    logp: Tensor, entropy: Tensor, mb: Sequences, mask: Tensor, counts: rl.BatchCounts,
+    cfg: AlgoConfig,
+) -> tuple[Tensor, list[rl.MetricUpdate]]:  # fmt: skip
+    """The policy objective over the tokens of ``mask``: clipped PPO/GRPO + KL - entropy
+    bonus, and its metric updates (``counts``: the global counts ``mask`` stands for)."""
+    common: dict[str, Any] = {"counts": counts, "agg": cfg.loss_agg}
+    pg = rl.ppo_policy_loss(
+        logp, mb["old_log_probs"], mb["advantages"], mask, clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, **common,
+    )  # fmt: skip
+    ent = rl.entropy_loss(entropy, mask, **common)
+    loss, updates = pg.loss - cfg.entropy_coef * ent.loss, pg.updates + ent.updates
+    terms = [(1.0, named(pg.updates, "actor/pg_loss")),
+             (-cfg.entropy_coef, named(ent.updates, "actor/entropy_loss"))]  # fmt: skip
+    if cfg.kl_coef:
+        kl = rl.kl_loss(logp, mb["ref_log_probs"], mask, estimator=cfg.kl_type, **common)
+        loss, updates = loss + cfg.kl_coef * kl.loss, updates + kl.updates
+        terms.append((cfg.kl_coef, named(kl.updates, "actor/kl_loss")))
+    return loss, [*updates, rl.loss_update("actor/loss", terms)]
 
-    def loss_fn(mb: Sequences, counts: rl.BatchCounts) -> tuple[Tensor, list[rl.MetricUpdate]]:
+
+def actor_loss(actor: TinyGPT, cfg: AlgoConfig, extra: MetricsConfig | None = None) -> LossFn:
+    """The policy objective of a micro-batch: clipped PPO/GRPO + KL - entropy bonus.
+
+    Given per-source counts (``optimize(..., per_source=True)``), the same objective
+    again over each data source's rows (no gradient, the same forward pass), as
+    ``<key>/<source>``; with ``extra.token_quantiles``, the sketches of the tokens'
+    entropy, ratio and KL.
+    """
+    extra = extra or MetricsConfig()
+
+    def loss_fn(
+        mb: Sequences, counts: rl.BatchCounts, sources: SourceCounts | None
+    ) -> tuple[Tensor, list[rl.MetricUpdate]]:
         logits = policy_logits(actor, mb, cfg.temperature)
         logp = token_log_probs(logits, mb["tokens"][:, 1:])
         mask = mb["mask"]
-        common: dict[str, Any] = {"counts": counts, "agg": cfg.loss_agg}
-        pg = rl.ppo_policy_loss(
-            logp, mb["old_log_probs"], mb["advantages"], mask, clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, **common,
-        )  # fmt: skip
         entropy = rl.entropy_from_logits(logits if cfg.entropy_coef else logits.detach())
-        ent = rl.entropy_loss(entropy, mask, **common)
-        loss, updates = pg.loss - cfg.entropy_coef * ent.loss, pg.updates + ent.updates
-        terms = [(1.0, named(pg.updates, "actor/pg_loss")),
-                 (-cfg.entropy_coef, named(ent.updates, "actor/entropy_loss"))]  # fmt: skip
-        if cfg.kl_coef:
-            kl = rl.kl_loss(logp, mb["ref_log_probs"], mask, estimator=cfg.kl_type, **common)
-            loss, updates = loss + cfg.kl_coef * kl.loss, updates + kl.updates
-            terms.append((cfg.kl_coef, named(kl.updates, "actor/kl_loss")))
-        return loss, [*updates, rl.loss_update("actor/loss", terms)]
+        loss, updates = actor_objective(logp, entropy, mb, mask, counts, cfg)
+        if sources is not None:
+            with torch.no_grad():
+                updates += extras.per_source(
+                    sources, mb, mask,
+                    lambda part, c: actor_objective(logp, entropy, mb, part, c, cfg)[1],
+                )  # fmt: skip
+        if extra.token_quantiles:
+            ref = mb["ref_log_probs"] if cfg.kl_coef else None
+            updates += extras.token_quantiles(logp, mb["old_log_probs"], entropy, mask, ref,
+                                              cfg.kl_type)  # fmt: skip
+        return loss, updates
 
     return loss_fn
 
 
-def critic_loss(critic: TinyGPT, cfg: AlgoConfig) -> LossFn:
-    """The clipped value loss of a micro-batch."""
+def critic_objective(
+    values: Tensor, mb: Sequences, mask: Tensor, counts: rl.BatchCounts, cfg: AlgoConfig
+) -> tuple[Tensor, list[rl.MetricUpdate]]:
+    """The clipped value loss over the tokens of ``mask``, and its metric updates."""
+    out = rl.value_loss(
+        values, mb["values"], mb["returns"], mask,
+        counts=counts, cliprange_value=cfg.vf_clip, agg=cfg.loss_agg,
+    )  # fmt: skip
+    vf = named(out.updates, "critic/vf_loss")  # critic/loss: verl's name for it too
+    return out.loss, [*out.updates, rl.MetricUpdate("critic/loss", "mean", vf.value, vf.weight)]
 
-    def loss_fn(mb: Sequences, counts: rl.BatchCounts) -> tuple[Tensor, list[rl.MetricUpdate]]:
+
+def critic_loss(critic: TinyGPT, cfg: AlgoConfig) -> LossFn:
+    """The clipped value loss of a micro-batch (and per data source, when asked)."""
+
+    def loss_fn(
+        mb: Sequences, counts: rl.BatchCounts, sources: SourceCounts | None
+    ) -> tuple[Tensor, list[rl.MetricUpdate]]:
         values = critic(mb["tokens"][:, :-1])
-        out = rl.value_loss(
-            values, mb["values"], mb["returns"], mb["mask"],
-            counts=counts, cliprange_value=cfg.vf_clip, agg=cfg.loss_agg,
-        )  # fmt: skip
-        vf = named(out.updates, "critic/vf_loss")  # critic/loss: verl's name for it too
-        return out.loss, [*out.updates, rl.MetricUpdate("critic/loss", "mean", vf.value, vf.weight)]
+        loss, updates = critic_objective(values, mb, mb["mask"], counts, cfg)
+        if sources is not None:
+            with torch.no_grad():
+                updates += extras.per_source(
+                    sources, mb, mb["mask"],
+                    lambda part, c: critic_objective(values, mb, part, c, cfg)[1],
+                )  # fmt: skip
+        return loss, updates
 
     return loss_fn
 
@@ -259,20 +309,30 @@ def optimize(
     *,
     world_size: int,
     group: Any = None,
+    per_source: bool = False,
 ) -> None:
     """Epochs x mini-batches of optimizer steps over this rank's shard.
 
     Args:
         minis: the shard's rows of each mini-batch (positions in ``shard``; may be empty).
+        per_source: count each data source's tokens too, in the same all_reduce as the
+            mini-batch's counts, and hand them to ``loss_fn``.
     """
     device = next(learner.model.parameters()).device
     num_tokens = shard["prompt_lengths"] + shard["response_lengths"]
     mask = response_mask(shard)
+    sources = None
     for _ in range(cfg.epochs):
         for rows in minis:
-            counts = rl.global_counts(mask[rows].to(device), group)
+            if per_source:
+                counts, sources = extras.global_source_counts(
+                    mask[rows].to(device), shard["source"][rows], group
+                )
+            else:
+                counts = rl.global_counts(mask[rows].to(device), group)
             for mb_rows in micro_batches(rows, num_tokens, cfg):
-                loss, updates = loss_fn(piece(shard, mb_rows, device), counts)
+                present = None if sources is None else sources.present_in(shard["source"][mb_rows])
+                loss, updates = loss_fn(piece(shard, mb_rows, device), counts, present)
                 loss.backward()
                 rl.log_updates(tracker, updates)
             optimizer_step(learner, cfg, tracker, world_size, group)
