@@ -10,7 +10,7 @@ TOOLS := .venv-tools
 DIST := dist
 PACKAGED := pyproject.toml README.md LICENSE $(shell find src -name '*.py' -o -name py.typed)
 
-.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-trl lint format bench gpu-check clean dist docs api-snapshot
+.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-verl-fit test-trl lint format bench gpu-check clean dist docs api-snapshot
 
 $(VENV)/.core: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -109,6 +109,11 @@ test-plain: .venv-plain/.ready
 
 test-verl: .venv-verl/.ready
 	.venv-verl/bin/python -m pytest -q --durations=10 -p no:cacheprovider tests/integrations/verl
+
+# verl's RayPPOTrainer.fit() on the CPU, 4 runs of 2 steps (minutes): opt-in, not in `test`.
+test-verl-fit: .venv-verl/.ready
+	RLMETRICS_VERL_FIT=1 .venv-verl/bin/python -m pytest -q --durations=10 -p no:cacheprovider \
+	  tests/integrations/verl/test_trainer_fit.py
 
 test-trl: .venv-trl/.ready
 	.venv-trl/bin/python -m pytest -q --durations=10 -p no:cacheprovider tests/integrations/trl
