@@ -110,9 +110,9 @@ test-plain: .venv-plain/.ready
 test-verl: .venv-verl/.ready
 	.venv-verl/bin/python -m pytest -q --durations=10 -p no:cacheprovider tests/integrations/verl
 
-# verl's RayPPOTrainer.fit() on the CPU, 4 runs of 2 steps (minutes): opt-in, not in `test`.
+# verl's RayPPOTrainer.fit() on the CPU alone, 4 runs of 2 steps (minutes; in test-verl too).
 test-verl-fit: .venv-verl/.ready
-	RLMETRICS_VERL_FIT=1 .venv-verl/bin/python -m pytest -q --durations=10 -p no:cacheprovider \
+	.venv-verl/bin/python -m pytest -q --durations=10 -p no:cacheprovider \
 	  tests/integrations/verl/test_trainer_fit.py
 
 test-trl: .venv-trl/.ready
