@@ -23,7 +23,8 @@ first on PYTHONPATH, ``OMP_NUM_THREADS=1``):
   second actor is built, an ``ExactTrainingWorker`` inside. The two actors update the
   same batch in turn (order swapped each round) for ``--warmup`` + ``--updates``
   rounds; each update's wall time on rank 0, after a barrier. Their ``actor/pg_loss``
-  must agree (the same work is done).
+  must agree (the same work is done). Inside the exact actor's updates the plugin's own
+  work is timed too (its log calls and ``Tracker.compute``, see ``PluginClock``).
 
 Each contender's median step (wall and process CPU time) over its kept steps, and the
 ratio rlmetrics / framework alone. Targets (issue 30): at most 1.00 for TRL at 2
@@ -180,6 +181,38 @@ def trl_part(args: argparse.Namespace, python: str, tmp: Path) -> dict[str, Any]
 # ---------------------------------------------------------------- verl, in .venv-verl
 
 
+class PluginClock:
+    """The plugin's own work inside each update of the exact actor, timed on the way:
+    its log calls (``losses.log_micro_batch``, once per micro-batch) and the step's
+    ``Tracker.compute`` (the merge across ranks included, so a wait for the other rank
+    is counted too). Two clock reads per timed call."""
+
+    def __init__(self, worker: Any) -> None:
+        from rlmetrics.integrations.verl import losses
+
+        self.parts = {"log calls": 0.0, "compute": 0.0}
+        self.samples: dict[str, list[float]] = {name: [] for name in self.parts}
+        losses.log_micro_batch = self._timed(losses.log_micro_batch, "log calls")
+        tracker = worker.metrics_tracker
+        tracker.compute = self._timed(tracker.compute, "compute")
+
+    def _timed(self, func: Any, part: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.parts[part] += time.perf_counter() - start
+
+        return timed
+
+    def end_update(self, keep: bool) -> None:
+        for part, seconds in self.parts.items():
+            if keep:
+                self.samples[part].append(seconds)
+            self.parts[part] = 0.0
+
+
 def verl_rank(rank: int, world_size: int, port: int, model_path: str, settings: dict) -> dict:
     """One gloo rank (under ``gloo_ranks.run_ranks``): verl's actor, then the exact one,
     updating the same batch in turn; this rank's seconds per update of each."""
@@ -202,6 +235,7 @@ def verl_rank(rank: int, world_size: int, port: int, model_path: str, settings: 
 
     integration.enable()
     actors["rlmetrics"] = build_actor(actor_path)
+    own = PluginClock(actors["rlmetrics"].actor)
     classes = {name: type(actor.actor).__name__ for name, actor in actors.items()}
     batch = rank_slice(make_batch(rows=settings["rows"]), rank, world_size)
     split = SPLITS[settings["split"]]
@@ -224,8 +258,11 @@ def verl_rank(rank: int, world_size: int, port: int, model_path: str, settings: 
             if index >= settings["warmup"]:
                 times[name]["wall"].append(wall)
                 times[name]["cpu"].append(cpu)
+            if name == "rlmetrics":
+                own.end_update(keep=index >= settings["warmup"])
             losses[name].append(driver_reduce(output, "actor/")["actor/pg_loss"])
     result = {"times": times, "losses": losses, "classes": classes, "plugin": loaded_by_verl}
+    result["own"] = own.samples
     if profiling:
         result["profiles"] = {name: profile_text(p) for name, p in profiles.items()}
     return result
@@ -353,7 +390,8 @@ def rows_of(results: dict[str, Any]) -> list[Row]:
     if "verl" in results:
         times = results["verl"]["times"]
         names = ("verl `update_actor`", "with the plugin")
-        rows.append(("verl", 2, *names, times["verl"], times["rlmetrics"]))
+        exact = {**times["rlmetrics"], "own": results["verl"].get("own", {})}
+        rows.append(("verl", 2, *names, times["verl"], exact))
     return rows
 
 
@@ -404,10 +442,16 @@ def verdict(rows: list[Row]) -> list[str]:
             ]
             text += f"; per-run medians: {'; '.join(spans)}"
         else:  # one update of each per round, back to back: a paired ratio per round
-            pairs = zip(exact["wall"], plain["wall"], strict=True)
-            text += (
-                f"; median of the per-round ratios {statistics.median(e / p for e, p in pairs):.3f}"
+            paired = statistics.median(
+                e / p for e, p in zip(exact["wall"], plain["wall"], strict=True)
             )
+            text += f"; median of the per-round ratios {paired:.3f}"
+        if exact.get("own"):
+            parts = ", ".join(
+                f"{part} {1e3 * statistics.median(times):.1f} ms"
+                for part, times in exact["own"].items()
+            )
+            text += f"; the plugin's own work per update (medians, rank 0): {parts}"
         lines.append(text + ".")
     return lines
 

@@ -173,6 +173,7 @@ def test_framework_overhead_verdict_per_target(bench: dict[str, ModuleType]) -> 
         "verl": {"times": {"verl": {"wall": [0.2], "cpu": [0.1]}}},
     }
     results["verl"]["times"]["rlmetrics"] = {"wall": [0.21], "cpu": [0.1]}
+    results["verl"]["own"] = {"log calls": [0.001, 0.003, 0.002], "compute": [0.004]}
     rows = overhead.rows_of(results)
     table = "\n".join(overhead.table(rows))
     assert "| TRL | 2 | GRPOTrainer | 6 | 100.0 | 50.0 | ExactGRPOTrainer | 6 | 95.0 |" in table
@@ -182,6 +183,8 @@ def test_framework_overhead_verdict_per_target(bench: dict[str, ModuleType]) -> 
     assert "= 0.950 (median step), target ≤ 1.00 met" in lines[0]
     assert "per-run medians: GRPOTrainer 100 ms; ExactGRPOTrainer 95 ms" in lines[0]
     assert "= 1.050 (median step), target ≤ 1.02 missed by 2.9%" in lines[1]
+    assert "median of the per-round ratios 1.050" in lines[1]
+    assert "own work per update (medians, rank 0): log calls 2.0 ms, compute 4.0 ms" in lines[1]
 
 
 def test_framework_overhead_refuses_an_unfair_verl_contest(bench: dict[str, ModuleType]) -> None:
