@@ -1,6 +1,6 @@
 """The benchmarks' measuring tools: the torch-op counter and the target verdicts of
-log_bench and sync_bench (sync_ops), and tiny log_bench, step_bench and fold_bench runs end
-to end."""
+log_bench, sync_bench (sync_ops) and framework_overhead, and tiny log_bench, step_bench
+and fold_bench runs end to end (framework_overhead's run in the TRL and verl suites)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def bench() -> Iterator[dict[str, ModuleType]]:
         patch.syspath_prepend(str(BENCHMARKS))
         patch.setenv("OMP_NUM_THREADS", "1")  # sync_bench sets it on import; undone after
         names = ("op_count", "log_bench", "sync_ops", "step_bench", "sync_bench", "fold_bench")
+        names += ("framework_overhead",)
         yield {name: importlib.import_module(name) for name in names}
 
 
@@ -154,3 +155,52 @@ def test_fold_bench_runs_end_to_end(
     assert "| 5 calls, µs per call |" in out and "| 20 calls, µs per call |" in out
     assert all(f"| {kind}, ns per element |" in out for kind in bench["fold_bench"].KINDS)
     assert "| compute of 8 metrics, µs |" in out
+
+
+def test_framework_overhead_pairs_steps_and_alternates_runs(bench: dict[str, ModuleType]) -> None:
+    """A pair of steps (one generating, one reusing) is one sample, halved; runs
+    alternate the trainer that goes first."""
+    overhead = bench["framework_overhead"]
+    stamps = [0.0, 0.1, 0.4, 0.5, 0.8, 0.9]  # steps of 0.1 and 0.3 s in turn
+    assert overhead.per_step(stamps) == pytest.approx([0.2, 0.2])
+    assert overhead.trl_order(3) == ["plain", "exact", "exact", "plain", "plain", "exact"]
+
+
+def test_framework_overhead_verdict_per_target(bench: dict[str, ModuleType]) -> None:
+    overhead = bench["framework_overhead"]
+
+    def run(trainer: str, ms: float) -> dict:
+        return {"trainer": trainer, "wall": [ms / 1e3] * 3, "cpu": [ms / 2e3] * 3}
+
+    results = {
+        "trl": {"runs": {"2": [run("plain", 100.0), run("exact", 95.0)]}},
+        "verl": {"times": {"verl": {"wall": [0.2], "cpu": [0.1]}}},
+    }
+    results["verl"]["times"]["rlmetrics"] = {"wall": [0.21], "cpu": [0.1]}
+    results["verl"]["own"] = {"log calls": [0.001, 0.003, 0.002], "compute": [0.004]}
+    rows = overhead.rows_of(results)
+    table = "\n".join(overhead.table(rows))
+    assert "| TRL | 2 | GRPOTrainer | 6 | 100.0 | 50.0 | ExactGRPOTrainer | 6 | 95.0 |" in table
+    assert "| 0.950 | ≤ 1.00 | met |" in table
+    assert "| 1.050 | ≤ 1.02 | missed |" in table
+    lines = overhead.verdict(rows)
+    assert "= 0.950 (median step), target ≤ 1.00 met" in lines[0]
+    assert "per-run medians: GRPOTrainer 100 ms; ExactGRPOTrainer 95 ms" in lines[0]
+    assert "= 1.050 (median step), target ≤ 1.02 missed by 2.9%" in lines[1]
+    assert "median of the per-round ratios 1.050" in lines[1]
+    assert "own work per update (medians, rank 0): log calls 2.0 ms, compute 4.0 ms" in lines[1]
+
+
+def test_framework_overhead_refuses_an_unfair_verl_contest(bench: dict[str, ModuleType]) -> None:
+    """The verl part's checks can fail: the plugin loaded by ``import verl``, or the two
+    actors computing different losses."""
+    check = bench["framework_overhead"].check_verl
+    classes = {"verl": "TrainingWorker", "rlmetrics": "ExactTrainingWorker"}
+    fair = {"plugin": False, "classes": classes, "losses": {"verl": [0.5], "rlmetrics": [0.5]}}
+    check(fair)
+    with pytest.raises(AssertionError, match="VERL_USE_EXTERNAL_PLUGINS"):
+        check({**fair, "plugin": True})
+    with pytest.raises(AssertionError):
+        check({**fair, "losses": {"verl": [0.5], "rlmetrics": [0.6]}})
+    with pytest.raises(AssertionError):
+        check({**fair, "classes": {**classes, "rlmetrics": "TrainingWorker"}})
