@@ -213,6 +213,35 @@ def test_switch_adds_no_collective(split: str, two_processes: dict) -> None:
         assert reads[0][1:] == reads[1][1:]
 
 
+LATE = grpo_runs.LATE_STEPS
+
+
+def test_a_source_first_seen_at_step_3_costs_no_collective_from_the_first_step(
+    first_steps: dict,
+) -> None:
+    """Runs that each start as a job does (its own launch): the late order, whose first
+    two steps hold no "long" completion on any process and whose step 3 brings one.
+    Every log(), the first included, takes the same collectives (and host reads) with
+    the switch as without it, and so do the other phases: every value of the dataset
+    column is named at every step (without that, step 3 would agree the new names: 3
+    more collectives). The logged values are numpy's over the whole batch."""
+    on, off = first_steps["exact+extra+late", "2x2"], first_steps["exact+late", "2x2"]
+    long_at = [[entry["step"] for entry in rank["logs"] if "entropy/long" in entry] for rank in on]
+    assert long_at == [[3, 4], [3, 4]]
+    for rank in range(2):
+        for what in ("collectives", "host_reads"):
+            per_log = [
+                [calls.get(f"log/{what}", 0) for calls in run[rank]["log_counts"]]
+                for run in (on, off)
+            ]
+            assert per_log[0] == per_log[1], (rank, what)
+            assert len(per_log[0]) == LATE + 1  # every step, and train()'s last
+            for phase in ("loss", "generation", "forward", "other"):
+                key = f"{phase}/{what}"
+                assert on[rank]["counts"].get(key, 0) == off[rank]["counts"].get(key, 0), key
+    _check_by_source(on)
+
+
 def test_column_labels_name_a_missing_column_and_a_clashing_value() -> None:
     from rlmetrics.integrations.trl import column_labels
 
