@@ -190,11 +190,12 @@ def test_switch_off_logs_exactly_todays_keys_and_values(split: str, two_processe
 
 @pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
 def test_switch_adds_no_collective(split: str, two_processes: dict) -> None:
-    """In steady state, one collective per log() with the switch as without it, and the
-    same collectives and host reads in the loss, generation and elsewhere. The first
-    log() agrees on the metric names across processes; there the processes' names
-    differ (each lacks a source), which takes the schema agreement's extra rounds (3),
-    as any name new to one process does."""
+    """After the first log(), one collective per log() with the switch as without it,
+    and the same collectives and host reads in the loss, generation and elsewhere. In
+    this launch the runs without the switch came first, so the names of the run with it
+    are new to the process: its first log() agrees them (3 more collectives), which a
+    job's first log() does anyway. The first log() of runs that start as a job does is
+    compared in ``test_a_source_first_seen_at_step_3_costs_no_collective_from_the_first_step``."""
     for rank in range(2):
         on = two_processes["exact+extra", split][rank]
         off = two_processes["exact", split][rank]
