@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rlmetrics.integrations._labels import DeclaringLabels
 from rlmetrics.integrations.trl_loss import (
     TOKEN_QUANTILE_STATS,
     LossConfig,
@@ -54,7 +55,7 @@ from rlmetrics.integrations.trl_rollout import (
     log_rewards,
     zero_std_groups,
 )
-from rlmetrics.tracker import Tracker
+from rlmetrics.tracker import LogMethods, Tracker
 
 try:
     import trl
@@ -134,7 +135,11 @@ class ExtraMetrics:
         by_column: a dataset column (for example ``"data_source"``): rewards, completion
             lengths, entropy, KL and clip ratios are also reported per value of the
             column as ``<key>/<value>`` (the value as ``str``). A process that holds no
-            completion of some value reports the same keys as the others.
+            completion of some value reports the same keys as the others. The column's
+            values in the train and eval datasets are read once, at construction, and
+            every process names every value at every step, so a value that first turns
+            up at a later step costs no extra collective (an ``IterableDataset`` has no
+            values to read: there such a step agrees the names once).
         token_quantiles: ``entropy/{p50,p90,p99,max}``,
             ``importance_ratio/{p50,p90,p99,max}`` and, with ``beta > 0``,
             ``kl/{p50,p90,p99,max}`` over the window's completion tokens, from quantile
@@ -163,6 +168,38 @@ def check_trl_version(version: str) -> None:
             f"found trl {version}: its private hooks may have changed and the metrics could "
             "be wrong. Install trl==1.16.0, or use trl.GRPOTrainer."
         )
+
+
+def dataset_labels(datasets: Sequence[Any], column: str) -> list[str] | None:
+    """The distinct values of ``column`` (as ``str``, sorted) over ``datasets`` (each a
+    ``datasets.Dataset``, a dict of them as ``eval_dataset`` may be, a sized sequence of
+    rows, or None), or None when one of them cannot be listed (an ``IterableDataset``).
+
+    Raises:
+        KeyError: a dataset lacks the column (naming it).
+    """
+    values: set[str] = set()
+    queue = list(datasets)
+    while queue:
+        dataset = queue.pop()
+        if dataset is None:
+            continue
+        if isinstance(dataset, dict):
+            queue.extend(dataset.values())
+            continue
+        names = getattr(dataset, "column_names", None)
+        if names is not None and hasattr(dataset, "unique"):
+            if column not in names:
+                raise KeyError(
+                    f"ExtraMetrics(by_column={column!r}): the dataset has no column {column!r} "
+                    f"(its columns: {sorted(names)})"
+                )
+            values.update(str(value) for value in dataset.unique(column))
+        elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+            values.update(column_labels([dataset[i] for i in range(len(dataset))], column))
+        else:
+            return None
+    return sorted(values)
 
 
 def _unsupported(trainer: Any) -> list[str]:
@@ -244,6 +281,18 @@ class ExactGRPOTrainer(GRPOTrainer):
             warnings.warn(BNPO_WARNING, stacklevel=2)
         self.extra_metrics = extra_metrics or ExtraMetrics()
         self.exact_trackers = {"train": Tracker(), "eval": Tracker()}
+        self._labelled_logs: dict[str, LogMethods] = dict(self.exact_trackers)
+        column = self.extra_metrics.by_column
+        if column is not None:
+            datasets = (self.train_dataset, self.eval_dataset)
+            labels = dataset_labels(datasets, column)
+            if labels is not None:
+                reserved = TOKEN_QUANTILE_STATS if self.extra_metrics.token_quantiles else ()
+                column_labels([{column: label} for label in labels], column, reserved)
+                self._labelled_logs = {
+                    mode: DeclaringLabels(tracker, labels)
+                    for mode, tracker in self.exact_trackers.items()
+                }
         self._scored_rewards: torch.Tensor | None = None
         self._generation_labels: list[str] | None = None
         self._window_seconds = 0.0
@@ -251,6 +300,12 @@ class ExactGRPOTrainer(GRPOTrainer):
 
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
+
+    def _labelled_log(self, mode: str) -> LogMethods:
+        """Where the metrics logged per value of ``by_column`` go: the mode's tracker,
+        through a view that names every value of the datasets' column at every call
+        (``rlmetrics.integrations._labels``) when those values are known."""
+        return self._labelled_logs[mode]
 
     # -- the loss, one micro-batch --------------------------------------------------
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -283,7 +338,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         log = self.exact_trackers[mode]
         loss = aggregate_loss(per_token_loss, mask, config, self._normalizer(mode, inputs), log)
         log_policy_metrics(
-            log,
+            self._labelled_log(mode),
             mask=mask,
             entropies=entropies,
             ratio=ratio,
@@ -314,7 +369,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         output = super()._generate(prompts)
         _, completion_ids, tool_mask = output[:3]
         log_completions(
-            self.exact_trackers[self._mode()],
+            self._labelled_log(self._mode()),
             completion_ids=completion_ids,
             tool_mask=tool_mask,
             stop_ids=[*self.eos_token_ids, self._tokenizer.pad_token_id],
@@ -355,7 +410,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         start = self.accelerator.process_index * num_local
         local = slice(start, start + num_local)
         log_rewards(
-            self.exact_trackers[mode],
+            self._labelled_log(mode),
             rewards_per_func=rewards_per_func[local],
             reward_weights=weights,
             func_names=self.reward_func_names,

@@ -36,3 +36,15 @@ def two_processes(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """Every two-process run, from one torchrun launch: spec.key -> per rank."""
     out = tmp_path_factory.mktemp("dist")
     return grpo_runs.launch_two_processes(grpo_runs.two_process_specs(), model_dir, out)
+
+
+@pytest.fixture(scope="session")
+def first_steps(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The late-order runs with and without ExtraMetrics, each in its own torchrun
+    launch, so that each one's first log() is its process group's first sync, as in a
+    job: spec.key -> per rank."""
+    runs: dict = {}
+    for spec in grpo_runs.late_source_specs():
+        out = tmp_path_factory.mktemp("first")
+        runs.update(grpo_runs.launch_two_processes([spec], model_dir, out))
+    return runs

@@ -40,6 +40,11 @@ ONE_PROCESS = [(8, 1), (4, 2), (2, 4)]
 TWO_PROCESSES = [(4, 1), (2, 2), (1, 4)]
 EXTRA = {"by_column": SOURCE_COLUMN, "token_quantiles": True, "tokens_per_second": True}
 EXTRA_SPLITS = [(2, 2), (1, 4)]
+# the "late" order: the dataset in this order, unshuffled, so that on two processes the
+# first generation batch (steps 1-2) holds short prompts only and the second (steps
+# 3-4) brings the first long one: a source that first turns up at step 3
+LATE_PROMPTS = ["a b c", "h a", "d e f g", "g h a", "c e", "b c d e f", "b d f h", "a c e g"]
+LATE_STEPS = 4
 
 
 def source_of(prompt: str) -> str:
@@ -62,6 +67,7 @@ class RunSpec:
     max_steps: int = 2
     logging_steps: int = 1
     extra: dict[str, Any] | None = None  # ExtraMetrics' fields (exact only); None: off
+    order: str = "shuffled"  # the dataset: PROMPTS shuffled, or "late" (LATE_PROMPTS)
 
     @property
     def split(self) -> str:
@@ -69,8 +75,10 @@ class RunSpec:
 
     @property
     def key(self) -> tuple[str, str]:
-        """(trainer, split), the trainer marked "+extra" when ExtraMetrics is on."""
-        return (self.trainer + ("+extra" if self.extra is not None else ""), self.split)
+        """(trainer, split), the trainer marked "+extra" when ExtraMetrics is on (and
+        "+late" for the late order)."""
+        trainer = self.trainer + ("+extra" if self.extra is not None else "")
+        return (trainer + ("+late" if self.order == "late" else ""), self.split)
 
 
 def build_model_dir(path: Path) -> Path:
@@ -265,6 +273,8 @@ def make_config(spec: RunSpec, out_dir: str) -> Any:
     from trl import GRPOConfig
 
     options = {"beta": 0.0, "learning_rate": 0.05, "num_generations": 4, **spec.options}
+    if spec.order == "late":
+        options["shuffle_dataset"] = False
     return GRPOConfig(
         output_dir=out_dir,
         per_device_train_batch_size=spec.per_device,
@@ -283,6 +293,16 @@ def make_config(spec: RunSpec, out_dir: str) -> Any:
         dataloader_num_workers=0,
         **options,
     )
+
+
+def late_source_specs() -> list[RunSpec]:
+    """The first-step comparison's runs, each the first in its own launch (so each
+    starts as a job does, on a process group no tracker has synced over): the late
+    order at 2x2, with and without ExtraMetrics."""
+    return [
+        RunSpec("exact", 2, 2, OPTIONS, LATE_STEPS, extra=extra, order="late")
+        for extra in (EXTRA, None)
+    ]
 
 
 def two_process_specs() -> list[RunSpec]:
@@ -311,7 +331,7 @@ def run(
     extra = {} if spec.extra is None else {"extra_metrics": ExtraMetrics(**spec.extra)}
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prompts = PROMPTS * 4
+    prompts = LATE_PROMPTS * 4 if spec.order == "late" else PROMPTS * 4
     sources = [source_of(prompt) for prompt in prompts]
     dataset = Dataset.from_dict({"prompt": prompts, SOURCE_COLUMN: sources})
     with warnings.catch_warnings():

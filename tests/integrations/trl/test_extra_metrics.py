@@ -190,11 +190,12 @@ def test_switch_off_logs_exactly_todays_keys_and_values(split: str, two_processe
 
 @pytest.mark.parametrize("split", [f"{p}x{a}" for p, a in EXTRA_SPLITS])
 def test_switch_adds_no_collective(split: str, two_processes: dict) -> None:
-    """In steady state, one collective per log() with the switch as without it, and the
-    same collectives and host reads in the loss, generation and elsewhere. The first
-    log() agrees on the metric names across processes; there the processes' names
-    differ (each lacks a source), which takes the schema agreement's extra rounds (3),
-    as any name new to one process does."""
+    """After the first log(), one collective per log() with the switch as without it,
+    and the same collectives and host reads in the loss, generation and elsewhere. In
+    this launch the runs without the switch came first, so the names of the run with it
+    are new to the process: its first log() agrees them (3 more collectives), which a
+    job's first log() does anyway. The first log() of runs that start as a job does is
+    compared in ``test_a_source_first_seen_at_step_3_costs_no_collective_from_the_first_step``."""
     for rank in range(2):
         on = two_processes["exact+extra", split][rank]
         off = two_processes["exact", split][rank]
@@ -211,6 +212,35 @@ def test_switch_adds_no_collective(split: str, two_processes: dict) -> None:
             [calls.get("log/host_reads", 0) for calls in run["log_counts"]] for run in (on, off)
         ]
         assert reads[0][1:] == reads[1][1:]
+
+
+LATE = grpo_runs.LATE_STEPS
+
+
+def test_a_source_first_seen_at_step_3_costs_no_collective_from_the_first_step(
+    first_steps: dict,
+) -> None:
+    """Runs that each start as a job does (its own launch): the late order, whose first
+    two steps hold no "long" completion on any process and whose step 3 brings one.
+    Every log(), the first included, takes the same collectives (and host reads) with
+    the switch as without it, and so do the other phases: every value of the dataset
+    column is named at every step (without that, step 3 would agree the new names: 3
+    more collectives). The logged values are numpy's over the whole batch."""
+    on, off = first_steps["exact+extra+late", "2x2"], first_steps["exact+late", "2x2"]
+    long_at = [[entry["step"] for entry in rank["logs"] if "entropy/long" in entry] for rank in on]
+    assert long_at == [[3, 4], [3, 4]]
+    for rank in range(2):
+        for what in ("collectives", "host_reads"):
+            per_log = [
+                [calls.get(f"log/{what}", 0) for calls in run[rank]["log_counts"]]
+                for run in (on, off)
+            ]
+            assert per_log[0] == per_log[1], (rank, what)
+            assert len(per_log[0]) == LATE + 1  # every step, and train()'s last
+            for phase in ("loss", "generation", "forward", "other"):
+                key = f"{phase}/{what}"
+                assert on[rank]["counts"].get(key, 0) == off[rank]["counts"].get(key, 0), key
+    _check_by_source(on)
 
 
 def test_column_labels_name_a_missing_column_and_a_clashing_value() -> None:

@@ -67,13 +67,53 @@ def expected_mfu(counter: Any, seconds: float, world_size: int) -> float:
     return achieved / promised / world_size
 
 
-def with_sources(batch: Any) -> Any:
+def with_sources(batch: Any, sources: tuple[str, ...] = SOURCES) -> Any:
     """``batch`` with verl's ``data_source`` column, as ``DataProto.to_tensordict`` makes it."""
     from tensordict.tensorclass import NonTensorData, NonTensorStack
 
     batch = batch.clone()
-    batch["data_source"] = NonTensorStack.from_list([NonTensorData(s) for s in SOURCES])
+    batch["data_source"] = NonTensorStack.from_list([NonTensorData(s) for s in sources])
     return batch
+
+
+LATE_UPDATES = (("a",) * 8, ("b",) * 8, ("a",) * 8, SOURCES)
+"""The sources of each update of ``collect_first_updates``: the first holds no "b" on
+any rank, the second no "a" (so an agreement there would leave "a" out), the third no
+"b" again, the last both (rank 1 no "b")."""
+SOURCES_VARIABLE = "RLMETRICS_VERL_SOURCES"
+FIRST_UPDATE_RUNS = {
+    "off": {},
+    "on": {SWITCH: "1", SOURCES_VARIABLE: "a,b"},
+    "on, sources not named": {SWITCH: "1"},
+}
+"""The environments ``collect_first_updates`` runs in, each on fresh ranks."""
+
+
+def collect_first_updates(
+    rank: int, world_size: int, port: int, model_path: str, run: str
+) -> dict[str, list[int]]:
+    """This rank's torch.distributed collectives in each of ``LATE_UPDATES``' actor and
+    critic updates, in a fresh process (the first update is its group's first sync, as
+    in a job), in the environment ``FIRST_UPDATE_RUNS[run]``. Also the keys each update
+    logged that end in a source."""
+    os.environ.update(FIRST_UPDATE_RUNS[run])
+    init_rank(rank, world_size, port)
+    import rlmetrics.integrations.verl as integration
+
+    integration.enable()
+    actor = build_actor(os.path.join(model_path, "actor"))
+    critic = build_critic(os.path.join(model_path, "critic"))
+    counts = count_collectives()
+    out: dict[str, Any] = {"actor": [], "critic": [], "keys": []}
+    for sources in LATE_UPDATES:
+        batch = rank_slice(with_sources(make_batch(), sources), rank, world_size)
+        for role, update in (("actor", actor.update_actor), ("critic", critic.train_mini_batch)):
+            before = counts["n"]
+            output = update(update_input(batch, DETAIL_SPLITS["whole"], world_size))
+            out[role].append(counts["n"] - before)
+            logged = driver_reduce(output, f"{role}/")
+            out["keys"].append(sorted(k for k in logged if k.endswith(("/a", "/b"))))
+    return out
 
 
 def forward_pass(actor: Any, critic: Any, batch: Any) -> dict[str, list]:

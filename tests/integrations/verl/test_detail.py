@@ -15,9 +15,12 @@ import numpy as np
 import pytest
 from detail_scenarios import (
     DETAIL_SPLITS,
+    FIRST_UPDATE_RUNS,
+    LATE_UPDATES,
     SLOW_RANK,
     SLOW_SECONDS,
     collect_detail,
+    collect_first_updates,
     whole_batch,
 )
 from scenarios import ACTOR_METRICS, CRITIC_METRICS, trainer_config
@@ -115,8 +118,11 @@ def test_keys_agree_on_every_rank_though_one_holds_no_b(ranks: list[dict], split
 
 
 def test_the_switch_adds_no_collective(ranks: list[dict]) -> None:
-    """Per update, after a warm-up update (the first one with new names agrees the
-    schema): the same number of torch.distributed collectives with the switch on."""
+    """Per update, in a process that ran updates without the switch first: the same
+    number of torch.distributed collectives with the switch on, after one update (the
+    first with the per-source names, new to that process, agrees them once; in a job
+    the first update is the group's first sync, which agrees anyway: see
+    ``test_from_the_first_update_a_late_source_costs_no_collective``)."""
     for rank, result in enumerate(ranks):
         assert result["on"]["collectives"] == result["off"]["collectives"], rank
         assert all(n > 0 for n in result["off"]["collectives"].values())
@@ -231,3 +237,53 @@ def test_mfu_is_the_global_tokens_over_the_slowest_time(
         assert on == pytest.approx(want, rel=1e-12)
         assert on > 0
         assert result["on"]["mean_of_rank_ratios"][f"{role}/{split}"] > on * 1.02
+
+
+@pytest.fixture(scope="module")
+def first_updates(model_path: str) -> dict[str, list[dict]]:
+    """``collect_first_updates`` in each of ``FIRST_UPDATE_RUNS``, each on fresh ranks."""
+    return {
+        run: ok_results(
+            run_ranks(
+                collect_first_updates,
+                WORLD_SIZE,
+                free_port(),
+                model_path,
+                run,
+                timeout=600.0,
+                pg_timeout=300.0,
+            )
+        )
+        for run in FIRST_UPDATE_RUNS
+    }
+
+
+def test_from_the_first_update_a_late_source_costs_no_collective(
+    first_updates: dict[str, list[dict]],
+) -> None:
+    """Fresh processes, as in a job: updates whose first holds no "b" anywhere, the
+    second no "a", the third no "b", the last both. With RLMETRICS_VERL_DETAIL=1 and
+    RLMETRICS_VERL_SOURCES=a,b every update, the first included, takes the same
+    collectives as with the switch off: every rank names both sources' metrics at every
+    update (without that, the second update would agree the new names: 3 more)."""
+    for rank in range(WORLD_SIZE):
+        off, on = first_updates["off"][rank], first_updates["on"][rank]
+        for role in ("actor", "critic"):
+            assert on[role] == off[role], (rank, role, on[role], off[role])
+            assert len(on[role]) == len(LATE_UPDATES)
+        assert not any(off["keys"])
+        actor_keys = [{key.rsplit("/", 1)[1] for key in keys} for keys in on["keys"][0::2]]
+        assert actor_keys == [{"a"}, {"b"}, {"a"}, {"a", "b"}]
+
+
+def test_without_the_sources_named_a_source_costs_one_agreement_once(
+    first_updates: dict[str, list[dict]],
+) -> None:
+    """Without RLMETRICS_VERL_SOURCES: the update where "b" first appears agrees the
+    new names (3 more collectives); no later one does, though the third update holds
+    no "b" and the second no "a" (a source reported once stays named)."""
+    for rank in range(WORLD_SIZE):
+        off, on = first_updates["off"][rank], first_updates["on, sources not named"][rank]
+        for role in ("actor", "critic"):
+            extra = [a - b for a, b in zip(on[role], off[role], strict=True)]
+            assert extra == [0, 3, 0, 0], (rank, role, on[role], off[role])

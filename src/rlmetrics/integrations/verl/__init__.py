@@ -10,9 +10,12 @@ What ``enable()`` changes, and nothing else: verl builds its actor's inner worke
 ``ActorRolloutRefWorker.actor_worker_cls`` (a class attribute meant for this) and its
 critic from ``verl.workers.engine_workers.TrainingWorker``; both are pointed at
 ``ExactTrainingWorker``, a subclass whose update metrics are partition invariant.
-No verl function is replaced but one, for DataProto metrics (``DataProtoFuture.get``:
-see ``rlmetrics.integrations.verl.dataproto``). Other verl versions are refused with an error, since
-the subclass relies on how 0.9.1 produces its metrics.
+No verl function is replaced but two: one for DataProto metrics (``DataProtoFuture.get``:
+see ``rlmetrics.integrations.verl.dataproto``), and the driver's ``compute_data_metrics``,
+by a wrapper that returns verl's dict unchanged unless ``RLMETRICS_VERL_DETAIL`` is on
+(then it adds the per-source keys: ``rlmetrics.integrations.verl.data_metrics``). Other
+verl versions are refused with an error, since the subclass relies on how 0.9.1 produces
+its metrics.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 from rlmetrics.integrations.verl._version import SUPPORTED_VERL, check_version
+from rlmetrics.integrations.verl.data_metrics import data_metrics_by_source
 
 WORKERS_MODULE = "verl.workers.engine_workers"
+METRICS_MODULE = "verl.trainer.ppo.metric_utils"
 
 _ORIGINAL: dict[str, type] = {}
 
@@ -46,10 +51,25 @@ def enable() -> None:
     from rlmetrics.integrations.verl.dataproto import merge_futures
 
     merge_futures(True)
-    if WORKERS_MODULE in sys.modules:
-        _switch()
-    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(WORKERS_MODULE, _switch))
+    _after_import(WORKERS_MODULE, _switch)
+    _after_import(METRICS_MODULE, _install_data_metrics)
+
+
+def _after_import(name: str, callback: Callable[[], None]) -> None:
+    """Run ``callback`` now if module ``name`` is loaded, else right after its import
+    (once: one waiting finder per module)."""
+    if name in sys.modules:
+        callback()
+    elif not any(
+        isinstance(finder, _AfterImport) and finder.name == name for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+def _install_data_metrics() -> None:
+    from rlmetrics.integrations.verl.data_metrics import install
+
+    install()
 
 
 def _switch() -> None:
@@ -73,6 +93,10 @@ def disable() -> None:
     from rlmetrics.integrations.verl.dataproto import merge_futures
 
     merge_futures(False)
+    if METRICS_MODULE in sys.modules:
+        from rlmetrics.integrations.verl.data_metrics import uninstall
+
+        uninstall()
     if not _ORIGINAL:
         return
     engine_workers = sys.modules[WORKERS_MODULE]
@@ -89,7 +113,10 @@ def is_enabled() -> bool:
     """Whether this process's verl actor uses ``ExactTrainingWorker`` (or will, once
     verl's workers module is imported)."""
     if WORKERS_MODULE not in sys.modules:
-        return any(isinstance(finder, _AfterImport) for finder in sys.meta_path)
+        return any(
+            isinstance(finder, _AfterImport) and finder.name == WORKERS_MODULE
+            for finder in sys.meta_path
+        )
     from verl.workers import engine_workers
 
     from rlmetrics.integrations.verl.worker import ExactTrainingWorker
@@ -139,4 +166,11 @@ def _importers() -> list:
 
 enable()
 
-__all__ = ["SUPPORTED_VERL", "check_version", "disable", "enable", "is_enabled"]
+__all__ = [
+    "SUPPORTED_VERL",
+    "check_version",
+    "data_metrics_by_source",
+    "disable",
+    "enable",
+    "is_enabled",
+]

@@ -17,21 +17,33 @@ so the same packed collective:
 * **timing**: each rank's time in the engine's ``train_batch`` calls of the step, as a
   ``rank_time`` metric (the slowest rank's time and which rank), and the step's MFU
   from the global token count over that slowest time.
+
+Every rank names every known source's metrics at every update, with or without a row
+of that source (``declare_sources``; a source no rank held this update is left out of
+the result), so the set of names, and with it the collectives, is the same from update
+to update. The known sources are those of ``RLMETRICS_VERL_SOURCES`` (comma-separated,
+read at each update like the switch) and those earlier updates reported: without the
+variable, the first update where a source appears, after the first update, costs one
+schema agreement (two small gathers and the reduce again), once per source.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from rlmetrics.integrations._labels import declare
 from rlmetrics.tracker import Tracker
 
 SWITCH = "RLMETRICS_VERL_DETAIL"
 """The environment variable that turns the extras on (``1``) in a verl process."""
+
+SOURCES_VARIABLE = "RLMETRICS_VERL_SOURCES"
+"""The environment variable naming every data source of the run (``gsm8k,math``)."""
 
 SOURCE_KEY = "data_source"
 """The batch field holding each sequence's data source (verl's RL datasets' name)."""
@@ -53,6 +65,25 @@ TOKEN_QUANTILES = {
 def enabled() -> bool:
     """Whether ``RLMETRICS_VERL_DETAIL`` turns the extras on in this process."""
     return os.environ.get(SWITCH, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def configured_sources() -> set[str]:
+    """The sources ``RLMETRICS_VERL_SOURCES`` names in this process (comma-separated)."""
+    return {part.strip() for part in os.environ.get(SOURCES_VARIABLE, "").split(",")} - {""}
+
+
+def declare_sources(tracker: Tracker, names: Iterable[str], sources: Iterable[str]) -> None:
+    """Name ``<name>/<source>`` (a ``mean``, as ``log_micro_batch`` logs them) for every
+    name and source, with no element: every rank's update then has the same names,
+    whichever sources its rows hold (``rlmetrics.integrations._labels``)."""
+    declare(tracker, [(name, "mean") for name in names], sorted(sources))
+
+
+def reported_sources(results: Mapping[str, float], names: Iterable[str]) -> set[str]:
+    """The sources whose ``<name>/<source>`` keys ``results`` holds (the same on every
+    rank: a merged update's keys)."""
+    prefixes = [name + "/" for name in names]
+    return {key[len(prefix) :] for key in results for prefix in prefixes if key.startswith(prefix)}
 
 
 def row_sources(data: Any) -> np.ndarray | None:

@@ -31,7 +31,7 @@ from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss, value_loss
 
 from rlmetrics.integrations.verl import detail
-from rlmetrics.integrations.verl.losses import RecordingLoss
+from rlmetrics.integrations.verl.losses import AGG_LOSSES, TOKEN_MEANS, RecordingLoss
 from rlmetrics.tracker import Tracker
 
 RECORDED_LOSSES = (ppo_loss, value_loss)
@@ -119,7 +119,10 @@ class ExactTrainingWorker(TrainingWorker):
             return output
         group = self.engine.get_data_parallel_group()
         sync = group is not None and torch.distributed.is_initialized()
+        per_source = self._declare_sources() if detail.enabled() else ()
         exact = tracker.compute(group=group, sync=sync)
+        if per_source:
+            self._known_sources().update(detail.reported_sources(exact, per_source))
         if output is None:
             return None
         metrics = dict(tu.get(output, "metrics"))
@@ -129,6 +132,20 @@ class ExactTrainingWorker(TrainingWorker):
         if mfu is not None:
             metrics["mfu"] = [mfu]
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
+
+    def _known_sources(self) -> set[str]:
+        """The data sources earlier updates of this worker reported (the same set on
+        every rank)."""
+        return self.__dict__.setdefault("_rlmetrics_sources", set())
+
+    def _declare_sources(self) -> list[str]:
+        """Name every known source's metrics (``detail.declare_sources``): those of
+        ``RLMETRICS_VERL_SOURCES`` and those earlier updates reported. Returns the
+        names that have a value per source (this update's loss metrics)."""
+        tracker = self.metrics_tracker
+        names = [name for name in tracker.schema() if name in TOKEN_MEANS or name in AGG_LOSSES]
+        detail.declare_sources(tracker, names, self._known_sources() | detail.configured_sources())
+        return names
 
     def _update_time_name(self) -> str:
         """``<role>/update_time_s``: the role from the loss (``ppo_loss``: actor)."""
