@@ -115,3 +115,37 @@ def test_unknown_metric_names_are_left_to_verl() -> None:
     data = TensorDict({"response_mask": torch.ones(2, 3, dtype=torch.bool)}, batch_size=[2])
     log_micro_batch(tracker, {"actor/something": 1.0, "kl_coef": 0.1}, data, loss_agg_mode="x")
     assert len(tracker) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 7), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_response_counts_are_the_same_from_a_jagged_a_strided_nested_or_a_padded_mask(
+    lengths: list[int], seed: int
+) -> None:
+    """(response tokens, sequences with one, sequences), against numpy over the rows; a
+    row may be empty or all padding."""
+    from rlmetrics.integrations.verl.losses import response_counts
+
+    rng = np.random.default_rng(seed)
+    rows = [rng.random(n) < 0.6 for n in lengths]
+    expected = (
+        float(sum(r.sum() for r in rows)),
+        float(sum(r.any() for r in rows)),
+        float(len(rows)),
+    )
+    padded = np.zeros((len(rows), max(lengths)), dtype=bool)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    pieces = [torch.from_numpy(r) for r in rows]
+    masks = {
+        "padded": torch.from_numpy(padded),
+        "jagged": torch.nested.nested_tensor(pieces, layout=torch.jagged),
+        "strided": torch.nested.nested_tensor(pieces, layout=torch.strided),
+    }
+    for layout, mask in masks.items():
+        data = TensorDict({"response_mask": mask}, batch_size=[len(rows)])
+        got = tuple(float(c) for c in response_counts(data))
+        assert got == expected, layout

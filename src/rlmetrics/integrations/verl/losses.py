@@ -67,10 +67,20 @@ def response_counts(data: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     ``data`` is the micro-batch TensorDict verl hands its loss function, with
     ``response_mask`` nested (no padding) or padded; both count the same.
     """
-    mask = data.select("response_mask").to_padded_tensor()["response_mask"].to(torch.bool)
-    per_seq = mask.reshape(mask.shape[0], -1).sum(-1)
-    rows = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
-    return per_seq.sum().to(torch.float64), (per_seq > 0).sum().to(torch.float64), rows
+    mask = data["response_mask"]
+    if mask.is_nested and mask.layout is torch.jagged:
+        # each sequence's tokens, summed over the jagged values by offsets: no padded copy
+        values = mask.values().to(torch.bool)
+        marked = values.flatten(1).sum(-1, dtype=torch.float64) if values.dim() > 1 else values
+        per_seq = torch.segment_reduce(marked.to(torch.float64), "sum", offsets=mask.offsets())
+    elif mask.is_nested:  # a strided nested tensor: its rows one by one
+        per_seq = torch.stack(
+            [row.to(torch.bool).sum(dtype=torch.float64) for row in mask.unbind()]
+        )
+    else:
+        per_seq = mask.to(torch.bool).flatten(1).sum(-1, dtype=torch.float64)
+    rows = torch.tensor(float(per_seq.shape[0]), dtype=torch.float64, device=per_seq.device)
+    return per_seq.sum(), (per_seq > 0).sum().to(torch.float64), rows
 
 
 def loss_share(
