@@ -28,8 +28,11 @@ workers, the integration off in the driver). verl's file logger
 (``trainer.logger=["console", "file"]``) writes each step's metrics. The rollouts of
 all four are the same (the server's sampling is seeded by the prompt and the weights'
 step), so a logged value that moves with the micro-batch moves because of how it is
-reduced. Slow (about 2 minutes inside the verl suite on 2 cores): part of ``make
-test-verl``; ``RLMETRICS_VERL_FIT=0`` skips it.
+reduced. The prompts come from two data sources (``SOURCES``) and the rlmetrics runs
+have ``RLMETRICS_VERL_DETAIL=1`` in the workers and in the driver, so they also log
+every update metric and the driver's data metrics per source (``<key>/<source>``);
+the runs without rlmetrics have it in neither. Slow (about 2 minutes inside the verl
+suite on 2 cores): part of ``make test-verl``; ``RLMETRICS_VERL_FIT=0`` skips it.
 """
 
 from __future__ import annotations
@@ -87,7 +90,32 @@ UPDATE_METRICS = (
     "critic/grad_norm",
 )
 """The workers' update metrics ``fit`` logs (verl's names)."""
+TOKEN_MEANS = ("actor/pg_clipfrac", "actor/ppo_kl", "critic/vf_clipfrac", "critic/vpred_mean")
+"""Update metrics that are means over the step's response tokens."""
 VARIANTS = ("exact", "verl")
+SOURCES = ("toy_a", "toy_b")
+"""The prompts' data sources: every fourth prompt is ``toy_b`` (8 of each step's 32)."""
+DETAIL_ENV = {"RLMETRICS_VERL_DETAIL": "1", "RLMETRICS_VERL_SOURCES": ",".join(SOURCES)}
+"""The extras' switch and the run's sources, in the rlmetrics runs' workers and driver."""
+PER_SOURCE_METRICS = (
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac_lower",
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "critic/values/mean",
+    "response_length/mean",
+    "prompt_length/mean",
+)
+"""Keys the rlmetrics runs also log per source: the workers' update metrics (not the
+gradient norms, which belong to no source, nor ``actor/entropy``, which the
+integration does not split by source) and the driver's data metrics."""
 
 
 def word_tokenizer(path: str, model_path: str) -> None:
@@ -126,8 +154,14 @@ def word_tokenizer(path: str, model_path: str) -> None:
     )
 
 
+def source_of(row: int) -> str:
+    """The data source of the dataset's ``row``."""
+    return SOURCES[1] if row % 4 == 3 else SOURCES[0]
+
+
 def toy_dataset(path: str, rows: int) -> None:
-    """``rows`` prompts "say wK wJ" (target word wK), as verl's RLHFDataset reads them."""
+    """``rows`` prompts "say wK wJ" (target word wK), as verl's RLHFDataset reads them,
+    from the two ``SOURCES`` (``source_of``)."""
     import pandas as pd
 
     records = []
@@ -135,7 +169,7 @@ def toy_dataset(path: str, rows: int) -> None:
         target, other = WORDS[i % len(WORDS)], WORDS[(7 * i + 3) % len(WORDS)]
         records.append(
             {
-                "data_source": "toy",
+                "data_source": source_of(i),
                 "prompt": [{"role": "user", "content": f"say {target} {other}"}],
                 "reward_model": {"style": "rule", "ground_truth": target},
                 "extra_info": {"index": i},
@@ -351,15 +385,19 @@ def run_fit(files: FitFiles, folder: str, micro: int, variant: str) -> dict[str,
 
     log_path = os.path.join(folder, f"{variant}_micro{micro}.jsonl")
     env = {"VERL_USE_EXTERNAL_MODULES": "cpu_verl_worker,cpu_rollout"}
+    driver_env = {"VERL_FILE_LOGGER_PATH": log_path}
     if variant == "verl":
         env["VERL_USE_EXTERNAL_PLUGINS"] = "none"
         integration.disable()
     else:
+        env.update(DETAIL_ENV)
+        driver_env.update(DETAIL_ENV)
         integration.enable()
     config = fit_config(files, micro, log_path)
     trainer = build_trainer(config, env)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VERL_FILE_LOGGER_PATH", log_path)
+        for name, value in driver_env.items():
+            patch.setenv(name, value)
         try:
             trainer.init_workers()
             trainer.fit()
@@ -484,3 +522,66 @@ def test_with_rlmetrics_the_logged_update_metrics_agree_across_micro_batches(fit
 def test_without_rlmetrics_verls_logged_update_metrics_drift(fits: dict) -> None:
     diff = differences(fits, "verl")
     assert max(diff.values()) > DRIFT, diff
+
+
+def per_source_keys(row: dict[str, float]) -> set[str]:
+    """The logged keys that end in a data source's name."""
+    return {key for key in row if key.rsplit("/", 1)[-1] in SOURCES}
+
+
+def rows_per_source(step: int) -> dict[str, int]:
+    """How many of training step ``step``'s prompts (rows ``PROMPTS * (step - 1)`` on:
+    the sampler is sequential) each source has."""
+    rows = range(PROMPTS * (step - 1), PROMPTS * step)
+    return {source: sum(source_of(i) == source for i in rows) for source in SOURCES}
+
+
+def test_with_detail_the_per_source_metrics_are_logged_and_agree_across_micro_batches(
+    fits: dict,
+) -> None:
+    """The rlmetrics runs log every update metric and the driver's data metrics per
+    source, the same at micro-batch 8 and 2; the runs without rlmetrics log none."""
+    small, large = (steps(fits[f"exact_micro{m}"]) for m in sorted(MICRO))
+    expected = {f"{name}/{source}" for name in PER_SOURCE_METRICS for source in SOURCES}
+    for a, b in zip(small, large, strict=True):
+        assert expected <= per_source_keys(b), sorted(expected - per_source_keys(b))
+        assert per_source_keys(a) == per_source_keys(b)
+        far = {
+            key: (a[key], b[key])
+            for key in per_source_keys(b)
+            if abs(a[key] - b[key]) > TOLERANCE * max(1.0, abs(b[key]))
+        }
+        assert not far, far
+    for micro in MICRO:
+        for row in steps(fits[f"verl_micro{micro}"]):
+            assert not per_source_keys(row), sorted(per_source_keys(row))
+
+
+def test_the_per_source_means_make_up_the_whole_batch(fits: dict) -> None:
+    """Each step's per-source means, weighted by the source's rows (the dataset's
+    counts; for the score, the rows with a response, as verl averages it), give the
+    whole batch's; the update metrics that are token means, weighted by the source's
+    response tokens (rows times mean response length), give the logged value."""
+    for micro in MICRO:
+        for row in steps(fits[f"exact_micro{micro}"]):
+            counts = rows_per_source(row["training/global_step"])
+            assert sum(counts.values()) == PROMPTS
+
+            def weighted(name: str, weights: dict[str, float], row: dict = row) -> float:
+                total = sum(weights.values())
+                return sum(weights[s] * row[f"{name}/{s}"] for s in SOURCES) / total
+
+            length = weighted("response_length/mean", counts)
+            assert abs(length - row["response_length/mean"]) < 1e-9, (length, row)
+            answered = {
+                s: n * (1.0 - row[f"response/aborted_ratio/{s}"]) for s, n in counts.items()
+            }
+            assert (
+                abs(sum(answered.values()) - PROMPTS * (1.0 - row["response/aborted_ratio"])) < 1e-9
+            )
+            score = weighted("critic/score/mean", answered)
+            assert abs(score - row["critic/score/mean"]) < 1e-9, (score, row)
+            tokens = {s: n * row[f"response_length/mean/{s}"] for s, n in counts.items()}
+            for name in TOKEN_MEANS:
+                value = weighted(name, tokens)
+                assert abs(value - row[name]) < TOLERANCE, (name, value, row[name])
