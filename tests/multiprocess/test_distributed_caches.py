@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rlmetrics import Tracker
 from rlmetrics._engine import sync as rd
+from rlmetrics._engine.packing import Packing
 from rlmetrics._engine.sync import RECENT
 
 from gloo_ranks import count_collectives, ok_results, run_together
@@ -71,6 +72,7 @@ def pair() -> dict[str, Any]:
         "mixed_caches/None": (mixed_caches, (None,)),
         "mixed_caches/0": (mixed_caches, (0,)),
         "misuse": (misuse, ()),
+        "sets_in_turn": (sets_in_turn, ()),
     }
     return run_together(calls, 2, timeout=600)
 
@@ -176,3 +178,45 @@ def test_group_non_member_and_timeouts(pair: dict[str, Any]) -> None:
         assert out["huge"] == "{'x': 1.0}"
         for bad in ("0", "-1.0", "nan", "datetime.timedelta(0)"):
             assert out[bad].startswith("timeout must be > 0 seconds"), bad
+
+
+def sets_in_turn(rank: int, world: int) -> list[tuple[dict, int, int]]:
+    """Steps that log two sets of metrics in turn (rank 1 logs the rewards of the first
+    set alone), over a new group: (result, collectives, packings made) per step."""
+    group = dist.new_group([0, 1])
+    made = {"n": 0}
+    make = Packing.make.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type, *args: Any, **kwargs: Any) -> Packing:
+        made["n"] += 1
+        return make(cls, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Packing, "make", classmethod(counted))
+        counts = count_collectives(patch)
+        tracker, out = Tracker(), []
+        for step in range(8):
+            tracker.mean("a", float(rank + step))
+            tracker.max("b", float(rank * step))
+            if step % 2 == 0 and rank == 1:
+                tracker.mean("reward", float(step))
+            before, packed = counts["n"], made["n"]
+            result = tracker.compute(group=group, timeout=30)
+            out.append((result, counts["n"] - before, made["n"] - packed))
+    return out
+
+
+def test_metric_sets_logged_in_turn_keep_their_packings(pair: dict[str, Any]) -> None:
+    """Each set's packing is made once and reused when the set comes back; every step is
+    one collective after the first agreement and equals a single process's result."""
+    rank0, rank1 = ok_results(pair["sets_in_turn"])
+    for step, ((result0, count0, _), (result1, count1, _)) in enumerate(
+        zip(rank0, rank1, strict=True)
+    ):
+        expected = {"a": step + 0.5, "b": float(step)}
+        if step % 2 == 0:
+            expected["reward"] = float(step)
+        assert result0 == result1 == expected, step
+        assert count0 == count1 == (3 if step == 0 else 1), step
+    assert [packings for _, _, packings in rank0] == [1, 0, 0, 0, 0, 0, 0, 0]  # one set
+    assert [packings for _, _, packings in rank1] == [1, 1, 0, 0, 0, 0, 0, 0]  # two, in turn

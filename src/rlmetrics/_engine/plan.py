@@ -1,10 +1,12 @@
 """``StepPlan``: the one owner of everything a tracker keeps between steps.
 
-A steady-state step logs the same metrics as the last one, so what the fold and the
+A steady-state step logs the same metrics as an earlier one, so what the fold and the
 packing derive from the set of metrics (the fold plan per device, with its table
 positions and the layout of the flat numbers; the packing of ``compute(sync=False)``
 and ``state()``; per process group, the packing of the sync; the device copies of
-index arrays) is made once and reused. Each tracker holds one ``StepPlan``
+index arrays) is made once and reused. Each keeps the entries of the last few sets
+(``RECENT_ENTRIES``): a training loop may log a few sets in turn (a step that generates
+and logs rewards, then steps that reuse its samples and do not). Each tracker holds one ``StepPlan``
 (a tracker's ``_plan``); pickling or copying a tracker gives the copy a new, empty one.
 
 The one invalidation rule: an entry is reused while the step's accumulators are the
@@ -31,7 +33,7 @@ import weakref
 from collections.abc import Mapping
 from itertools import accumulate
 from operator import attrgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +45,9 @@ from rlmetrics._engine.record import NumberRecords
 from rlmetrics._engine.table import StateTable
 from rlmetrics.kinds.base import MetricRecords
 from rlmetrics.kinds.batch import BatchRows, to_device
+
+RECENT_ENTRIES = 4
+"""Entries each cache keeps, one per set of metrics, newest first."""
 
 MAX_DEVICE_INDICES = 256
 """Device index copies kept before the cache is emptied (arrays of metric sets that
@@ -67,6 +72,38 @@ def _is(a: object, b: object) -> bool:
     return a is b
 
 
+Entry = TypeVar("Entry")
+
+
+class RecentEntries(Generic[Entry]):
+    """The entries made for the last ``RECENT_ENTRIES`` sets of accumulators, newest
+    first, each with the accumulators it was made for."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[list[MetricRecords], Entry]] = []
+
+    def get(self, accs: list[MetricRecords]) -> Entry | None:
+        """The entry made for ``accs`` (``same_metrics``), or None."""
+        for made_for, entry in self.entries:
+            if same_metrics(made_for, accs):
+                return entry
+        return None
+
+    def put(self, accs: list[MetricRecords], entry: Entry) -> None:
+        """Keep ``entry`` for ``accs`` first (in place of an older one for them); the
+        oldest beyond ``RECENT_ENTRIES`` drops."""
+        others = [kept for kept in self.entries if not same_metrics(kept[0], accs)]
+        self.entries = [(accs, entry), *others][:RECENT_ENTRIES]
+
+    def clear(self) -> None:
+        self.entries = []
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
 class StepPlan:
     """Every cache of one tracker (see the module docstring for the rule).
 
@@ -78,8 +115,8 @@ class StepPlan:
 
     def __init__(self) -> None:
         self._version: int | None = None  # the table row numbering the entries were made for
-        self._folds: dict[torch.device | None, tuple[list[MetricRecords], FoldPlan]] = {}
-        self._local: tuple[list[MetricRecords], Packing] | None = None
+        self._folds: dict[torch.device | None, RecentEntries[FoldPlan]] = {}
+        self._local: RecentEntries[Packing] = RecentEntries()
         self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
         self.group_syncs: weakref.WeakKeyDictionary[Any, GroupPacking] = weakref.WeakKeyDictionary()
 
@@ -91,7 +128,7 @@ class StepPlan:
         if table.version != self._version:
             self._version = table.version
             self._folds.clear()
-            self._local = None
+            self._local.clear()
             self._indices.clear()
             for sync in self.group_syncs.values():
                 sync.forget_packing()
@@ -99,14 +136,16 @@ class StepPlan:
     def fold_plan(
         self, table: StateTable, device: torch.device | None, accs: list[MetricRecords]
     ) -> FoldPlan:
-        """The plan of ``accs`` folding on ``device`` (None: the host); the last one per
-        device is kept."""
+        """The plan of ``accs`` folding on ``device`` (None: the host); the recent ones
+        per device are kept."""
         self.valid_for(table)
-        cached = self._folds.get(device)
-        if cached is not None and same_metrics(cached[0], accs):
-            return cached[1]
-        plan = FoldPlan(accs, table)
-        self._folds[device] = (accs, plan)
+        recent = self._folds.get(device)
+        if recent is None:
+            recent = self._folds[device] = RecentEntries()
+        plan = recent.get(accs)
+        if plan is None:
+            plan = FoldPlan(accs, table)
+            recent.put(accs, plan)
         return plan
 
     def local_packing(
@@ -116,14 +155,12 @@ class StepPlan:
         ``state()``), its layout the accumulators' order."""
         self.valid_for(table)
         accs = list(accumulators.values())
-        local = self._local
-        if local is None or not same_metrics(local[0], accs):
+        packing = self._local.get(accs)
+        if packing is None:
             layout = BufferLayout([(name, acc.kind) for name, acc in accumulators.items()])
-            local = self._local = (
-                accs,
-                Packing.make(layout, in_order(accumulators, layout), table),
-            )
-        return local[1]
+            packing = Packing.make(layout, in_order(accumulators, layout), table)
+            self._local.put(accs, packing)
+        return packing
 
     def index_on(self, positions: np.ndarray, device: torch.device) -> Tensor:
         """``positions`` (an index array a fold plan keeps across steps) on ``device``,

@@ -63,7 +63,7 @@ from rlmetrics._engine.packing import (
     unpack,
     with_nan_counts,
 )
-from rlmetrics._engine.plan import StepPlan, same_metrics
+from rlmetrics._engine.plan import RecentEntries, StepPlan
 from rlmetrics._engine.schema import KindOf, agreed_layout, schema_payload
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import SyncTimeoutError
@@ -304,11 +304,11 @@ class GroupSync:
     """What a tracker keeps per process group between steps (in its ``StepPlan``): its
     agreed layout (None until it has one), the group's ``GroupLayouts`` (the same on
     every rank), the device collectives run on, the host buffer a CPU gather writes
-    into, and the last step's packing.
+    into, and the packings of the recent sets of metrics.
 
-    The packing is reused by ``StepPlan``'s rule (the same accumulators, rows not
-    renumbered) while it was made for the current layout and the group's padded sizes
-    are the same object.
+    A packing is reused by ``StepPlan``'s rule (the same accumulators, rows not
+    renumbered; the recent sets' kept) while it was made for the current layout and the
+    group's padded sizes are the same object.
     """
 
     layout: BufferLayout | None
@@ -317,8 +317,7 @@ class GroupSync:
     world: int
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
-    seen: list[Any] = field(default_factory=list)  # the last packing's accumulators
-    packing: Packing | None = None
+    packings: RecentEntries[Packing] = field(default_factory=RecentEntries)
 
     def packing_for(self, accumulators: Mapping[str, Any], table: StateTable) -> Packing:
         """How this rank packs this step: its accumulators in layout order, the group's
@@ -327,13 +326,8 @@ class GroupSync:
         "changed" set, and a tracker with no layout the group holds packs an empty one
         with "changed" set, so every rank agrees again."""
         current = list(accumulators.values())
-        packing, sizes = self.packing, self.agreed.sizes
-        if (
-            packing is not None
-            and packing.layout is self.layout
-            and packing.sizes is sizes
-            and same_metrics(self.seen, current)
-        ):
+        packing, sizes = self.packings.get(current), self.agreed.sizes
+        if packing is not None and packing.layout is self.layout and packing.sizes is sizes:
             return packing
         layout = self.layout
         if layout is None or not self.agreed.holds(layout):
@@ -350,7 +344,7 @@ class GroupSync:
         packing = Packing.make(layout, accs, table, sizes.sums, end)
         packing.sizes, packing.logged_all = sizes, fits and None not in accs
         if fits:
-            self.seen, self.packing = current, packing
+            self.packings.put(current, packing)
         return packing
 
     def gather_rows(self, world: int, length: int) -> tuple[np.ndarray, list[Tensor]]:
@@ -361,9 +355,9 @@ class GroupSync:
         return self.gathered, self.rows
 
     def forget_packing(self) -> None:
-        """Drop the last packing (the table's rows were renumbered); the agreed layout
+        """Drop the packings (the table's rows were renumbered); the agreed layout
         stays, since it names metrics, not rows."""
-        self.packing, self.seen = None, []
+        self.packings.clear()
 
 
 _NO_LAYOUT = BufferLayout([])  # what a rank without a layout the group holds packs
