@@ -113,11 +113,12 @@ class Dist(ExtraKind):
         if values.size == 0:
             return None
         with np.errstate(invalid="ignore"):  # inf - inf under nonfinite="propagate"
+            low, high = float(values.min()), float(values.max())
             out = {
                 "mean": float(values.mean()),
-                "std": _std(values),
-                "min": float(values.min()),
-                "max": float(values.max()),
+                "std": _std(values, max(-low, high)),
+                "min": low,
+                "max": high,
             }
             quantiles = np.quantile(values, self.quantiles) if self.quantiles else []
         for q, value in zip(self.quantiles, quantiles, strict=True):
@@ -153,11 +154,10 @@ def as_array(extra: Any) -> np.ndarray:
 _SQUARE_LIMIT = 1e150
 
 
-def _std(values: np.ndarray) -> float:
-    """The population standard deviation of a non-empty array; values large enough for
-    their squares to overflow are scaled by their largest magnitude first, so a finite
-    spread is reported as finite."""
-    scale = float(np.max(np.abs(values)))
+def _std(values: np.ndarray, scale: float) -> float:
+    """The population standard deviation of a non-empty array whose largest magnitude is
+    ``scale``; values large enough for their squares to overflow are divided by it
+    first, so a finite spread is reported as finite."""
     if not scale > _SQUARE_LIMIT or scale == math.inf:
         return float(values.std())
     return scale * float((values / scale).std())
