@@ -26,11 +26,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rlmetrics.integrations.verl import data_metrics
 from rlmetrics.integrations.verl._version import SUPPORTED_VERL, check_version
 from rlmetrics.integrations.verl.data_metrics import data_metrics_by_source
 
 WORKERS_MODULE = "verl.workers.engine_workers"
-METRICS_MODULE = "verl.trainer.ppo.metric_utils"
 
 _ORIGINAL: dict[str, type] = {}
 
@@ -52,7 +52,7 @@ def enable() -> None:
 
     merge_futures(True)
     _after_import(WORKERS_MODULE, _switch)
-    _after_import(METRICS_MODULE, _install_data_metrics)
+    _after_import(data_metrics.METRICS_MODULE, data_metrics.install)
 
 
 def _after_import(name: str, callback: Callable[[], None]) -> None:
@@ -64,12 +64,6 @@ def _after_import(name: str, callback: Callable[[], None]) -> None:
         isinstance(finder, _AfterImport) and finder.name == name for finder in sys.meta_path
     ):
         sys.meta_path.insert(0, _AfterImport(name, callback))
-
-
-def _install_data_metrics() -> None:
-    from rlmetrics.integrations.verl.data_metrics import install
-
-    install()
 
 
 def _switch() -> None:
@@ -93,10 +87,7 @@ def disable() -> None:
     from rlmetrics.integrations.verl.dataproto import merge_futures
 
     merge_futures(False)
-    if METRICS_MODULE in sys.modules:
-        from rlmetrics.integrations.verl.data_metrics import uninstall
-
-        uninstall()
+    data_metrics.uninstall()  # nothing to undo before verl's metric_utils is imported
     if not _ORIGINAL:
         return
     engine_workers = sys.modules[WORKERS_MODULE]
