@@ -157,23 +157,8 @@ def log_policy_metrics(
 ) -> None:
     """Log entropy, KL and the clip ratios of one micro-batch (device tensors, no sync);
     with ``by`` (one label per sequence), each also per label."""
-    for labels in (None, by) if by is not None else (None,):
-        _log_policy_metrics(log, mask, entropies, ratio, advantages, per_token_kl, config, labels)
-
-
-def _log_policy_metrics(
-    log: LogMethods,
-    mask: Tensor,
-    entropies: Tensor,
-    ratio: Tensor,
-    advantages: Tensor,
-    per_token_kl: Tensor | None,
-    config: LossConfig,
-    by: Sequence[str] | None,
-) -> None:
-    log.mean("entropy", _zero_masked(entropies.detach(), mask), weight=mask, by=by)
-    if per_token_kl is not None:
-        log.mean("kl", _zero_masked(per_token_kl.detach(), mask), weight=mask, by=by)
+    entropies = _zero_masked(entropies.detach(), mask)
+    kl = None if per_token_kl is None else _zero_masked(per_token_kl.detach(), mask)
     ratio = ratio.detach()
     low = (ratio < 1 - config.epsilon_low) & (advantages < 0)
     high = (ratio > 1 + config.epsilon_high) & (advantages > 0)
@@ -188,11 +173,16 @@ def _log_policy_metrics(
         low_frac = (low * mask).sum(-1) / tokens.clamp(min=1)
         high_frac = (high * mask).sum(-1) / tokens.clamp(min=1)
         has_tokens = tokens > 0
-    log.mean("clip_ratio/low_mean", low, weight=weight, by=by)
-    log.mean("clip_ratio/high_mean", high, weight=weight, by=by)
-    log.mean("clip_ratio/region_mean", low | high, weight=weight, by=by)
-    log.min("clip_ratio/low_min", low_frac, mask=has_tokens, by=by)
-    log.max("clip_ratio/high_max", high_frac, mask=has_tokens, by=by)
+    region = low | high
+    for labels in (None, by) if by is not None else (None,):
+        log.mean("entropy", entropies, weight=mask, by=labels)
+        if kl is not None:
+            log.mean("kl", kl, weight=mask, by=labels)
+        log.mean("clip_ratio/low_mean", low, weight=weight, by=labels)
+        log.mean("clip_ratio/high_mean", high, weight=weight, by=labels)
+        log.mean("clip_ratio/region_mean", region, weight=weight, by=labels)
+        log.min("clip_ratio/low_min", low_frac, mask=has_tokens, by=labels)
+        log.max("clip_ratio/high_max", high_frac, mask=has_tokens, by=labels)
 
 
 # the sketch metrics' name suffix, and the statistics reported of each
