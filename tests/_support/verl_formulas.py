@@ -123,6 +123,19 @@ def value_loss(vpreds, values, returns, m, *, clip, mode, scale=None, eps=MEAN_E
     }
 
 
+def update_metrics(
+    *, old, logp, adv, entropy, ref, vpreds, values, returns, m, low, high, c, kl_name, clip
+) -> dict[str, float]:
+    """verl's actor and critic update metrics over the tokens of ``m`` (token-mean, the
+    exact ratios: no eps): the policy loss and clip fractions, the entropy and KL losses
+    (``kl_name``: the actor's ``kl_loss_type``) and the value loss."""
+    out = policy_loss(old, logp, adv, m, low=low, high=high, c=c, mode="token-mean", eps=0.0)
+    out["actor/entropy_loss"] = masked_mean(entropy, m, eps=0.0)
+    out["actor/kl_loss"] = masked_mean(kl_penalty(logp, ref, kl_name), m, eps=0.0)
+    out |= value_loss(vpreds, values, returns, m, clip=clip, mode="token-mean", eps=0.0)
+    return {name: float(value) for name, value in out.items()}
+
+
 def gae(rewards, values, m, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
     """compute_gae_advantage_return: raw advantages and returns (before whitening); a
     masked token carries the next valid token's value and advantage."""

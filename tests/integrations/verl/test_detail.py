@@ -25,7 +25,7 @@ from detail_scenarios import (
 )
 from scenarios import ACTOR_METRICS, CRITIC_METRICS, trainer_config
 
-from verl_formulas import kl_penalty, masked_mean, policy_loss, value_loss
+from verl_formulas import kl_penalty, update_metrics
 
 from gloo_ranks import free_port, ok_results, run_ranks
 
@@ -65,30 +65,23 @@ def truth(ranks: list[dict], model_path: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for source in SOURCE_NAMES:
         mask = b["mask"] & (b["sources"] == source)[:, None]
-        values = policy_loss(
-            b["old_log_probs"],
-            b["new_log_probs"],
-            b["advantages"],
-            mask,
+        values = update_metrics(
+            old=b["old_log_probs"],
+            logp=b["new_log_probs"],
+            adv=b["advantages"],
+            entropy=b["new_entropy"],
+            ref=b["ref_log_prob"],
+            vpreds=b["new_values"],
+            values=b["values"],
+            returns=b["returns"],
+            m=mask,
             low=actor.clip_ratio_low,
             high=actor.clip_ratio_high,
             c=actor.clip_ratio_c,
-            mode="token-mean",
-            eps=0.0,
-        )
-        values["actor/entropy_loss"] = masked_mean(b["new_entropy"], mask, eps=0.0)
-        kl = kl_penalty(b["new_log_probs"], b["ref_log_prob"], actor.kl_loss_type)
-        values["actor/kl_loss"] = masked_mean(kl, mask, eps=0.0)
-        values |= value_loss(
-            b["new_values"],
-            b["values"],
-            b["returns"],
-            mask,
+            kl_name=actor.kl_loss_type,
             clip=config.critic.cliprange_value,
-            mode="token-mean",
-            eps=0.0,
         )
-        out |= {f"{name}/{source}": float(v) for name, v in values.items()}
+        out |= {f"{name}/{source}": value for name, value in values.items()}
     return out
 
 

@@ -46,7 +46,7 @@ from scenarios import (
     worker_facts,
 )
 
-from verl_formulas import kl_penalty, masked_mean, policy_loss, value_loss
+from verl_formulas import update_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -190,35 +190,24 @@ def whole_batch_truth(trainer: SimpleNamespace, batch: Any) -> dict[str, float]:
     def array(tensor: Any) -> np.ndarray:
         return tensor.double().numpy()
 
-    mask = batch["response_mask"].bool().numpy()
-    log_prob = array(forward.batch["old_log_probs"])
     actor = trainer.config.actor_rollout_ref.actor
-    truth = policy_loss(
-        array(batch["old_log_probs"]),
-        log_prob,
-        array(batch["advantages"]),
-        mask,
+    truth = update_metrics(
+        old=array(batch["old_log_probs"]),
+        logp=array(forward.batch["old_log_probs"]),
+        adv=array(batch["advantages"]),
+        entropy=array(forward.batch["entropys"]),
+        ref=array(batch["ref_log_prob"]),
+        vpreds=array(values.batch["values"]),
+        values=array(batch["values"]),
+        returns=array(batch["returns"]),
+        m=batch["response_mask"].bool().numpy(),
         low=actor.clip_ratio_low,
         high=actor.clip_ratio_high,
         c=actor.clip_ratio_c,
-        mode="token-mean",
-        eps=0.0,
-    )
-    truth["actor/entropy_loss"] = masked_mean(array(forward.batch["entropys"]), mask, eps=0.0)
-    kl = kl_penalty(log_prob, array(batch["ref_log_prob"]), actor.kl_loss_type)
-    truth["actor/kl_loss"] = masked_mean(kl, mask, eps=0.0)
-    truth["actor/lr"] = 0.0
-    truth |= value_loss(
-        array(values.batch["values"]),
-        array(batch["values"]),
-        array(batch["returns"]),
-        mask,
+        kl_name=actor.kl_loss_type,
         clip=trainer.config.critic.cliprange_value,
-        mode="token-mean",
-        eps=0.0,
     )
-    truth["critic/lr"] = 0.0
-    return {k: float(v) for k, v in truth.items()}
+    return truth | {"actor/lr": 0.0, "critic/lr": 0.0}
 
 
 @pytest.fixture(scope="module")
