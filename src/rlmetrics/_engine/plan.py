@@ -6,8 +6,9 @@ positions and the layout of the flat numbers; the packing of ``compute(sync=Fals
 and ``state()``; per process group, the packing of the sync; the device copies of
 index arrays) is made once and reused. Each keeps the entries of the last few sets
 (``RECENT_ENTRIES``): a training loop may log a few sets in turn (a step that generates
-and logs rewards, then steps that reuse its samples and do not). Each tracker holds one ``StepPlan``
-(a tracker's ``_plan``); pickling or copying a tracker gives the copy a new, empty one.
+and logs rewards, then steps that reuse its samples and do not). Each tracker holds one
+``StepPlan`` (a tracker's ``_plan``); pickling or copying a tracker gives the copy a new,
+empty one.
 
 The one invalidation rule: an entry is reused while the step's accumulators are the
 same objects, in the same order, as those it was made for (``same_metrics``), and the
