@@ -101,9 +101,6 @@ class RecentEntries(Generic[Entry]):
     def clear(self) -> None:
         self.entries = []
 
-    def __bool__(self) -> bool:
-        return bool(self.entries)
-
 
 class StepPlan:
     """Every cache of one tracker (see the module docstring for the rule).

@@ -52,7 +52,7 @@ def test_a_pickled_or_copied_tracker_gets_a_new_empty_plan() -> None:
     tracker.mean("a", 3.0)
     for other in (pickle.loads(pickle.dumps(tracker)), copy.deepcopy(tracker), copy.copy(tracker)):
         assert other._plan is not tracker._plan
-        assert not other._plan._local and not other._plan._folds
+        assert not other._plan._local.entries and not other._plan._folds
         assert other.compute(sync=False) == {"a": 3.0}
 
 
