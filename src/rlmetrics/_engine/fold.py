@@ -43,11 +43,18 @@ from torch import Tensor
 
 from rlmetrics._engine.plan import ElementOrder, FoldPlan, StepPlan
 from rlmetrics._engine.record import BOOL, NumberRecords
+from rlmetrics._engine.scratch import HostScratch
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import ModifiedInputError
 from rlmetrics.kinds.base import MetricRecords, carries_extra
 from rlmetrics.kinds.batch import Array, Batch, BatchRows, DeviceBatch, to_device
 from rlmetrics.kinds.extra import ExtraKind
+
+FLOAT32 = torch.float32
+NUMPY_DTYPES = {FLOAT32: np.float32, BOOL: np.bool_}
+NARROW_JOINS = {FLOAT32: np.float64, BOOL: np.bool_}
+"""The tensor dtypes a host fold joins into its scratch, by the dtype asked for: float32
+values (widened later), bool masks."""
 
 
 def joined_errors(errors: list[ValueError]) -> ValueError:
@@ -218,7 +225,7 @@ def _fold_records(
     its own rows; all that adds lands in ``table`` with one indexed add and one indexed
     max."""
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-        batch, layout, counts = _batch(plan, numbers, accs, device, nonfinite)
+        batch, layout, counts = _batch(plan, numbers, accs, device, nonfinite, steps.scratch)
         element_at, call_at = layout.element_at, layout.call_at
         added: list[tuple[int, Array, Array]] = []  # (group, flat sums, flat maxes)
         for i in range(len(plan.groups)):
@@ -275,6 +282,7 @@ def _batch(
     accs: list[MetricRecords],
     device: torch.device | None,
     nonfinite: str,
+    scratch: HostScratch,
 ) -> tuple[Batch, ElementOrder, Array | None]:
     """The records as one screened batch in ``plan``'s order (each metric's elements
     together, in call order), its layout, and per metric its framework counts
@@ -295,7 +303,7 @@ def _batch(
         batch = Batch.of(value, weight, cached.batch_rows)
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
-    batch, layout, owned = _joined_batch(plan, accs, device)
+    batch, layout, owned = _joined_batch(plan, accs, device, scratch)
     counts = None
     if nonfinite != "propagate" or any(map(_get_num_deferred_checks, accs)):
         counts = _screen(batch, layout, device, nonfinite)
@@ -304,7 +312,7 @@ def _batch(
 
 
 def _joined_batch(
-    plan: FoldPlan, accs: list[MetricRecords], device: torch.device | None
+    plan: FoldPlan, accs: list[MetricRecords], device: torch.device | None, scratch: HostScratch
 ) -> tuple[Batch, ElementOrder, bool]:
     """The records of ``accs`` (one backend's metrics with records of their own) as one
     batch in ``plan``'s order, unscreened, its layout, and whether its values are an
@@ -319,21 +327,29 @@ def _joined_batch(
     for acc in accs:
         parts.add(acc)
     parts.flush()
-    value = assemble(parts.values, device)
+    host_scratch = scratch if device is None else None
+    value = assemble(parts.values, device, scratch=host_scratch)
     masks = device is None and all(map(_is_mask, parts.weights))
-    weight = assemble(parts.weights, device, np.bool_ if masks else np.float64)
+    if masks:
+        weight = assemble(parts.weights, device, np.bool_, scratch=host_scratch)
+    else:  # float weights: never narrow
+        weight = assemble(parts.weights, device)
     if len(value) != len(weight):
         raise _Misaligned([acc for acc in accs if _misaligned(acc)])
     calls = np.fromiter(map(len, map(_get_values, accs)), np.int64, len(accs))
     layout = ElementOrder.of_sorted(
         index, np.asarray(parts.lengths, dtype=np.int64), calls, parts.call_lengths, len(plan.rows)
     )
-    make = Batch if device is None else DeviceBatch
     place = None if device is None else _placer(device)
     rows = BatchRows(
         None, layout.lengths, layout.call_lengths, layout.starts, layout.full, None, place
     )
-    return make.of(value, weight, rows), layout, device is None and _made(value, parts.values)
+    if device is not None:
+        return DeviceBatch.of(value, weight, rows), layout, False
+    if value.dtype == np.float32:  # joined into the scratch, left narrow
+        widened = scratch.take(len(value), np.float64)
+        return Batch._of_narrow(value, weight, rows, widened), layout, False
+    return Batch.of(value, weight, rows), layout, _made(value, parts.values)
 
 
 def _made(value: np.ndarray, parts: list[Any]) -> bool:
@@ -433,16 +449,33 @@ class Parts:
             self.numbers, self.number_weights = [], []
 
 
-def assemble(parts: Sequence[Any], device: torch.device | None, dtype: type = np.float64) -> Array:
+def assemble(
+    parts: Sequence[Any],
+    device: torch.device | None,
+    dtype: type = np.float64,
+    *,
+    scratch: HostScratch | None = None,
+) -> Array:
     """Flat parts (host arrays of any shape and real dtype, tensors) as one 1-D float64
     array (``device`` None) or tensor on ``device``, in order; on the host ``dtype``
-    may be ``np.bool_`` instead, for parts that are all bool masks.
+    may be ``np.bool_`` instead, for parts that are all bool masks. With ``scratch``
+    (a host fold), parts that are all 1-D float32 tensors (values, left float32 for
+    ``Batch._of_narrow`` to widen) or all 1-D bool tensors (masks) are joined into its
+    buffer of their dtype.
 
     Tensors are joined by class (device, dtype, 0-d ones stacked, others by their
     trailing shape), so the number of torch operations depends on the classes, not on
     the number of parts; a permutation restores the order when there are several.
     """
     host, classes = _classes(parts, device is not None)
+    if scratch is not None and not host and len(classes) == 1:
+        (((part_dtype, dims, *_), members),) = classes.items()
+        if dims == 1 and NARROW_JOINS.get(part_dtype) is dtype:
+            tensors = [parts[i] for i in members]
+            size = sum(map(Tensor.numel, tensors))
+            out = scratch.take(size, NUMPY_DTYPES[part_dtype])
+            torch.cat(tensors, out=torch.from_numpy(out))
+            return out
     blocks: list[Any] = []
     order: list[int] = []
     if host:

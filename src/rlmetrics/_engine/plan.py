@@ -43,6 +43,7 @@ from torch import Tensor
 from rlmetrics._engine.layout import BufferLayout
 from rlmetrics._engine.packing import Packing, in_order
 from rlmetrics._engine.record import NumberRecords
+from rlmetrics._engine.scratch import HostScratch
 from rlmetrics._engine.table import StateTable
 from rlmetrics.kinds.base import MetricRecords
 from rlmetrics.kinds.batch import BatchRows, to_device
@@ -106,6 +107,8 @@ class StepPlan:
     """Every cache of one tracker (see the module docstring for the rule).
 
     Attributes:
+        scratch: the host fold's reusable buffers (``HostScratch``), which no
+            invalidation drops: they hold no metric's data past a fold.
         group_syncs: per process group (keyed by the group object, weakly; never by
             id(), which a new group may reuse on some ranks only), the tracker's sync
             state: its agreed layout and the last packing for that group.
@@ -117,6 +120,7 @@ class StepPlan:
         self._local: RecentEntries[Packing] = RecentEntries()
         self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
         self.group_syncs: weakref.WeakKeyDictionary[Any, GroupPacking] = weakref.WeakKeyDictionary()
+        self.scratch = HostScratch()  # the host fold's large temporaries
 
     def __reduce__(self) -> tuple[type[StepPlan], tuple[()]]:
         return StepPlan, ()  # a copy starts empty: its entries name the original's objects

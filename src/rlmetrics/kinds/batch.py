@@ -182,6 +182,11 @@ class Batch:
         call_lengths: int64 host array, the number of elements of each log call, in
             order.
         num_rows: how many metrics the batch holds.
+
+    A batch and its arrays are valid while the fold that made it runs: a host fold
+    writes its large arrays into buffers the next fold writes over
+    (``rlmetrics._engine.scratch``), so a kind keeps a copy of what it keeps (the
+    reductions it returns are new arrays).
     """
 
     on_host: bool = True
@@ -208,6 +213,8 @@ class Batch:
 
     def _set(self, values: Array, weights: Array, rows: BatchRows) -> None:
         self._values = values
+        self._narrow = False  # float32 host values, widened into ``_widened`` when first read
+        self._widened: np.ndarray | None = None
         self._zero_pending = False  # ``zero_unselected`` waits for the values' first read
         self._owned = False  # the values may be zeroed in place
         self._mask: np.ndarray | None = None  # the bool weights of a masked host batch
@@ -222,16 +229,31 @@ class Batch:
         self._zeroed = False  # the unselected values are 0 (``zero_unselected`` ran)
         self._count: Array | None = None
 
+    @classmethod
+    def _of_narrow(
+        cls, values: np.ndarray, weights: Array, rows: BatchRows, widened: np.ndarray
+    ) -> Batch:
+        """A host batch of float32 ``values`` (the fold's join of float32 tensors), made
+        float64 into ``widened`` (as many elements) when first read: zeroing the
+        unselected values widens them in the same pass, and a max of the selected
+        values never widens them."""
+        batch = cls.of(values, weights, rows)
+        batch._narrow, batch._widened = True, widened
+        return batch
+
     @property
     def values(self) -> Array:
         if self._zero_pending:
             self._zero_pending = False
             self._zero(self._owned)
+        elif self._widened is not None and self._narrow:
+            self._widened[...] = self._values
+            self.values = self._widened
         return self._values
 
     @values.setter
     def values(self, values: Array) -> None:
-        self._values, self._zero_pending = values, False
+        self._values, self._zero_pending, self._narrow = values, False, False
 
     @property
     def weights(self) -> Array:
@@ -255,7 +277,9 @@ class Batch:
             self._values[elements], weights[elements], self.rows.part(rows, elements, calls)
         )
         part._zeroed, part._zero_pending = self._zeroed, self._zero_pending
-        part._owned = self._owned
+        part._owned, part._narrow = self._owned, self._narrow
+        if self._widened is not None:
+            part._widened = self._widened[elements]
         if self.all_selected:
             part.all_selected = True
         else:
@@ -392,12 +416,16 @@ class Batch:
             self._zero_pending, self._owned, self._zeroed = True, in_place, True
 
     def _zero(self, in_place: bool) -> None:
-        """``zero_unselected``'s work."""
-        if self.xp.isfinite(self.values).all():  # a product with the mask is then exact
-            out = self.values if in_place else None
-            self.values = np.multiply(self.values, self.selected(), out=out)
+        """``zero_unselected``'s work, on the host: a product with the selection where
+        every value is finite (a finite sum tells, for less than a pass of its own: any
+        NaN or infinity, or a sum past float64's range, makes it non-finite), which
+        also widens narrow values into a new float64 array in the same pass."""
+        values, selected = self._values, self.selected()
+        if math.isfinite(np.add.reduce(values)):
+            out = self._widened if self._narrow else (values if in_place else None)
+            self.values = np.multiply(values, selected, out=out)
         else:
-            self.values = self.where(self.selected(), self.values, 0.0)
+            self.values = np.where(selected, values.astype(np.float64, copy=False), 0.0)
         self._zeroed = True
 
     def max_by(self, x: Array) -> Array:
