@@ -184,22 +184,17 @@ def _fold_aligned(
 
 
 _get_values = attrgetter("values")
+_get_dtype = attrgetter("dtype")
 _get_versions = attrgetter("versions")
 _get_row = attrgetter("row")
 _get_num_deferred_checks = attrgetter("num_deferred_checks")
 
 
 def _modified(acc: MetricRecords) -> bool:
-    """Whether a tensor record changed in place since its log call (its version counter
-    moved); ``versions`` holds, per tensor record in call order, the weight's then the
-    value's version at the log call."""
-    versions = iter(acc.versions)
-    for value, weight in zip(acc.values, acc.weights, strict=True):
-        if isinstance(weight, Tensor) and weight._version != next(versions):
-            return True
-        if isinstance(value, Tensor) and value._version != next(versions):
-            return True
-    return False
+    """Whether a tensor recorded by reference changed in place since its log call (its
+    version counter moved); ``versions`` holds each such tensor with its version at the
+    log call (a copy the log call made is not there: nothing else holds it)."""
+    return any(tensor._version != version for tensor, version in acc.versions)
 
 
 def _misaligned(acc: MetricRecords) -> bool:
@@ -329,7 +324,12 @@ def _joined_batch(
     parts.flush()
     host_scratch = scratch if device is None else None
     value = assemble(parts.values, device, scratch=host_scratch)
-    masks = device is None and all(map(_is_mask, parts.weights))
+    weights = parts.weights
+    masks = device is None and (
+        set(map(_get_dtype, weights)) == {BOOL}
+        if _types(weights) == ONLY_TENSORS
+        else all(map(_is_mask, weights))
+    )
     if masks:
         weight = assemble(parts.weights, device, np.bool_, scratch=host_scratch)
     else:  # float weights: never narrow
@@ -402,6 +402,14 @@ def joined(arrays: list[Array], device: torch.device | None) -> Array:
     return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
 
 
+ONLY_TENSORS = {Tensor}
+
+
+def _types(items: Sequence[Any]) -> set[type]:
+    """The types among ``items``."""
+    return set(map(type, items))
+
+
 class Parts:
     """Metrics' records as flat parts (host arrays or tensors), metric by metric in call
     order; each run of python numbers, across metrics, becomes one array."""
@@ -416,6 +424,15 @@ class Parts:
 
     def add(self, acc: MetricRecords) -> None:
         values, weights = acc.values, acc.weights
+        if _types(values) == ONLY_TENSORS and _types(weights) == ONLY_TENSORS:
+            # tensor values with tensor weights (a mask, most often): the parts as they are
+            self.flush()
+            sizes = list(map(Tensor.numel, values))
+            self.values += values
+            self.weights += weights
+            self.call_lengths += sizes
+            self.lengths.append(sum(sizes))
+            return
         if not acc.arrays:  # python numbers only: checked when logged, never rejected
             self.numbers += values
             self.number_weights += weights
@@ -514,6 +531,10 @@ def _classes(
     ones."""
     host: list[int] = []
     classes: dict[tuple[Any, ...], list[int]] = {}
+    if not devices and _types(parts) == ONLY_TENSORS:  # one class, most often: 1-D, one dtype
+        dtypes = set(map(_get_dtype, parts))
+        if len(dtypes) == 1 and set(map(Tensor.dim, parts)) == {1}:
+            return host, {(dtypes.pop(), 1): list(range(len(parts)))}
     for i, part in enumerate(parts):
         if not isinstance(part, Tensor):
             host.append(i)

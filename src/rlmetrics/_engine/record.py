@@ -36,6 +36,7 @@ from rlmetrics._engine.inputs import (
     check_weight_number,
     host_copy,
     numeric_array,
+    plain_clone,
     tensor_error,
     tracked,
     unmask,
@@ -45,6 +46,7 @@ from rlmetrics.kinds.base import NONFINITE_SLOT
 from rlmetrics.kinds.mean import Mean
 
 BOOL = torch.bool
+INFERENCE_MODE = torch.is_inference_mode_enabled
 CPU = torch.device("cpu")
 
 
@@ -149,7 +151,7 @@ class Prepared(NamedTuple):
     # where the fold runs: None for the host, else the device or a tensor on it (its
     # device is read only for a metric that has none yet)
     device: torch.device | Tensor | None
-    versions: tuple[int, ...]  # the recorded tensors' version counters: weight's, value's
+    versions: tuple[tuple[Tensor, int], ...]  # the recorded tensors and their versions
 
 
 _new_tuple = tuple.__new__  # a Prepared from a plain tuple of its fields
@@ -235,7 +237,7 @@ def prepare(
     ):
         tensor = value if isinstance(value, Tensor) else weight  # a 0-d copy is an array
         device = tensor.device if isinstance(tensor, Tensor) else CPU
-    versions = tuple(x._version for x in (weight, value) if isinstance(x, Tensor))
+    versions = tuple((x, x._version) for x in (weight, value) if isinstance(x, Tensor))
     return _new_tuple(Prepared, (None, 1.0, value, weight, size, shape, check, device, versions))
 
 
@@ -372,16 +374,13 @@ def record_tensor(
             )
         if device is None:
             if copy:  # its values now (its checks may be kept: they read no data)
-                if shape:  # a clone (detached: the recorded weight is), as host_copy
-                    weight = weight.clone()
-                    try:
-                        version = weight._version
-                    except RuntimeError:  # cloned under inference mode
-                        weight = tracked(weight)
-                        version = weight._version
+                if shape:  # a clone (detached: the recorded weight is), which nothing
+                    # else holds: no version to check; never an inference tensor
+                    weight = plain_clone(weight) if INFERENCE_MODE() else weight.clone()
                 else:
                     # a 0-d tensor's tolist() is its number (torch types it as a list)
-                    weight, version = float(weight.tolist()), None  # type: ignore[arg-type]
+                    weight = float(weight.tolist())  # type: ignore[arg-type]
+                version = None
         elif on_host:  # a CPU value with a device weight: the fold runs there
             on_host = False
         else:
@@ -401,16 +400,18 @@ def record_tensor(
     elif cpu and copy and not shape:  # a 0-d one with a device weight: an array
         value, value_version = host_copy(value), None
     else:
-        if cpu and copy:  # its values now: a clone, as host_copy (detached below)
-            value = value.clone()
-        try:
-            value_version = value._version
-        except RuntimeError:  # an inference tensor (or a clone made under inference
-            # mode): recorded as a copy
-            value = tracked(value)
-            value_version = value._version
         if value.requires_grad:
             value = value.detach()  # a view: the record must not keep the graph alive
+        if cpu and copy:  # its values now: a clone, which nothing else holds: no
+            # version to check; never an inference tensor (as host_copy)
+            value = plain_clone(value) if INFERENCE_MODE() else value.clone()
+            value_version = None
+        else:
+            try:
+                value_version = value._version
+            except RuntimeError:  # an inference tensor: recorded as a copy
+                value = tracked(value)
+                value_version = None
     if acc.checks_call_size:
         _check_size(acc, name, size, shape)
     if check_data or nonfinite == "error":
@@ -418,9 +419,9 @@ def record_tensor(
     else:
         acc.accepted_a_call = True
     if version is not None:
-        acc.versions.append(version)
+        acc.versions.append((weight, version))
     if value_version is not None:
-        acc.versions.append(value_version)
+        acc.versions.append((value, value_version))
     if device is not None and acc.record_device is None:
         acc.record_device = device.device if isinstance(device, Tensor) else device
     acc.arrays = True

@@ -815,3 +815,26 @@ def test_a_device_tensor_record_sees_the_changes_its_version_counter_counts(chan
         now = float(x.double().sum())
         assert now != 10.0  # the values at the call summed to 10
         assert t.compute() == {"x": now, "kept": 5.0}
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copied", "by reference"])
+def test_only_tensors_recorded_by_reference_keep_a_version_to_check(copy: bool) -> None:
+    """A CPU tensor the log call copied is held by nothing else, so the fold checks no
+    version of it (a read per tensor per fold saved); one recorded by reference keeps
+    itself and its version, and a change to it is caught at the fold."""
+    t = Tracker()
+    t.copy_cpu_tensors = copy
+    value, mask = torch.arange(4.0), torch.tensor([True, False, True, True])
+    t.mean("m", value, weight=mask)
+    t.mean("m", torch.ones(2))
+    versions = t._accumulators["m"].versions
+    if copy:
+        assert versions == []
+        value.add_(1.0)  # the copies keep the values at the call
+        assert t.compute() == {"m": (0.0 + 2.0 + 3.0 + 2.0) / 5}
+    else:
+        assert [n for _, n in versions] == [0, 0, 0]  # weight, value, the second value
+        assert versions[0][0] is mask and versions[1][0] is value
+        value.add_(1.0)
+        with pytest.raises(ModifiedInputError, match="'m'"):
+            t.compute()
