@@ -243,17 +243,24 @@ class Batch:
 
     @property
     def values(self) -> Array:
-        if self._zero_pending:
-            self._zero_pending = False
-            self._zero(self._owned)
-        elif self._widened is not None and self._narrow:
-            self._widened[...] = self._values
-            self.values = self._widened
-        return self._values
+        values = self._zeroed_values()
+        if self._narrow:  # float32 values: widened into their buffer, once
+            assert self._widened is not None  # a narrow batch is made with one
+            self._widened[...] = values
+            self.values = values = self._widened
+        return values
 
     @values.setter
     def values(self, values: Array) -> None:
         self._values, self._zero_pending, self._narrow = values, False, False
+
+    def _zeroed_values(self) -> Array:
+        """The values, the unselected ones zeroed once ``zero_unselected`` asked for it;
+        float32 ones not widened (the sums of ``column_sum`` widen element by element)."""
+        if self._zero_pending:
+            self._zero_pending = False
+            self._zero(self._owned)
+        return self._values
 
     @property
     def weights(self) -> Array:
@@ -345,6 +352,11 @@ class Batch:
             return self.count()
         if self.one_per_row:
             return self.column(name)  # as it is: a sum would turn -0.0 into 0.0
+        masked = name == "weighted_value" and self._mask is not None and self._zeroed
+        if self._narrow and (name == "value" or masked):
+            # float32 values, zeroed where not selected (the weighted value of a mask):
+            # summed as float64 element by element, the sums of the widened values
+            return self.sum_by(self._zeroed_values())
         return self.sum_by(self.column(name))
 
     def column_max(self, name: str) -> Array:
@@ -418,12 +430,12 @@ class Batch:
     def _zero(self, in_place: bool) -> None:
         """``zero_unselected``'s work, on the host: a product with the selection where
         every value is finite (a finite sum tells, for less than a pass of its own: any
-        NaN or infinity, or a sum past float64's range, makes it non-finite), which
-        also widens narrow values into a new float64 array in the same pass."""
+        NaN or infinity, or a sum past the dtype's range, makes it non-finite), in place
+        for float32 values (the fold's own buffer) and values the fold made."""
         values, selected = self._values, self.selected()
         if math.isfinite(np.add.reduce(values)):
-            out = self._widened if self._narrow else (values if in_place else None)
-            self.values = np.multiply(values, selected, out=out)
+            out = values if in_place or self._narrow else None
+            self._values = np.multiply(values, selected, out=out)  # narrow ones stay so
         else:
             self.values = np.where(selected, values.astype(np.float64, copy=False), 0.0)
         self._zeroed = True
