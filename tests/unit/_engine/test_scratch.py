@@ -125,3 +125,29 @@ def test_non_finite_values_behind_the_mask_stay_out_and_selected_ones_propagate(
     huge = torch.full((4,), 3e38)  # a float32 sum past float32's range: finite values
     t.sum("huge", huge, weight=torch.ones(4, dtype=torch.bool))
     assert t.compute(sync=False)["huge"] == pytest.approx(4 * float(huge[0]), rel=1e-12)
+
+
+def test_a_buffer_recent_folds_used_little_of_is_given_back() -> None:
+    """One huge step does not keep its memory for the rest of the run: after
+    ``SHRINK_AFTER`` folds in a row that use under an eighth of a buffer, it is made
+    the size they need; one fold that needs more in between keeps it."""
+    from rlmetrics._engine.scratch import GROWTH, SHRINK_AFTER
+
+    t = Tracker()
+    huge = masked(0, [100_000])
+    small = masked(1, [1000])
+
+    def step(calls: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for value, mask in calls:
+            t.mean("m", value, weight=mask)
+        t.compute(sync=False)
+
+    step(huge)
+    for _ in range(SHRINK_AFTER - 1):
+        step(small)
+    step(huge)  # needed again: kept, the count starts over
+    for _ in range(SHRINK_AFTER - 1):
+        step(small)
+    assert len(scratch_buffers(t)[np.float32]) >= 100_000
+    step(small)
+    assert len(scratch_buffers(t)[np.float32]) == 1000 + 1000 // GROWTH
