@@ -1,7 +1,7 @@
 """The engine: private, organised by the stages a logged value passes through.
 
     record   record.py (inputs.py)       a log call's checks; the step's records
-    fold     fold.py (scratch.py)        records -> one batch per device -> each kind's
+    fold     fold.py                     records -> one batch per device -> each kind's
                                          reduce -> one state row per metric
     table    table.py                    the rows: host (numpy) and device halves
     pack     packing.py (layout.py)      the table into one SUM and one MAX buffer; the
@@ -9,7 +9,8 @@
     sync     sync.py (schema.py)         one collective per step, collectives that time
                                          out; the schema the ranks agree on
     plan     plan.py                     StepPlan: every cache a tracker keeps between
-                                         steps, with one invalidation rule
+                                         steps, with one invalidation rule, and the
+                                         host fold's reusable buffers
 
 Nothing here is imported by users: the public names are in ``rlmetrics`` and its
 public modules (see docs/architecture.md).

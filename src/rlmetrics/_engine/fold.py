@@ -41,9 +41,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics._engine.plan import ElementOrder, FoldPlan, StepPlan
+from rlmetrics._engine.plan import ElementOrder, FoldPlan, HostScratch, StepPlan
 from rlmetrics._engine.record import BOOL, NumberRecords
-from rlmetrics._engine.scratch import HostScratch
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import ModifiedInputError
 from rlmetrics.kinds.base import MetricRecords, carries_extra

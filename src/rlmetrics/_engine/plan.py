@@ -4,7 +4,8 @@ A steady-state step logs the same metrics as an earlier one, so what the fold an
 packing derive from the set of metrics (the fold plan per device, with its table
 positions and the layout of the flat numbers; the packing of ``compute(sync=False)``
 and ``state()``; per process group, the packing of the sync; the device copies of
-index arrays) is made once and reused. Each keeps the entries of the last few sets
+index arrays) is made once and reused, and so are the buffers the host fold writes
+its large temporaries into (``HostScratch``). Each keeps the entries of the last few sets
 (``RECENT_ENTRIES``): a training loop may log a few sets in turn (a step that generates
 and logs rewards, then steps that reuse its samples and do not). Each tracker holds one
 ``StepPlan`` (a tracker's ``_plan``); pickling or copying a tracker gives the copy a new,
@@ -33,7 +34,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from itertools import accumulate
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
@@ -43,7 +44,6 @@ from torch import Tensor
 from rlmetrics._engine.layout import BufferLayout
 from rlmetrics._engine.packing import Packing, in_order
 from rlmetrics._engine.record import NumberRecords
-from rlmetrics._engine.scratch import HostScratch
 from rlmetrics._engine.table import StateTable
 from rlmetrics.kinds.base import MetricRecords
 from rlmetrics.kinds.batch import BatchRows, to_device
@@ -67,11 +67,7 @@ class GroupPacking(Protocol):
 def same_metrics(made_for: list[MetricRecords], accs: list[MetricRecords]) -> bool:
     """Whether an entry made for the accumulators ``made_for`` serves ``accs``: the
     same objects in the same order (see the module's invalidation rule)."""
-    return len(made_for) == len(accs) and all(map(_is, made_for, accs))
-
-
-def _is(a: object, b: object) -> bool:
-    return a is b
+    return len(made_for) == len(accs) and all(map(is_, made_for, accs))
 
 
 Entry = TypeVar("Entry")
@@ -325,3 +321,48 @@ class FoldPlan:
     def number_rows(self, numbers: NumberRecords) -> np.ndarray:
         """Per flat number, its metric's place in this plan."""
         return self.index[np.fromiter(numbers.rows, np.int64, len(numbers.rows))]
+
+
+SCRATCH_GROWTH = 8
+"""A buffer that must grow gets an eighth more than asked, so that a step size that
+creeps up does not reallocate at every step."""
+
+SCRATCH_SHRINK_AFTER = 8
+"""Folds in a row that use under an eighth of a buffer before it is made smaller."""
+
+
+class HostScratch:
+    """One reusable host buffer per dtype, for the host fold's large temporaries.
+
+    A host fold of float32 tensors with bool masks joins the values and the masks,
+    zeroes the unselected values in place and sums them as float64 (a kind that reads
+    the values themselves gets them widened into a third buffer): arrays as large as
+    the step's data. Made anew each step, memory of that size may come fresh from the
+    system each time, a page fault per page, which costs more than the pass that
+    writes it. So a tracker keeps one buffer per dtype, as large as its recent folds
+    need, and each fold writes into the start of it.
+
+    Nothing in a buffer outlives its fold: the kinds' reductions and extras are new
+    arrays (a ``Batch``'s arrays are valid while the fold runs), and a tracker folds one
+    step at a time (its lock). A buffer that recent folds used little of is given back:
+    one huge step does not hold its memory for the rest of the run.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[Any, np.ndarray] = {}
+        self._little_used: dict[Any, int] = {}  # per dtype, folds in a row that used little
+
+    def take(self, size: int, dtype: Any) -> np.ndarray:
+        """The first ``size`` elements of the ``dtype`` buffer, which the caller may write
+        over until its fold ends."""
+        buffer = self._buffers.get(dtype)
+        if buffer is not None and size * SCRATCH_GROWTH < len(buffer):
+            little = self._little_used[dtype] = self._little_used.get(dtype, 0) + 1
+            if little >= SCRATCH_SHRINK_AFTER:
+                buffer = None  # given back: recent folds need far less
+        else:
+            self._little_used[dtype] = 0
+        if buffer is None or len(buffer) < size:
+            buffer = self._buffers[dtype] = np.empty(size + size // SCRATCH_GROWTH, dtype)
+            self._little_used[dtype] = 0
+        return buffer[:size]

@@ -185,7 +185,7 @@ class Batch:
 
     A batch and its arrays are valid while the fold that made it runs: a host fold
     writes its large arrays into buffers the next fold writes over
-    (``rlmetrics._engine.scratch``), so a kind keeps a copy of what it keeps (the
+    (``rlmetrics._engine.plan.HostScratch``), so a kind keeps a copy of what it keeps (the
     reductions it returns are new arrays).
     """
 

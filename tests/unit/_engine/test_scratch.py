@@ -1,4 +1,4 @@
-"""The host fold's scratch (``rlmetrics._engine.scratch``): float32 values and bool masks
+"""The host fold's scratch (``rlmetrics._engine.plan.HostScratch``): float32 values and bool masks
 are joined into buffers a tracker keeps from step to step, the values widened to
 float64 while the unselected ones are zeroed. What a step reports is what it would be
 without the scratch: numpy on the whole step, the same bits as the same values logged
@@ -131,7 +131,8 @@ def test_a_buffer_recent_folds_used_little_of_is_given_back() -> None:
     """One huge step does not keep its memory for the rest of the run: after
     ``SHRINK_AFTER`` folds in a row that use under an eighth of a buffer, it is made
     the size they need; one fold that needs more in between keeps it."""
-    from rlmetrics._engine.scratch import GROWTH, SHRINK_AFTER
+    from rlmetrics._engine.plan import SCRATCH_GROWTH as GROWTH
+    from rlmetrics._engine.plan import SCRATCH_SHRINK_AFTER as SHRINK_AFTER
 
     t = Tracker()
     huge = masked(0, [100_000])
