@@ -146,6 +146,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/log_bench.py
 	$(PY) benchmarks/step_bench.py
 	$(PY) benchmarks/sync_bench.py
+	$(PY) benchmarks/fold_bench.py
 
 # The GPU check (benchmarks/gpu_check.py): the CUDA tests, the demo on the GPU with every
 # log call under the sync guard, kernels per log call, compute() and the fold's ns per
