@@ -445,7 +445,6 @@ class Tracker(LogMethods):
                         self.copy_cpu_tensors,
                         self._checked_weight,
                         self.nonfinite,
-                        self._plan.copies,
                     )
                 else:
                     self._log_value(acc, name, value, weight)
@@ -776,7 +775,6 @@ class Tracker(LogMethods):
             for acc in self._accumulators.values():
                 acc.clear()  # drops the records (the tensors they keep alive) now
         self._recorded = 0
-        self._plan.copies.reclaim()  # no record holds a copy now
         if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
             self._pool = dict(self._accumulators)
             self._table = self._table.compacted(list(self._pool.values()))

@@ -115,7 +115,6 @@ def fold(
         numbers.clear()
         for acc in with_records:  # each holds an array record (numbers alone go flat)
             acc.clear_records()
-        steps.copies.reclaim()  # no record holds a copy now
     if dropped:
         raise ModifiedInputError(
             "tensors logged this step were changed in place before compute(), so the "

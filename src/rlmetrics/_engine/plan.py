@@ -43,7 +43,7 @@ from torch import Tensor
 
 from rlmetrics._engine.layout import BufferLayout
 from rlmetrics._engine.packing import Packing, in_order
-from rlmetrics._engine.record import CopyPool, NumberRecords
+from rlmetrics._engine.record import NumberRecords
 from rlmetrics._engine.table import StateTable
 from rlmetrics.kinds.base import MetricRecords
 from rlmetrics.kinds.batch import BatchRows, to_device
@@ -105,8 +105,6 @@ class StepPlan:
     Attributes:
         scratch: the host fold's reusable buffers (``HostScratch``), which no
             invalidation drops: they hold no metric's data past a fold.
-        copies: the log calls' copies of CPU tensors, reused from step to step
-            (``CopyPool``).
         group_syncs: per process group (keyed by the group object, weakly; never by
             id(), which a new group may reuse on some ranks only), the tracker's sync
             state: its agreed layout and the last packing for that group.
@@ -119,7 +117,6 @@ class StepPlan:
         self._indices: dict[tuple[int, torch.device], tuple[np.ndarray, Tensor]] = {}
         self.group_syncs: weakref.WeakKeyDictionary[Any, GroupPacking] = weakref.WeakKeyDictionary()
         self.scratch = HostScratch()  # the host fold's large temporaries
-        self.copies = CopyPool()  # the log calls' copies of CPU tensors
 
     def __reduce__(self) -> tuple[type[StepPlan], tuple[()]]:
         return StepPlan, ()  # a copy starts empty: its entries name the original's objects

@@ -10,9 +10,8 @@ needs data (negative or non-finite weights in an array, non-finite values under
 
 Records keep references, so nothing logged may change before the step ends: a numpy
 array or list is copied here (numpy has no way to notice a later write), as is a CPU
-tensor (``inputs.host_copy``, or into a copy the last step made, ``CopyPool``; unless
-``Tracker.copy_cpu_tensors`` is False: torch counts no write made through memory it
-shares with numpy, nor through ``tensor.data``) and an
+tensor (``inputs.host_copy``, unless ``Tracker.copy_cpu_tensors`` is False: torch counts
+no write made through memory it shares with numpy, nor through ``tensor.data``) and an
 inference tensor (torch keeps it no version counter); a tensor recorded by reference (a
 device tensor) has its version counter recorded, so an in-place change before the fold
 raises there (docs/concepts.md lists the changes torch counts). A tensor that requires
@@ -49,48 +48,6 @@ from rlmetrics.kinds.mean import Mean
 BOOL = torch.bool
 INFERENCE_MODE = torch.is_inference_mode_enabled
 CPU = torch.device("cpu")
-
-
-class CopyPool:
-    """The copies a tracker's log calls make of CPU tensors, written over at the next
-    step rather than freed and allocated again.
-
-    A log call copies a CPU tensor (``Tracker.copy_cpu_tensors``); the step's fold joins
-    the copies and drops them. Allocating and freeing them costs about as much as the
-    copying itself, so the copies of a step are kept (``reclaim``, once no record holds
-    them: after a fold or a reset) and the next step's log calls copy into them, by
-    dtype and shape (``copy_``). Only the last step's copies are kept: one that the
-    next step does not reuse is freed at its end.
-    """
-
-    __slots__ = ("_free", "_lent")
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, torch.Size], list[Tensor]] = {}
-        self._lent: dict[tuple[torch.dtype, torch.Size], list[Tensor]] = {}
-
-    def copy(self, tensor: Tensor, shape: torch.Size) -> Tensor:
-        """A copy of ``tensor`` (of shape ``shape``, detached) that the caller records
-        until the next ``reclaim``."""
-        key = (tensor.dtype, shape)
-        free = self._free.get(key)
-        if free:
-            copy = free.pop()
-            copy.copy_(tensor)
-        else:
-            copy = tensor.clone()
-        lent = self._lent.get(key)
-        if lent is None:
-            self._lent[key] = [copy]
-        else:
-            lent.append(copy)
-        return copy
-
-    def reclaim(self) -> None:
-        """No record holds a copy lent since the last reclaim any more: they are the
-        ones the next copies reuse (the older ones not reused are freed)."""
-        if self._lent:
-            self._free, self._lent = self._lent, {}
 
 
 class NumberRecords:
@@ -348,15 +305,13 @@ def record_tensor(
     copy: bool,
     checked: CheckedWeight,
     nonfinite: str,
-    copies: CopyPool | None = None,
 ) -> int:
     """Check and record a plain tensor value with no weight, a plain tensor weight or a
     python float or int weight into ``acc`` (the metric called ``name``): every tensor
     log call goes here, ``prepare``'s too (into a scratch record store). Returns the
     elements recorded. ``host``: CPU tensors go down the host path; ``copy``: CPU tensors
-    are recorded as copies (``Tracker.copy_cpu_tensors``), made by ``copies`` when given
-    (the tracker's, for a record its next fold or reset drops; else clones); ``checked``:
-    the tracker's last checked tensor weight.
+    are recorded as copies (``Tracker.copy_cpu_tensors``); ``checked``: the tracker's
+    last checked tensor weight.
 
     The checks of ``inputs.check_tensor``, each tensor attribute read once and only when
     needed: the shape, read for the size and the weight's check, also tells a strided
@@ -419,14 +374,9 @@ def record_tensor(
             )
         if device is None:
             if copy:  # its values now (its checks may be kept: they read no data)
-                if shape:  # a copy (of the detached weight), which nothing else
-                    # holds: no version to check; never an inference tensor
-                    if INFERENCE_MODE():
-                        weight = plain_clone(weight)
-                    elif copies is None:
-                        weight = weight.clone()
-                    else:
-                        weight = copies.copy(weight, shape)
+                if shape:  # a clone (detached: the recorded weight is), which nothing
+                    # else holds: no version to check; never an inference tensor
+                    weight = plain_clone(weight) if INFERENCE_MODE() else weight.clone()
                 else:
                     # a 0-d tensor's tolist() is its number (torch types it as a list)
                     weight = float(weight.tolist())  # type: ignore[arg-type]
@@ -452,14 +402,9 @@ def record_tensor(
     else:
         if value.requires_grad:
             value = value.detach()  # a view: the record must not keep the graph alive
-        if cpu and copy:  # its values now: a copy, which nothing else holds: no
+        if cpu and copy:  # its values now: a clone, which nothing else holds: no
             # version to check; never an inference tensor (as host_copy)
-            if INFERENCE_MODE():
-                value = plain_clone(value)
-            elif copies is None:
-                value = value.clone()
-            else:
-                value = copies.copy(value, shape)
+            value = plain_clone(value) if INFERENCE_MODE() else value.clone()
             value_version = None
         else:
             try:
