@@ -191,9 +191,13 @@ _get_num_deferred_checks = attrgetter("num_deferred_checks")
 
 def _modified(acc: MetricRecords) -> bool:
     """Whether a tensor recorded by reference changed in place since its log call (its
-    version counter moved); ``versions`` holds each such tensor with its version at the
+    version counter moved); ``versions`` holds each such tensor, then its version at the
     log call (a copy the log call made is not there: nothing else holds it)."""
-    return any(tensor._version != version for tensor, version in acc.versions)
+    versions = acc.versions
+    return any(
+        tensor._version != version
+        for tensor, version in zip(versions[::2], versions[1::2], strict=True)
+    )
 
 
 def _misaligned(acc: MetricRecords) -> bool:

@@ -151,7 +151,7 @@ class Prepared(NamedTuple):
     # where the fold runs: None for the host, else the device or a tensor on it (its
     # device is read only for a metric that has none yet)
     device: torch.device | Tensor | None
-    versions: tuple[tuple[Tensor, int], ...]  # the recorded tensors and their versions
+    versions: tuple[Any, ...]  # each tensor recorded by reference, then its version
 
 
 _new_tuple = tuple.__new__  # a Prepared from a plain tuple of its fields
@@ -237,7 +237,7 @@ def prepare(
     ):
         tensor = value if isinstance(value, Tensor) else weight  # a 0-d copy is an array
         device = tensor.device if isinstance(tensor, Tensor) else CPU
-    versions = tuple((x, x._version) for x in (weight, value) if isinstance(x, Tensor))
+    versions = tuple(v for x in (weight, value) if isinstance(x, Tensor) for v in (x, x._version))
     return _new_tuple(Prepared, (None, 1.0, value, weight, size, shape, check, device, versions))
 
 
@@ -418,10 +418,13 @@ def record_tensor(
         acc.num_deferred_checks += 1  # may be rejected: compute() tells
     else:
         acc.accepted_a_call = True
-    if version is not None:
-        acc.versions.append((weight, version))
-    if value_version is not None:
-        acc.versions.append((value, value_version))
+    if version is not None:  # flat: each tensor, then its version (one extend a call)
+        if value_version is not None:
+            acc.versions += (weight, version, value, value_version)
+        else:
+            acc.versions += (weight, version)
+    elif value_version is not None:
+        acc.versions += (value, value_version)
     if device is not None and acc.record_device is None:
         acc.record_device = device.device if isinstance(device, Tensor) else device
     acc.arrays = True

@@ -281,8 +281,9 @@ class MetricRecords:
     weights: list[Any] = field(default_factory=list)
     record_device: torch.device | None = None  # a tensor record's device: the fold's
     arrays: bool = False  # whether any record is not a python number
-    # the tensors recorded by reference, each with its version counter at its log call
-    versions: list[tuple[Any, int]] = field(default_factory=list)
+    # the tensors recorded by reference, each followed by its version counter at its log
+    # call (flat, so that a log call extends it once)
+    versions: list[Any] = field(default_factory=list)
     # python numbers go to the tracker's flat records (until an array record, and only
     # for a kind that takes a single number)
     in_number_records: bool = False
