@@ -49,11 +49,12 @@ from rlmetrics.kinds.base import MetricRecords, carries_extra
 from rlmetrics.kinds.batch import Array, Batch, BatchRows, DeviceBatch, to_device
 from rlmetrics.kinds.extra import ExtraKind
 
-FLOAT32 = torch.float32
-NUMPY_DTYPES = {FLOAT32: np.float32, BOOL: np.bool_}
-NARROW_JOINS = {FLOAT32: np.float64, BOOL: np.bool_}
-"""The tensor dtypes a host fold joins into its scratch, by the dtype asked for: float32
-values (widened later), bool masks."""
+SCRATCH_JOINS = {torch.float32: (np.float64, np.float32), BOOL: (np.bool_, np.bool_)}
+"""The tensor dtypes a host fold joins into its scratch: per dtype, the dtype asked of
+the join and the buffer's (float32 values, widened later; bool masks)."""
+
+MASK_DTYPES = frozenset({BOOL, np.dtype(np.bool_)})
+"""The dtypes of a weight part (a tensor or a host array) that is a bool mask."""
 
 
 def joined_errors(errors: list[ValueError]) -> ValueError:
@@ -327,15 +328,9 @@ def _joined_batch(
     parts.flush()
     host_scratch = scratch if device is None else None
     value = assemble(parts.values, device, scratch=host_scratch)
-    weights = parts.weights
-    masks = device is None and (
-        set(map(_get_dtype, weights)) == {BOOL}
-        if _types(weights) == ONLY_TENSORS
-        else all(map(_is_mask, weights))
-    )
-    if masks:
+    if device is None and set(map(_get_dtype, parts.weights)) <= MASK_DTYPES:
         weight = assemble(parts.weights, device, np.bool_, scratch=host_scratch)
-    else:  # float weights: never narrow
+    else:  # float weights, or a device: never into the scratch
         weight = assemble(parts.weights, device)
     if len(value) != len(weight):
         raise _Misaligned([acc for acc in accs if _misaligned(acc)])
@@ -364,11 +359,6 @@ def _made(value: np.ndarray, parts: list[Any]) -> bool:
 def _placer(device: torch.device) -> Callable[[np.ndarray], Tensor]:
     """What puts a host array on ``device``."""
     return lambda array: to_device(array, device)
-
-
-def _is_mask(part: Any) -> bool:
-    """Whether a weight part (a host array or a tensor) is a bool mask."""
-    return part.dtype == (BOOL if isinstance(part, Tensor) else np.bool_)
 
 
 def _screen(
@@ -490,10 +480,11 @@ def assemble(
     host, classes = _classes(parts, device is not None)
     if scratch is not None and not host and len(classes) == 1:
         (((part_dtype, dims, *_), members),) = classes.items()
-        if dims == 1 and NARROW_JOINS.get(part_dtype) is dtype:
+        asked, kept = SCRATCH_JOINS.get(part_dtype, (None, None))
+        if dims == 1 and asked is dtype:
             tensors = [parts[i] for i in members]
             size = sum(map(Tensor.numel, tensors))
-            out = scratch.take(size, NUMPY_DTYPES[part_dtype])
+            out = scratch.take(size, kept)
             torch.cat(tensors, out=torch.from_numpy(out))
             return out
     blocks: list[Any] = []

@@ -233,10 +233,10 @@ class Batch:
     def _of_narrow(
         cls, values: np.ndarray, weights: Array, rows: BatchRows, widened: np.ndarray
     ) -> Batch:
-        """A host batch of float32 ``values`` (the fold's join of float32 tensors), made
-        float64 into ``widened`` (as many elements) when first read: zeroing the
-        unselected values widens them in the same pass, and a max of the selected
-        values never widens them."""
+        """A host batch of float32 ``values`` (the fold's join of float32 tensors, its
+        own buffer), widened into ``widened`` (as many elements) only when ``values`` is
+        read: the unselected values are zeroed in place, a sum widens element by element
+        (``column_sum``) and a max of the selected values reads them as they are."""
         batch = cls.of(values, weights, rows)
         batch._narrow, batch._widened = True, widened
         return batch
