@@ -8,8 +8,8 @@ Options: ``--rounds 15`` (timed rounds, after one warm-up), ``--calls 200 3000``
 calls per step), ``--elements 1000`` (per call), ``--metrics 8`` (the names the calls
 go to, in turn), ``--big 4000000`` (elements of the one call of the per-element rows),
 ``--evict 64`` (MB of the pass that evicts the caches), ``--no-write`` (print only).
-By default the table is written into
-``benchmarks/RESULTS.md`` between the ``fold_bench`` markers.
+By default the table is written into ``benchmarks/RESULTS.md`` between the
+``fold_bench`` markers.
 
 Rows (issue 30, item 1), each on CPU float32 tensors with a bool mask, host path
 (``Tracker`` defaults), torch on one thread, thread time:
@@ -29,8 +29,7 @@ Rows (issue 30, item 1), each on CPU float32 tensors with a bool mask, host path
 
 Every round runs each row's contenders once each, in a new shuffled order, so the
 machine's drift hits them alike; the table gives medians over the rounds. The
-rlmetrics results
-are checked against numpy over the whole batch before timing.
+rlmetrics results are checked against numpy over the whole batch before timing.
 """
 
 from __future__ import annotations
