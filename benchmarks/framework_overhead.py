@@ -130,6 +130,7 @@ def trl_worker(job_path: str) -> None:
         out.append({**run, **{key: per_step(times) for key, times in kept.items()}})
     rank = int(os.environ.get("RANK", "0"))
     (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
+    grpo_runs.end_process_group()
 
 
 def per_step(stamps: list[float]) -> list[float]:

@@ -413,3 +413,12 @@ def launch_two_processes(specs: list[RunSpec], model_dir: Path, out: Path) -> di
 
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def end_process_group() -> None:
+    """Destroy the gloo group the trainers' accelerate started, before the interpreter
+    exits: left to finalization, gloo's worker threads can abort the process (SIGABRT,
+    "terminate called without an active exception"), failing a launch whose every run
+    had finished."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
