@@ -130,7 +130,7 @@ def trl_worker(job_path: str) -> None:
         out.append({**run, **{key: per_step(times) for key, times in kept.items()}})
     rank = int(os.environ.get("RANK", "0"))
     (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
-    grpo_runs.end_process_group()
+    grpo_runs.leave()
 
 
 def per_step(stamps: list[float]) -> list[float]:
@@ -148,8 +148,18 @@ def trl_order(rounds: int) -> list[str]:
     return [trainer for pair in pairs for trainer in pair]
 
 
+def trl_timeout(runs: int, args: argparse.Namespace) -> float:
+    """Seconds a launch of ``runs`` runs may take before it is killed: far more than a
+    run needs on 2 shared cores (about 3 s a step, and a start), so that only a hang
+    reaches it."""
+    return 300.0 + runs * (60.0 + 30.0 * (args.warmup + args.steps + 1))
+
+
 def trl_part(args: argparse.Namespace, python: str, tmp: Path) -> dict[str, Any]:
     """Both process counts (one launch each): per count, each trainer's step times."""
+    sys.path.insert(0, str(TRL_TESTS))
+    import grpo_runs
+
     env = _child_env(tmp)
     model_dir = tmp / "model"
     build = "import grpo_runs, sys; from pathlib import Path; "
@@ -175,7 +185,7 @@ def trl_part(args: argparse.Namespace, python: str, tmp: Path) -> dict[str, Any]
                 *(python, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)),
                 *("--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *worker),
             ]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        done = grpo_runs.run_launch(command, env, timeout=trl_timeout(len(runs), args))
         if done.returncode != 0:
             raise RuntimeError(f"TRL, {processes} processes:\n{done.stderr[-4000:]}")
         results["runs"][processes] = json.loads((out / "rank0.json").read_text())

@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import tempfile
 from datetime import date
@@ -58,7 +57,9 @@ def launch(out: Path) -> list[dict]:
         *(str(out / "specs.json"), str(model_dir), str(out)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(out), "HF_HUB_OFFLINE": "1"}
-    subprocess.run(command, env=env, check=True, capture_output=True)
+    done = grpo_runs.run_launch(command, env, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"the TRL launch failed:\n{done.stderr[-4000:]}")
     return [grpo_runs.load(out / f"{i}-rank0.json") for i in range(len(specs))]
 
 

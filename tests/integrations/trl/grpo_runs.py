@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -403,7 +404,7 @@ def launch_two_processes(specs: list[RunSpec], model_dir: Path, out: Path) -> di
     ]
     path = [str(HERE), str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    done = run_launch(command, env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return {
         spec.key: [load(out / f"{index}-rank{rank}.json") for rank in range(2)]
@@ -411,14 +412,43 @@ def launch_two_processes(specs: list[RunSpec], model_dir: Path, out: Path) -> di
     }
 
 
+def run_launch(
+    command: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run a launch (torchrun and its worker processes) in a session of its own, its
+    output captured. Past ``timeout`` seconds the whole session is killed, workers
+    included (killing torchrun's agent alone leaves them running), and TimeoutError
+    says so with the end of what the launch wrote to stderr."""
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as launch:  # fmt: skip
+        try:
+            out, err = launch.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)
+            out, err = launch.communicate()
+            message = f"the launch ran past {timeout:.0f} s and was killed:\n{err[-4000:]}"
+            raise TimeoutError(message) from None
+    return subprocess.CompletedProcess(command, launch.returncode, out, err)
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def end_process_group() -> None:
-    """Destroy the gloo group the trainers' accelerate started, before the interpreter
-    exits: left to finalization, gloo's worker threads can abort the process (SIGABRT,
-    "terminate called without an active exception"), failing a launch whose every run
-    had finished."""
+def leave() -> NoReturn:
+    """End a torchrun process whose results are saved, without tearing torch down.
+
+    Tearing down a gloo group that DDP and accelerate used can fail after every result
+    is saved: gloo's worker thread may still be releasing a finished collective's
+    tensors, which needs the GIL, while the interpreter's finalization aborts the
+    process ("terminate called without an active exception") or the main thread,
+    holding the GIL, joins that thread (a deadlock). A barrier first, so that no rank
+    leaves while another still waits for its part of a collective; then the process
+    exits at once."""
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -20,7 +20,7 @@ def main(specs_path: str, model_dir: str, out_dir: str) -> None:
             grpo_runs.RunSpec(**spec), Path(model_dir), str(out / "trainer"), count=True
         )
         grpo_runs.save(result, out / f"{index}-rank{grpo_runs.rank()}.json")
-    grpo_runs.end_process_group()
+    grpo_runs.leave()
 
 
 if __name__ == "__main__":
