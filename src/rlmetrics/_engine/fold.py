@@ -11,7 +11,8 @@ The batch is assembled first: ``Parts`` lays a set of metrics' records (python n
 host arrays of any shape and real dtype, tensors) out as flat parts, each run of python
 numbers one array, and ``assemble`` joins parts into one float64 array (numpy) or tensor
 (on a device) with a number of torch operations that depends on the shape classes
-present, not on how many parts there were.
+present, not on how many parts there were (on the host, a few or large parts of several
+classes are instead copied into place one by one, with numpy).
 
 Rules, the same on every backend:
 
@@ -55,6 +56,19 @@ the join and the buffer's (float32 values, widened later; bool masks)."""
 
 MASK_DTYPES = frozenset({BOOL, np.dtype(np.bool_)})
 """The dtypes of a weight part (a tensor or a host array) that is a bool mask."""
+
+IN_PLACE_PARTS = 32
+IN_PLACE_PART_SIZE = 256
+"""A host fold's parts of several classes are copied into place one by one when they
+are few (at most ``IN_PLACE_PARTS``) or large (``IN_PLACE_PART_SIZE`` elements each on
+average): a copy per part costs more Python than a share of a class's join, but saves
+the joins, their conversions and the permutation that restores the order."""
+
+NUMPY_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, BOOL, torch.uint8, torch.int8}
+    | {torch.int16, torch.int32, torch.int64}
+)
+"""The tensor dtypes numpy holds, whose CPU tensors a host fold reads as arrays."""
 
 
 def joined_errors(errors: list[ValueError]) -> ValueError:
@@ -475,7 +489,9 @@ def assemble(
 
     Tensors are joined by class (device, dtype, 0-d ones stacked, others by their
     trailing shape), so the number of torch operations depends on the classes, not on
-    the number of parts; a permutation restores the order when there are several.
+    the number of parts; a permutation restores the order when there are several. On
+    the host, parts of several classes that are few or large (``IN_PLACE_PARTS``) are
+    instead copied into place one by one (numpy, no torch operation).
     """
     host, classes = _classes(parts, device is not None)
     if scratch is not None and not host and len(classes) == 1:
@@ -487,6 +503,11 @@ def assemble(
             out = scratch.take(size, kept)
             torch.cat(tensors, out=torch.from_numpy(out))
             return out
+    if device is None and bool(host) + len(classes) > 1:
+        sizes = list(map(part_size, parts))
+        few = len(parts) <= IN_PLACE_PARTS or sum(sizes) >= IN_PLACE_PART_SIZE * len(parts)
+        if few and all(key[0] in NUMPY_DTYPES for key in classes):
+            return _in_place(parts, sizes, dtype)
     blocks: list[Any] = []
     order: list[int] = []
     if host:
@@ -545,6 +566,18 @@ def _classes(
         else:
             members.append(i)
     return host, classes
+
+
+def _in_place(parts: Sequence[Any], sizes: list[int], dtype: type) -> np.ndarray:
+    """Host parts and CPU tensors of dtypes numpy holds, each copied (and converted) into
+    its place in one new ``dtype`` array: already in order, one pass over the data."""
+    out = np.empty(sum(sizes), dtype)
+    start = 0
+    for part, size in zip(parts, sizes, strict=True):
+        end = start + size
+        out[start:end] = (part.numpy() if isinstance(part, Tensor) else part).reshape(-1)
+        start = end
+    return out
 
 
 def _flat_host(part: np.ndarray, dtype: type = np.float64) -> np.ndarray:
