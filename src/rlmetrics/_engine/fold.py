@@ -571,7 +571,7 @@ def _classes(
 def _in_place(parts: Sequence[Any], sizes: list[int], dtype: type) -> np.ndarray:
     """Host parts and CPU tensors of dtypes numpy holds, each copied (and converted) into
     its place in one new ``dtype`` array: already in order, one pass over the data."""
-    out = np.empty(sum(sizes), dtype)
+    out: np.ndarray = np.empty(sum(sizes), dtype)
     start = 0
     for part, size in zip(parts, sizes, strict=True):
         end = start + size
