@@ -60,9 +60,10 @@ MASK_DTYPES = frozenset({BOOL, np.dtype(np.bool_)})
 IN_PLACE_PARTS = 32
 IN_PLACE_PART_SIZE = 256
 """A host fold's parts of several classes are copied into place one by one when they
-are few (at most ``IN_PLACE_PARTS``) or large (``IN_PLACE_PART_SIZE`` elements each on
-average): a copy per part costs more Python than a share of a class's join, but saves
-the joins, their conversions and the permutation that restores the order."""
+are few (at most ``IN_PLACE_PARTS``), or large (``IN_PLACE_PART_SIZE`` elements each on
+average) and interleaved: a copy per part costs more Python than a share of a class's
+join, but saves the joins, their conversions and the permutation that restores the
+order of interleaved classes, a pass of its own over every element."""
 
 NUMPY_DTYPES = frozenset(
     {torch.float64, torch.float32, torch.float16, BOOL, torch.uint8, torch.int8}
@@ -489,9 +490,10 @@ def assemble(
 
     Tensors are joined by class (device, dtype, 0-d ones stacked, others by their
     trailing shape), so the number of torch operations depends on the classes, not on
-    the number of parts; a permutation restores the order when there are several. On
-    the host, parts of several classes that are few or large (``IN_PLACE_PARTS``) are
-    instead copied into place one by one (numpy, no torch operation).
+    the number of parts; a permutation restores the order when the classes interleave.
+    On the host, parts of several classes that are few, or large and interleaved
+    (``IN_PLACE_PARTS``), are instead copied into place one by one (numpy, no torch
+    operation).
     """
     host, classes = _classes(parts, device is not None)
     if scratch is not None and not host and len(classes) == 1:
@@ -503,23 +505,23 @@ def assemble(
             out = scratch.take(size, kept)
             torch.cat(tensors, out=torch.from_numpy(out))
             return out
+    order = host + [i for members in classes.values() for i in members]
+    interleaved = order != sorted(order)  # the blocks need a permutation
     if device is None and bool(host) + len(classes) > 1:
         sizes = list(map(part_size, parts))
-        few = len(parts) <= IN_PLACE_PARTS or sum(sizes) >= IN_PLACE_PART_SIZE * len(parts)
-        if few and all(key[0] in NUMPY_DTYPES for key in classes):
+        large = interleaved and sum(sizes) >= IN_PLACE_PART_SIZE * len(parts)
+        numpy_dtypes = all(key[0] in NUMPY_DTYPES for key in classes)
+        if numpy_dtypes and (len(parts) <= IN_PLACE_PARTS or large):
             return _in_place(parts, sizes, dtype)
     blocks: list[Any] = []
-    order: list[int] = []
     if host:
         flat = [_flat_host(parts[i], dtype) for i in host]
         blocks.append(np.concatenate(flat) if len(flat) > 1 else flat[0])
-        order += host
     target = device or torch.device("cpu")
     tensor_dtype = BOOL if dtype is np.bool_ else torch.float64
     for key, members in classes.items():
         tensors = [parts[i] for i in members]
         blocks.append(_tensor_block(tensors, key[1] == 0, target, tensor_dtype))
-        order += members
     if device is None:
         blocks = [b if isinstance(b, np.ndarray) else b.numpy() for b in blocks]
         flat_all = np.concatenate(blocks) if len(blocks) > 1 else blocks[0] if blocks else None
@@ -530,7 +532,7 @@ def assemble(
         if not blocks:
             return torch.zeros(0, dtype=torch.float64, device=device)
         flat_all = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-    if len(blocks) > 1 and order != sorted(order):
+    if interleaved:
         sizes = [part_size(parts[i]) for i in order]
         permutation = _permutation(order, sizes)
         flat_all = flat_all[permutation if device is None else on_backend(permutation, device)]

@@ -88,3 +88,17 @@ def test_the_result_is_a_copy() -> None:
     tensor += 10
     host += 10
     np.testing.assert_array_equal(out, [0, 1, 2, 3, 0, 1, 2])
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_many_large_parts_in_order(interleaved: bool) -> None:
+    """Many large parts of three classes: interleaved ones are copied into place, runs
+    of one class joined (no permutation needed)."""
+    gen = torch.Generator().manual_seed(7)
+    count, size = IN_PLACE_PARTS + 10, IN_PLACE_PART_SIZE + 5
+    parts = [
+        [torch.randn(size, generator=gen), torch.randn(size, 1, dtype=torch.float64),
+         np.arange(size) * 0.25][i % 3 if interleaved else 3 * i // count]
+        for i in range(count)
+    ]  # fmt: skip
+    np.testing.assert_array_equal(assemble(parts, None), numpy_truth(parts))
