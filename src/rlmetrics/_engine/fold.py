@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlmetrics._engine.inputs import REAL_DTYPES
 from rlmetrics._engine.plan import ElementOrder, FoldPlan, HostScratch, StepPlan
 from rlmetrics._engine.record import BOOL, NumberRecords
 from rlmetrics._engine.table import StateTable
@@ -65,11 +66,9 @@ average) and interleaved: a copy per part costs more Python than a share of a cl
 join, but saves the joins, their conversions and the permutation that restores the
 order of interleaved classes, a pass of its own over every element."""
 
-NUMPY_DTYPES = frozenset(
-    {torch.float64, torch.float32, torch.float16, BOOL, torch.uint8, torch.int8}
-    | {torch.int16, torch.int32, torch.int64}
-)
-"""The tensor dtypes numpy holds, whose CPU tensors a host fold reads as arrays."""
+NUMPY_DTYPES = REAL_DTYPES - {torch.bfloat16}
+"""The tensor dtypes a log call takes that numpy holds too: CPU tensors a host fold
+reads as arrays."""
 
 
 def joined_errors(errors: list[ValueError]) -> ValueError:
@@ -505,13 +504,13 @@ def assemble(
             out = scratch.take(size, kept)
             torch.cat(tensors, out=torch.from_numpy(out))
             return out
-    order = host + [i for members in classes.values() for i in members]
-    interleaved = order != sorted(order)  # the blocks need a permutation
-    if device is None and bool(host) + len(classes) > 1:
+    several = bool(host) + len(classes) > 1  # blocks to join; one class needs no order
+    order = host + [i for members in classes.values() for i in members] if several else []
+    interleaved = several and order != sorted(order)  # the blocks need a permutation
+    if several and device is None and all(key[0] in NUMPY_DTYPES for key in classes):
         sizes = list(map(part_size, parts))
         large = interleaved and sum(sizes) >= IN_PLACE_PART_SIZE * len(parts)
-        numpy_dtypes = all(key[0] in NUMPY_DTYPES for key in classes)
-        if numpy_dtypes and (len(parts) <= IN_PLACE_PARTS or large):
+        if len(parts) <= IN_PLACE_PARTS or large:
             return _in_place(parts, sizes, dtype)
     blocks: list[Any] = []
     if host:

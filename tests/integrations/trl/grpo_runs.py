@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import torch
@@ -437,7 +437,7 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def leave() -> NoReturn:
+def leave() -> None:
     """End a torchrun process whose results are saved, without tearing torch down.
 
     Tearing down a gloo group that DDP and accelerate used can fail after every result
@@ -446,9 +446,9 @@ def leave() -> NoReturn:
     process ("terminate called without an active exception") or the main thread,
     holding the GIL, joins that thread (a deadlock). A barrier first, so that no rank
     leaves while another still waits for its part of a collective; then the process
-    exits at once."""
+    exits at once, as the reference trainer's ranks do."""
+    from rlmetrics.trainer.launch import exit_now
+
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
