@@ -10,7 +10,7 @@ TOOLS := .venv-tools
 DIST := dist
 PACKAGED := pyproject.toml README.md LICENSE $(shell find src -name '*.py' -o -name py.typed)
 
-.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-verl-fit test-trl lint format bench gpu-check clean dist docs api-snapshot
+.PHONY: demo test test-core test-fast test-slow test-plain test-verl test-verl-fit test-trl test-skyrl lint format bench gpu-check clean dist docs api-snapshot
 
 $(VENV)/.core: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ $(VENV)/.dev: $(VENV)/.core
 	.venv-$*/bin/python -m pip install -q --upgrade pip
 	.venv-$*/bin/python $(PIP_INSTALL) -r requirements/$*.txt
 	.venv-$*/bin/python $(PIP_INSTALL) --no-deps -e .
+	touch $@
+
+# SkyRL's venv: an explicit rule, as the pattern above cannot pass --ignore-requires-python.
+# skyrl 0.4.0 declares Python >= 3.12; the CPU torch on disk is for 3.11, and SkyRL runs
+# on it with the tests' shims (tests/integrations/skyrl/cpu_skyrl.py, requirements/skyrl.txt).
+.venv-skyrl/.ready: requirements/skyrl.txt $(CONSTRAINTS) pyproject.toml
+	$(PYTHON) -m venv .venv-skyrl
+	.venv-skyrl/bin/python -m pip install -q --upgrade pip
+	.venv-skyrl/bin/python $(PIP_INSTALL) --ignore-requires-python -r requirements/skyrl.txt
+	.venv-skyrl/bin/python $(PIP_INSTALL) --no-deps -e .
 	touch $@
 
 # The tools that need neither torch nor the package: the docs site's (the `docs` extra:
@@ -67,9 +77,9 @@ demo: $(VENV)/.core
 	$(VENV)/bin/rlmetrics demo
 
 # Everything (what CI runs, .ci/run): lint and the fast core tests, the slow core tests, a
-# plain install of the wheel, the docs site, then the verl and TRL suites. PYTEST_ARGS go
+# plain install of the wheel, the docs site, then the verl, TRL and SkyRL suites. PYTEST_ARGS go
 # to each core pytest run (e.g. PYTEST_ARGS=-x to stop at the first failure).
-test: test-fast test-slow test-plain docs test-verl test-trl
+test: test-fast test-slow test-plain docs test-verl test-trl test-skyrl
 
 test-core: test-fast test-slow
 
@@ -118,6 +128,10 @@ test-verl-fit: .venv-verl/.ready
 test-trl: .venv-trl/.ready
 	.venv-trl/bin/python -m pytest -q --durations=10 -p no:cacheprovider tests/integrations/trl
 
+# SkyRL's real FSDP workers on gloo ranks and its trainer on Ray, on the CPU.
+test-skyrl: .venv-skyrl/.ready
+	.venv-skyrl/bin/python -m pytest -q --durations=10 -p no:cacheprovider tests/integrations/skyrl
+
 # The docs site (mkdocs.yml: docs/ and an API reference from the docstrings) into site/.
 # --strict: a broken link or anchor, a page outside the nav, or an API name that does not
 # exist fails the build.
@@ -125,13 +139,15 @@ docs: $(TOOLS)/.ready
 	NO_MKDOCS_2_WARNING=1 $(TOOLS)/bin/mkdocs build --strict --site-dir site
 
 # Rewrite tests/unit/public_api.txt from the code, after a deliberate API change: the core
-# venv writes every section but verl's and TRL's, which their venvs write.
-api-snapshot: $(VENV)/.dev .venv-verl/.ready .venv-trl/.ready
+# venv writes every section but verl's, TRL's and SkyRL's, which their venvs write.
+api-snapshot: $(VENV)/.dev .venv-verl/.ready .venv-trl/.ready .venv-skyrl/.ready
 	RLMETRICS_UPDATE_API=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit/test_public_api.py
 	RLMETRICS_UPDATE_API=1 .venv-verl/bin/python -m pytest -q -p no:cacheprovider \
 	  tests/integrations/verl/test_verl_public_api.py
 	RLMETRICS_UPDATE_API=1 .venv-trl/bin/python -m pytest -q -p no:cacheprovider \
 	  tests/integrations/trl/test_trl_public_api.py
+	RLMETRICS_UPDATE_API=1 .venv-skyrl/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/integrations/skyrl/test_skyrl_public_api.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -159,5 +175,5 @@ gpu-check:
 	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
-	rm -rf $(VENV) .venv-verl .venv-trl .venv-plain $(TOOLS) build $(DIST) site *.egg-info \
+	rm -rf $(VENV) .venv-verl .venv-trl .venv-skyrl .venv-plain $(TOOLS) build $(DIST) site *.egg-info \
 	  src/*.egg-info

@@ -9,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,10 +17,10 @@ TESTS_DIR = Path(__file__).parents[1]
 
 
 @contextlib.contextmanager
-def local_ray(num_cpus: int = 2) -> Iterator[None]:
+def local_ray(num_cpus: int = 2, **ray_options: Any) -> Iterator[None]:
     """Start a local Ray (no dashboard, 80 MiB object store) with HOME/TMPDIR in a temp
     dir, auth and usage stats off, and the test folders this process imports from
-    importable by workers; shut it down after.
+    importable by workers; shut it down after. ``ray_options`` go to ``ray.init``.
 
     Skips the test when Ray is missing or already running in this process.
     """
@@ -46,6 +47,7 @@ def local_ray(num_cpus: int = 2) -> Iterator[None]:
                 _temp_dir=os.path.join(tmp, "ray"),
                 logging_level="WARNING",
                 log_to_driver=False,
+                **ray_options,
             )
             yield
         finally:

@@ -44,6 +44,7 @@ FRAMEWORK_MODULES = {
     "rlmetrics.integrations.verl": "verl",
     "rlmetrics.integrations.verl.dataproto": "verl",
     "rlmetrics.integrations.trl": "trl",
+    "rlmetrics.integrations.skyrl": "skyrl",
 }
 """Modules that import only next to their framework, checked in that framework's venv."""
 
