@@ -166,7 +166,7 @@ class LogMethods:
         the process group), ``group=``, ``device="cuda"`` (CUDA events, read at step
         end), ``clock=``. See ``rlmetrics.timing``.
 
-        Example:
+        Examples:
             >>> t = Tracker()
             >>> with t.timer("timing_s/gen", clock=iter([1.0, 3.5]).__next__):
             ...     pass
@@ -200,7 +200,7 @@ class LogMethods:
         in order, for less (with ``by=``, the labels are grouped once too), all landing
         in one step (a ``compute()`` in another thread comes before or after them all).
 
-        Example:
+        Examples:
             >>> t = Tracker()
             >>> t.log_shared([("len/mean", "mean"), ("len/max", "max")], [3, 5])
             >>> t.compute()
@@ -329,7 +329,7 @@ class Tracker(LogMethods):
     takes the other tracker's state before its own lock, so merges never deadlock),
     avoids that.
 
-    Example:
+    Examples:
         >>> t = Tracker()
         >>> actor = t.prefixed("actor/")
         >>> for loss, tokens in ((2.0, 1.0), (1.0, 3.0)):
