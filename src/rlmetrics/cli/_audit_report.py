@@ -86,9 +86,10 @@ def spread_report(
 ) -> AuditReport:
     """The report of {partition label: metrics}; the first partition is the reference.
 
-    ``naive``: {partition label: metrics} of a naive reduction, spread the same way (the
-    trainer audit's ``--naive``). ``exclude``: name prefixes left out of the comparison
-    (listed as excluded).
+    ``naive``: {partition label: metrics} of a naive reduction (the trainer audit's
+    ``--naive``), each partition's spread from the exact reference value: the naive
+    reduction can miss it even in the reference partition. ``exclude``: name prefixes
+    left out of the comparison (listed as excluded).
     """
     if len(runs) < 2:
         raise ValueError(f"an audit needs at least two partitions, got {list(runs)}")
@@ -98,8 +99,12 @@ def spread_report(
     kept = [n for n in names if n not in excluded]
     exact = {n: spread({p: m.get(n) for p, m in runs.items()}, tol) for n in kept}
     naive_spreads = None
-    if naive is not None:
-        naive_spreads = {n: spread({p: naive[p].get(n) for p in runs}, tol) for n in kept}
+    if naive is not None:  # each partition's naive value against the exact reference
+        first = runs[next(iter(runs))]
+        naive_spreads = {
+            n: spread({"exact": first.get(n), **{p: naive[p].get(n) for p in runs}}, tol)
+            for n in kept
+        }
     return AuditReport(list(runs), tol, exact, naive_spreads, excluded, prefixes)
 
 
@@ -109,8 +114,8 @@ def verdict(report: AuditReport) -> str:
     count and one with the exclusions (each line under 100 columns for a few partitions)."""
     drift = len(report.drifting)
     lines = [
-        f"{len(report.exact) - drift} metrics invariant to {report.tol:g}; {drift} drift, "
-        f"across {len(report.partitions)} partitions: {', '.join(report.partitions)}"
+        f"{len(report.exact) - drift} metrics invariant to {report.tol:g}; {drift} drift "
+        f"({len(report.partitions)} partitions: {', '.join(report.partitions)})"
     ]
     if report.naive is not None:
         naive_drift = sum(not s.ok for s in report.naive.values())
@@ -118,8 +123,8 @@ def verdict(report: AuditReport) -> str:
     if report.excluded:
         groups = [f"{p}*" for p in report.exclude if any(n.startswith(p) for n in report.excluded)]
         lines.append(
-            f"excluded: {len(report.excluded)} measurements, not functions of the batch: "
-            f"{', '.join(groups)} (--include-measurements compares them)"
+            f"excluded: {len(report.excluded)} measurements, not functions of the batch "
+            f"(--include-measurements compares them):\n  {', '.join(groups)}"
         )
     return "\n".join(lines)
 
@@ -132,6 +137,8 @@ def _percent(x: float) -> str:
     """A relative difference as a signed percentage, short: +4.3%, -430%, +1.2e+05%."""
     if math.isnan(x) or math.isinf(x):
         return str(x)
+    if abs(x) < 0.1:
+        return f"{x:+.1g}%"
     if abs(x) < 10:
         return f"{x:+.2g}%"
     return f"{x:+.0f}%" if abs(x) < 1e5 else f"{x:+.1e}%"
@@ -142,9 +149,9 @@ def table_rows(report: AuditReport) -> tuple[list[str], list[list[tuple[str, str
 
     ``value`` is the reference partition's, ``exact Δ`` the largest relative difference
     from it over the partitions (``ok`` within the tolerance, else ``DRIFT at`` the
-    partition furthest away). With the
-    naive reduction: ``naive`` is its value at the partition furthest from the reference,
-    ``naive Δ`` that difference in percent, ``at`` that partition.
+    partition furthest away). With the naive reduction: ``naive`` is its value furthest
+    from the exact one, ``naive Δ`` that difference in percent of the exact value, ``at``
+    the partition it came from.
     """
     header = ["metric", "value", "exact Δ"]
     if report.naive is not None:
@@ -193,9 +200,11 @@ def render(report: AuditReport, console: Any = None) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    if console is None:  # piped output: the table's own width
-        console = Console(width=None if Console().is_terminal else 120)
-    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    if console is None:  # piped output: 100 columns
+        console = Console(width=None if Console().is_terminal else 100)
+    table = Table(
+        title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
+    )
     for col in header:
         table.add_column(col, justify="left" if col in ("metric", "at") else "right",
                          no_wrap=col != "metric", overflow="fold")  # fmt: skip
