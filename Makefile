@@ -95,9 +95,11 @@ test-slow: $(VENV)/.dev
 
 # What a plain `pip install rlmetrics` user runs first, from the wheel of `make dist`: it
 # is installed (not editable) with py.typed and without tests or benchmarks, and its
-# version is the package's; no optional package may be present; the demo (2 spawned ranks, plain-text tables; a smaller batch and model to
+# version is the package's; no optional package may be present; the demo (2 spawned ranks, a plain-text table; a smaller batch and model to
 # keep it short) and the audit exit 0; `audit --plot` stops at once naming
-# rlmetrics[plot]. Run in a temp folder (HOME and TMPDIR too), not in the repository.
+# rlmetrics[plot]. Their output goes to files, checked and shown in full only when
+# something is wrong (a green run prints the demo's summary and the audit's verdict).
+# Run in a temp folder (HOME and TMPDIR too), not in the repository.
 test-plain: .venv-plain/.ready
 	.venv-plain/bin/python -c "import importlib.metadata as m, sys, rlmetrics; \
 	  files = [str(f) for f in m.files('rlmetrics')]; \
@@ -111,11 +113,17 @@ test-plain: .venv-plain/.ready
 	  extra = [m for m in ('rich', 'tqdm', 'matplotlib') if u.find_spec(m)]; \
 	  sys.exit(f'not a plain install: {extra}' if extra else 0)"
 	set -e; dir=$$(mktemp -d); cd $$dir; export HOME=$$dir TMPDIR=$$dir; \
-	  $(CURDIR)/.venv-plain/bin/rlmetrics demo --steps 3 --log-every 1 --num-prompts 8 \
-	    --samples-per-prompt 4 --n-embd 64; \
-	  $(CURDIR)/.venv-plain/bin/rlmetrics audit; \
+	  show() { cat $$1; echo "test-plain: $$2"; exit 1; }; \
+	  $(CURDIR)/.venv-plain/bin/rlmetrics demo --steps 3 --log-every 3 --num-prompts 8 \
+	    --samples-per-prompt 4 --n-embd 64 >demo.txt 2>&1 || show demo.txt "the demo failed"; \
+	  grep -q "^group  *metric  *value" demo.txt || show demo.txt "no plain metrics table"; \
+	  grep -q "^next: .* audit --naive" demo.txt || show demo.txt "no closing hint"; \
+	  $(CURDIR)/.venv-plain/bin/rlmetrics audit >audit.txt 2>&1 || show audit.txt "the audit failed"; \
+	  grep -q "metrics invariant to" audit.txt || show audit.txt "no audit verdict"; \
 	  if $(CURDIR)/.venv-plain/bin/rlmetrics audit --plot a.png 2>err.txt; then exit 1; fi; \
-	  grep -q "rlmetrics\[plot\]" err.txt; cd /; rm -rf $$dir
+	  grep -q "rlmetrics\[plot\]" err.txt; sed -n '/ steps on /,$$p' demo.txt; \
+	  grep "metrics invariant to" audit.txt; \
+	  cd /; rm -rf $$dir
 
 test-verl: .venv-verl/.ready
 	.venv-verl/bin/python -m pytest -q --durations=10 -p no:cacheprovider tests/integrations/verl

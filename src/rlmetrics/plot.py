@@ -3,12 +3,13 @@
 From the command line: ``rlmetrics plot RUN.jsonl --metrics a,b --by x,y --out fig.png``.
 
 Metrics are drawn in pages of at most ``PAGE_SIZE`` subplots, one page per prefix group
-(``actor/...``, ``critic/...``; a large group takes several pages). One page goes to
-``out``; several pages go to one multi-page file when ``out`` is a PDF, else to one
-file per page, ``<out stem>-<NN>-<group><suffix>``. Every page has the same bounded
-number of subplots, drawn on one reused figure with fixed margins (no layout solver,
-no shared axes), so the time grows linearly with the number of metrics; one figure of
-hundreds of shared-axis, constrained-layout subplots grows much faster.
+(``actor/...``, ``critic/...``; a large group takes several pages, titled ``group 1/2``,
+``group 2/2``). One page goes to ``out``; several pages go to one multi-page file when
+``out`` is a PDF, else to one file per page, ``<out stem>-<NN>-<page><suffix>``. Each
+page is as tall as its subplots need; pages of one shape share one reused figure with
+fixed margins (no layout solver, no shared axes), so the time grows linearly with the
+number of metrics; one figure of hundreds of shared-axis, constrained-layout subplots
+grows much faster. A rank index (``*/slowest_rank``) is drawn as points, not a line.
 
 A metric matplotlib cannot draw as it is costs only itself (``panel``): values beyond
 ±1e300 (a diverging grad norm near ±1.7e308 makes the axis span overflow) are drawn
@@ -43,7 +44,9 @@ PAGE_SIZE = 24  # subplots per page
 COLUMNS = 3  # subplots per row on a page of more than SINGLE_COLUMN metrics
 SINGLE_COLUMN = 4
 PANEL_INCHES = (4.2, 2.0)  # one subplot's cell (width, height)
-MARGINS = {"left": 0.75, "right": 0.2, "top": 0.55, "bottom": 0.5}  # inches
+MARGINS = {"left": 0.75, "right": 0.2, "top": 0.8, "bottom": 0.5}  # inches
+TITLE_FROM_TOP = 0.12  # inches from the figure's top edge to the page title's top
+DISCRETE = ("/slowest_rank",)  # name endings of integer metrics: points, integer ticks
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 AXIS_LIMIT = 1e300  # beyond this magnitude an axis' span and margins can overflow a float
 
@@ -105,6 +108,7 @@ class Panel:
     title: str
     notes: list[str] = field(default_factory=list)  # why it is not drawn as it is
     drawn: bool = True  # False: no finite value, the subplot holds only its note
+    discrete: bool = False  # an index (a rank): points without a line, integer ticks
 
     @property
     def steps(self) -> list[float]:
@@ -175,11 +179,12 @@ def grouped_panel(name: str, lines: Sequence[tuple[str, Sequence[int], Sequence[
 
 
 def pages(names: Sequence[str], size: int = PAGE_SIZE) -> list[tuple[str, list[str]]]:
-    """``names`` cut into pages of at most ``size``: (group, names) in order.
+    """``names`` cut into pages of at most ``size``: (page label, names) in order.
 
     All names fit on one page: one page, labelled "". Otherwise one page per prefix
     group (the part before the first "/"; "other" for names without one), a group
-    larger than ``size`` split into consecutive pages. The order of ``names`` is kept.
+    larger than ``size`` split into consecutive pages labelled ``group 1/N``, ...,
+    ``group N/N``, so no two pages share a label. The order of ``names`` is kept.
     """
     if len(names) <= size:
         return [("", list(names))]
@@ -189,8 +194,10 @@ def pages(names: Sequence[str], size: int = PAGE_SIZE) -> list[tuple[str, list[s
         head, sep, _ = name.partition("/")
         groups.setdefault(head if sep else "other", []).append(name)
     for group, members in groups.items():
-        for start in range(0, len(members), size):
-            out.append((group, members[start : start + size]))
+        parts = math.ceil(len(members) / size)
+        for part, start in enumerate(range(0, len(members), size), start=1):
+            label = f"{group} {part}/{parts}" if parts > 1 else group
+            out.append((label, members[start : start + size]))
     return out
 
 
@@ -199,7 +206,7 @@ def page_paths(out: Path, page_groups: Sequence[str]) -> list[Path]:
     if len(page_groups) == 1:
         return [out]
     return [
-        out.with_name(f"{out.stem}-{i:02d}-{_UNSAFE.sub('_', group)}{out.suffix}")
+        out.with_name(f"{out.stem}-{i:02d}-{_UNSAFE.sub('_', group).strip('_')}{out.suffix}")
         for i, group in enumerate(page_groups, start=1)
     ]
 
@@ -242,12 +249,17 @@ class PageFigure:
                     fontsize=8, color="tab:red", wrap=True)
             for ax in self.axes
         ]  # fmt: skip
-        self.title = self.fig.suptitle("", x=0.01, ha="left", fontsize=11)
+        # at a fixed distance from the top edge, above the first row's titles
+        self.title = self.fig.suptitle(
+            "", x=0.01, y=1 - TITLE_FROM_TOP / height, ha="left", va="top", fontsize=11
+        )
 
     def draw(self, panels: Sequence[Panel], title: str) -> None:
         """Show ``panels`` in the first cells, hide the rest. Every cell gets the same x
         limits, so only the bottom cell of each column labels its x ticks. A panel not
         drawn keeps its cell, with its note in place of the line."""
+        from matplotlib.ticker import MaxNLocator
+
         all_steps = list(itertools.chain.from_iterable(p.steps for p in panels))
         lo, hi = (min(all_steps), max(all_steps)) if all_steps else (0.0, 1.0)
         last_row = {i % self.cols: i for i in range(len(panels))}  # bottom cell per column
@@ -261,6 +273,7 @@ class PageFigure:
             note.set_text("" if p.drawn else "\n".join(p.notes))
             ax.set_title(p.title, loc="left", fontsize=9, y=1.0, pad=3)
             ax.tick_params(axis="y", labelleft=p.drawn)
+            ax.yaxis.set_major_locator(MaxNLocator(nbins=5, integer=p.discrete))
             ax.relim()
             if p.drawn:
                 ax.autoscale_view(scalex=False)
@@ -283,7 +296,8 @@ class PageFigure:
             curve = p.curves[j] if j < len(p.curves) and p.drawn else None
             line.set_data(curve.steps, curve.values) if curve else line.set_data([], [])
             if curve is not None:
-                line.set_marker("." if len(curve.steps) < 50 else "None")
+                line.set_marker("." if len(curve.steps) < 50 or p.discrete else "None")
+                line.set_linestyle("None" if p.discrete else "-")
                 line.set_label(curve.label or "_")
                 line.set_color(curve.color)
         legend = ax.get_legend()
@@ -334,19 +348,24 @@ def plot_jsonl(
     out_path = Path(out) if out else Path(path).with_suffix(".png")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     layout = pages(names)
-    page = PageFigure(*grid(max(len(members) for _, members in layout)))
+    figures: dict[tuple[int, int], PageFigure] = {}  # one per page shape, reused
+
+    def drawn(label: str, members: list[str]) -> Any:
+        shape = grid(len(members))
+        page = figures.get(shape) or figures.setdefault(shape, PageFigure(*shape))
+        page.draw([panels[n] for n in members], label)
+        return page.fig
+
     if len(layout) > 1 and out_path.suffix.lower() == ".pdf":
         from matplotlib.backends.backend_pdf import PdfPages
 
         with PdfPages(out_path) as pdf:
-            for group, members in layout:
-                page.draw([panels[n] for n in members], group)
-                pdf.savefig(page.fig)
+            for label, members in layout:
+                pdf.savefig(drawn(label, members))
         return [out_path]
-    paths = page_paths(out_path, [group for group, _ in layout])
-    for (group, members), target in zip(layout, paths, strict=True):
-        page.draw([panels[n] for n in members], group)
-        page.fig.savefig(target, dpi=100)
+    paths = page_paths(out_path, [label for label, _ in layout])
+    for (label, members), target in zip(layout, paths, strict=True):
+        drawn(label, members).savefig(target, dpi=100)
     return paths
 
 
@@ -391,7 +410,9 @@ def metric_panel(series: Series, name: str, by: Sequence[str] = ()) -> Panel:
     (colour ``C<i>`` for the i-th label of ``by``; the metric's own line black)."""
     labels = _labelled(series, name, by)
     if not labels:
-        return panel(name, *series[name])
+        single = panel(name, *series[name])
+        single.discrete = name.endswith(DISCRETE)
+        return single
     lines = [(ALL, *series[name])] if name in series else []
     lines += [(label, *series[f"{name}/{label}"]) for label in labels]
     grouped = grouped_panel(name, lines)

@@ -98,35 +98,96 @@ class LogMethods:
         self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
         labels: Any = None,
     ) -> None:  # fmt: skip
-        """Weighted mean: Σ value·weight / Σ weight."""
+        """Weighted mean: Σ value·weight / Σ weight.
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: a python number, a sequence, a numpy array or a tensor, any
+                shape (device tensors are read at ``compute()``).
+            weight: a multiplier per element: None (1 each), a number, or an array or
+                tensor of ``value``'s shape (a bool mask counts as 0/1). A token
+                mean takes the response mask here.
+            mask: ``weight`` by its older name (by keyword; not both).
+            by: a label per element, per row or one for the call: each label's
+                elements are reported as ``name/<label>`` (docs/groups.md).
+            labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
+        """
         self._log(name, "mean", value, weight, mask, by, labels)
 
     def sum(
         self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
         labels: Any = None,
     ) -> None:  # fmt: skip
-        """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements)."""
+        """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements).
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: a python number, a sequence, a numpy array or a tensor, any
+                shape (device tensors are read at ``compute()``).
+            weight: a multiplier per element: None (1 each), a number, or an array or
+                tensor of ``value``'s shape (a bool mask counts as 0/1).
+            mask: ``weight`` by its older name (by keyword; not both).
+            by: a label per element, per row or one for the call: each label's
+                elements are reported as ``name/<label>`` (docs/groups.md).
+            labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
+        """
         self._log(name, "sum", value, weight, mask, by, labels)
 
     def max(
         self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
         labels: Any = None,
     ) -> None:  # fmt: skip
-        """Largest element (of those with weight > 0)."""
+        """Largest element (of those with weight > 0).
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: a python number, a sequence, a numpy array or a tensor, any
+                shape (device tensors are read at ``compute()``).
+            weight: selects the elements with weight > 0: None (all), a number, or an
+                array or tensor of ``value``'s shape (a bool mask).
+            mask: ``weight`` by its older name (by keyword; not both).
+            by: a label per element, per row or one for the call: each label's
+                elements are reported as ``name/<label>`` (docs/groups.md).
+            labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
+        """
         self._log(name, "max", value, weight, mask, by, labels)
 
     def min(
         self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
         labels: Any = None,
     ) -> None:  # fmt: skip
-        """Smallest element (of those with weight > 0)."""
+        """Smallest element (of those with weight > 0).
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: a python number, a sequence, a numpy array or a tensor, any
+                shape (device tensors are read at ``compute()``).
+            weight: selects the elements with weight > 0: None (all), a number, or an
+                array or tensor of ``value``'s shape (a bool mask).
+            mask: ``weight`` by its older name (by keyword; not both).
+            by: a label per element, per row or one for the call: each label's
+                elements are reported as ``name/<label>`` (docs/groups.md).
+            labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
+        """
         self._log(name, "min", value, weight, mask, by, labels)
 
     def std(
         self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
         labels: Any = None,
     ) -> None:  # fmt: skip
-        """Weighted population standard deviation (ddof=0), exact when |mean| >> std."""
+        """Weighted population standard deviation (ddof=0), exact when |mean| >> std.
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: a python number, a sequence, a numpy array or a tensor, any
+                shape (device tensors are read at ``compute()``).
+            weight: a multiplier per element (a frequency): None (1 each), a number, or
+                an array or tensor of ``value``'s shape (a bool mask counts as 0/1).
+            mask: ``weight`` by its older name (by keyword; not both).
+            by: a label per element, per row or one for the call: each label's
+                elements are reported as ``name/<label>`` (docs/groups.md).
+            labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
+        """
         self._log(name, "std", value, weight, mask, by, labels)
 
     def last(
@@ -134,14 +195,35 @@ class LogMethods:
         labels: Any = None,
     ) -> None:  # fmt: skip
         """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
-        A weight of 0 (or False) leaves the previous value in place."""
+        A weight of 0 (or False) leaves the previous value in place.
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: one number: a python number or a one-element array or tensor.
+            weight: 0 (or False) leaves the previous value in place; None or > 0 takes
+                ``value``.
+            mask: ``weight`` by its older name (by keyword; not both).
+            by, labels: not taken by ``last`` (a replicated value has no groups).
+        """
         self._log(name, "last", value, weight, mask, by, labels)
 
     def dist(
         self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
         labels: Any = None,
     ) -> None:  # fmt: skip
-        """Every element with weight > 0: name/mean, /std, /min, /max, /pXX."""
+        """Every element with weight > 0: name/mean, /std, /min, /max, /pXX.
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: a python number, a sequence, a numpy array or a tensor, any
+                shape (device tensors are read at ``compute()``).
+            weight: selects the elements with weight > 0: None (all), a number, or an
+                array or tensor of ``value``'s shape (a bool mask).
+            mask: ``weight`` by its older name (by keyword; not both).
+            by: a label per element, per row or one for the call: each label's
+                elements are reported as ``name/<label>`` (docs/groups.md).
+            labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
+        """
         self._log(name, "dist", value, weight, mask, by, labels)
 
     def quantile(
@@ -149,14 +231,40 @@ class LogMethods:
         labels: Any = None,
     ) -> None:  # fmt: skip
         """Every element with weight > 0 into a fixed-size sketch: the keys ``dist``
-        reports, quantiles within a relative error (see docs/quantiles.md)."""
+        reports, quantiles within a relative error (see docs/quantiles.md).
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: a python number, a sequence, a numpy array or a tensor, any
+                shape (device tensors are read at ``compute()``).
+            weight: selects the elements with weight > 0: None (all), a number, or an
+                array or tensor of ``value``'s shape (a bool mask).
+            mask: ``weight`` by its older name (by keyword; not both).
+            by: a label per element, per row or one for the call: each label's
+                elements are reported as ``name/<label>`` (docs/groups.md).
+            labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
+        """
         self._log(name, "quantile", value, weight, mask, by, labels)
 
     def log(
         self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
         labels: Any = None, *, kind: str,
     ) -> None:  # fmt: skip
-        """Log into any registered kind (built-in or user-defined) by its name."""
+        """Log into any registered kind (built-in or user-defined) by its name.
+
+        Args:
+            name: the metric's name, e.g. ``"actor/pg_loss"``.
+            value: a python number, a sequence, a numpy array or a tensor, any
+                shape (device tensors are read at ``compute()``).
+            weight: as the kind defines it (a multiplier or a selector; see
+                ``LogMethods``): None (1 each), a number, or an array or tensor of
+                ``value``'s shape.
+            mask: ``weight`` by its older name (by keyword; not both).
+            by: a label per element, per row or one for the call: each label's
+                elements are reported as ``name/<label>`` (docs/groups.md).
+            labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
+            kind: the registered kind's name, e.g. ``"histogram"``.
+        """
         self._log(name, kind, value, weight, mask, by, labels)
 
     def timer(self, name: str, **where: Any) -> AbstractContextManager[None]:
@@ -166,7 +274,7 @@ class LogMethods:
         the process group), ``group=``, ``device="cuda"`` (CUDA events, read at step
         end), ``clock=``. See ``rlmetrics.timing``.
 
-        Example:
+        Examples:
             >>> t = Tracker()
             >>> with t.timer("timing_s/gen", clock=iter([1.0, 3.5]).__next__):
             ...     pass
@@ -200,7 +308,7 @@ class LogMethods:
         in order, for less (with ``by=``, the labels are grouped once too), all landing
         in one step (a ``compute()`` in another thread comes before or after them all).
 
-        Example:
+        Examples:
             >>> t = Tracker()
             >>> t.log_shared([("len/mean", "mean"), ("len/max", "max")], [3, 5])
             >>> t.compute()
@@ -296,27 +404,9 @@ class Tracker(LogMethods):
             eager check would need a host sync).
         quantiles: the quantiles ``dist`` metrics report.
 
-    Attributes:
-        reduce_host_data_with_numpy: True (the default) reduces CPU tensors, numpy
-            arrays and lists with numpy on the host, which costs less than torch's
-            dispatch for the small arrays metrics see; device tensors always take the
-            device path. False sends host data down the device path too (tests use it
-            to run that path on the CPU).
-        copy_cpu_tensors: True (the default) records a CPU tensor as a copy of its
-            values at the log call, as a numpy array is: torch counts no change made
-            through memory it shares with numpy (``torch.from_numpy``, ``.numpy()``) or
-            through ``.data``, so a later change could reach a record unseen. Device
-            tensors are recorded by reference (a copy would cost a device operation per
-            call), their version counter checked at the fold (docs/concepts.md). False
-            records CPU tensors by reference too, with the same checks: a caller that
-            never changes a logged CPU tensor before the step's end saves a clone per
-            tensor; tests use it to run the device tensors' checks on the CPU.
-        record_limit: the elements and calls (a python number counts once, an array or
-            tensor its size plus one) a tracker records before it folds them into its
-            states mid-step, which bounds the memory its records keep alive (the
-            logged tensors); the fold is the step-end one, without a host sync, and its
-            errors (a tensor changed in place) are raised by the step's end, not by the
-            log call that passed the bound.
+    Three class attributes tune how records are kept and reduced:
+    ``reduce_host_data_with_numpy``, ``copy_cpu_tensors`` and ``record_limit`` (each
+    documented where it is defined; set them on the class or on an instance).
 
     Threads: a tracker may be shared by threads. Each log call holds the tracker's lock
     (uncontended, a fraction of the call's cost; ``log_shared`` and
@@ -329,7 +419,7 @@ class Tracker(LogMethods):
     takes the other tracker's state before its own lock, so merges never deadlock),
     avoids that.
 
-    Example:
+    Examples:
         >>> t = Tracker()
         >>> actor = t.prefixed("actor/")
         >>> for loss, tokens in ((2.0, 1.0), (1.0, 3.0)):
@@ -378,8 +468,27 @@ class Tracker(LogMethods):
         self.copy_cpu_tensors = type(self).copy_cpu_tensors
 
     reduce_host_data_with_numpy: bool = True
+    """True (the default) reduces CPU tensors, numpy arrays and lists with numpy on the
+    host, which costs less than torch's dispatch for the small arrays metrics see;
+    device tensors always take the device path. False sends host data down the device
+    path too (tests use it to run that path on the CPU)."""
+
     copy_cpu_tensors: bool = True
+    """True (the default) records a CPU tensor as a copy of its values at the log call,
+    as a numpy array is: torch counts no change made through memory it shares with numpy
+    (``torch.from_numpy``, ``.numpy()``) or through ``.data``, so a later change could
+    reach a record unseen. Device tensors are recorded by reference (a copy would cost a
+    device operation per call), their version counter checked at the fold
+    (docs/concepts.md). False records CPU tensors by reference too, with the same checks:
+    a caller that never changes a logged CPU tensor before the step's end saves a clone
+    per tensor; tests use it to run the device tensors' checks on the CPU."""
+
     record_limit: int = 1 << 22
+    """The elements and calls (a python number counts once, an array or tensor its size
+    plus one) a tracker records before it folds them into its states mid-step, which
+    bounds the memory its records keep alive (the logged tensors); the fold is the
+    step-end one, without a host sync, and its errors (a tensor changed in place) are
+    raised by the step's end, not by the log call that passed the bound."""
 
     # -- logging ------------------------------------------------------------------
     def kind(self, kind_name: str) -> Kind:

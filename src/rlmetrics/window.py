@@ -57,7 +57,7 @@ class Window:
             for the ``per_step`` metrics; synced in the report's one collective. Empty
             without ``per_step``.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker, Window
         >>> t = Tracker()
         >>> w = Window(t, every=2)

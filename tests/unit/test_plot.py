@@ -124,7 +124,7 @@ def test_pages_group_by_prefix_and_split_large_groups():
     names = [f"actor/m{i}" for i in range(30)] + ["lr", "critic/a"]
     assert pages(names[:5]) == [("", names[:5])]  # fits on one page: one page
     got = pages(names)
-    assert [(g, len(m)) for g, m in got] == [("actor", 24), ("actor", 6), ("other", 1),
+    assert [(g, len(m)) for g, m in got] == [("actor 1/2", 24), ("actor 2/2", 6), ("other", 1),
                                               ("critic", 1)]  # fmt: skip
     assert [n for _, members in got for n in members] == names  # every name once, in order
 
@@ -332,3 +332,37 @@ def test_by_with_selected_metrics_and_the_cli(grouped_file, tmp_path, monkeypatc
     cells.clear()
     plot_jsonl(grouped_file, ["critic/score/mean/short"], tmp_path / "one.png", by=["long"])
     assert list(cells) == ["critic/score/mean/short"]  # a labelled key chosen by name
+
+
+def test_pages_fit_their_subplots_and_rank_indices_are_points(tmp_path, monkeypatch):
+    """All metrics of a run: a page is as tall as its subplots (no half-empty pages), a
+    split group's pages have distinct titles, the page title sits above the first row's
+    subplot titles, and a rank index (``*/slowest_rank``) is drawn as points."""
+    from matplotlib.figure import Figure
+
+    names = [f"timing_s/s{i:02d}" for i in range(25)] + ["timing_s/gen/slowest_rank", "lr"]
+    run = write_run(tmp_path / "run.jsonl", names)
+    pages_drawn: list[dict] = []
+    real_savefig = Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        fig.canvas.draw()
+        axes = [ax for ax in fig.axes if ax.get_visible()]
+        pages_drawn.append({
+            "title": fig._suptitle.get_text(),
+            "height": fig.get_figheight(),
+            "title_bottom": fig._suptitle.get_window_extent().y0,
+            "row_title_top": max(ax.title.get_window_extent().y1 for ax in axes),
+            "styles": {ax.get_title(loc="left"): ax.lines[0].get_linestyle() for ax in axes},
+        })  # fmt: skip
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    plot_jsonl(run, None, tmp_path / "fig.png")
+    titles = [p["title"] for p in pages_drawn]
+    assert titles == ["other", "timing_s 1/2", "timing_s 2/2"]  # sorted names: lr first
+    assert pages_drawn[0]["height"] < pages_drawn[2]["height"] < pages_drawn[1]["height"]
+    assert all(p["title_bottom"] > p["row_title_top"] for p in pages_drawn)
+    styles = {name: style for p in pages_drawn for name, style in p["styles"].items()}
+    assert styles["timing_s/gen/slowest_rank"] == "None"
+    assert styles["timing_s/s00"] == styles["lr"] == "-"

@@ -26,10 +26,9 @@ DEMO_EXAMPLES = """examples:
   torchrun --nproc-per-node 2 -m rlmetrics.trainer --steps 50   # the same, under torchrun
 """
 
-NEXT_STEP = (
-    "these metrics are exact for any number of ranks and micro-batches; "
-    "`rlmetrics audit --naive` shows them next to a naive (verl-style) aggregation"
-)
+DEMO_DEFAULTS = {"naive": True}
+"""Where ``rlmetrics demo``'s defaults differ from the config's: it shows naive values."""
+CLIP = "actor/pg_clipfrac"
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -40,9 +39,10 @@ def _flag_type(annotation: Any) -> Any:
     return annotation
 
 
-def _add_field(group: Any, field: Field, annotation: Any) -> None:
+def _add_field(group: Any, field: Field, annotation: Any, defaults: dict[str, Any]) -> None:
     flag = "--" + field.name.replace("_", "-")
     default = field.default if field.default is not MISSING else None
+    default = defaults.get(field.name, default)
     help_text = f"{field.metadata.get('help', '')} (default: {default})"
     kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": help_text}
     kind = _flag_type(annotation)
@@ -57,9 +57,14 @@ def _add_field(group: Any, field: Field, annotation: Any) -> None:
     group.add_argument(flag, *field.metadata.get("aliases", ()), **kwargs)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field, grouped by section; micro-batching flags exclusive."""
+def add_config_arguments(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None
+) -> None:
+    """One flag per config field, grouped by section; micro-batching flags exclusive.
+    ``defaults``: fields whose default differs from the config's for this command."""
     from rlmetrics.trainer.config import SECTIONS
+
+    defaults = defaults or {}
 
     for section, cls in SECTIONS.items():
         doc = (cls.__doc__ or "").strip().splitlines()[0]
@@ -71,7 +76,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             if field.name in EXCLUSIVE:
                 exclusive = exclusive or group.add_mutually_exclusive_group()
                 target = exclusive
-            _add_field(target, field, hints[field.name])
+            _add_field(target, field, hints[field.name], defaults)
+    parser.set_defaults(**defaults)
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -107,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ray-address", default=None, metavar="ADDR",
                       help="ray: a cluster to join, e.g. auto (default: RAY_ADDRESS, "
                       "else a local Ray)")  # fmt: skip
-    add_config_arguments(demo)
+    add_config_arguments(demo, DEMO_DEFAULTS)
     train = sub.add_parser(
         "train", help="one rank of a torchrun job (python -m rlmetrics.trainer)",
         description="Join a torchrun job: RANK/WORLD_SIZE/LOCAL_RANK from the environment.",
@@ -132,18 +138,62 @@ def _add_plot(sub: Any) -> None:
     add_plot_arguments(plot)
 
 
-def summarize(history: list[dict[str, float]], seconds: float, jsonl: Path | None) -> str:
-    """Mean reward over the first and last (up to) 5 steps, and the wall time."""
-    where = f"; metrics in {jsonl}" if jsonl is not None else ""
+def summarize(
+    history: list[dict[str, float]], seconds: float, jsonl: Path | None, ranks: int
+) -> list[str]:
+    """The demo's closing lines: the reward's rise, the wall time, one exact metric next
+    to its naive value (when the run logged it), where the metrics are, what to run next."""
     if not history:  # resumed from a checkpoint at the last step
-        return f"no steps left to run{where}"
-    scores = [m.get("critic/score/mean", float("nan")) for m in history]
-    k = min(5, len(scores))
-    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
-    return (
-        f"mean reward (critic/score/mean) {first:.3f} (first {k} steps) -> {last:.3f} "
-        f"(last {k}), {len(history)} steps in {seconds:.1f} s{where}"
-    )
+        lines = ["no steps left to run"]
+    else:
+        scores = [m.get("critic/score/mean", float("nan")) for m in history]
+        k = min(5, len(scores))
+        first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
+        lines = [
+            f"{len(history)} steps on {ranks} rank(s) in {seconds:.0f} s; mean reward "
+            f"(critic/score/mean) {first:.3f} over the first {k} steps, {last:.3f} over the last"
+        ]
+        lines += _exact_and_naive(history)
+    if jsonl is not None:
+        lines.append(f"every metric of every step: {jsonl}")
+    lines.append(f"next: {command_prefix()} audit --naive   # one step under four partitions, "
+                 "exact next to naive")  # fmt: skip
+    return lines
+
+
+def _exact_and_naive(history: list[dict[str, float]]) -> list[str]:
+    """The clip fraction next to its naive value, at the step where they differ most."""
+    steps = [(i, m) for i, m in enumerate(history) if CLIP in m and f"naive/{CLIP}" in m]
+    if not steps:
+        return []
+    i, m = max(steps, key=lambda s: abs(s[1][f"naive/{CLIP}"] - s[1][CLIP]))
+    exact, naive = m[CLIP], m[f"naive/{CLIP}"]
+    step = int(m.get("training/global_step", i + 1))
+    off = f" ({(naive - exact) / exact:+.0%})" if exact else ""
+    return [
+        f"{CLIP} at step {step}, where the two differ most: {exact:.4f} exact (the share "
+        "of all the step's tokens clipped)",
+        f"  and {naive:.4f}{off} as a mean of micro-batch means, what a per-micro-batch "
+        "logger reports",
+    ]
+
+
+def command_prefix() -> str:
+    """How to call ``rlmetrics`` again from here, as the user can type it: the bare name
+    when it is on PATH and is this installation's, else this installation's script."""
+    import os
+    import shutil
+
+    script = Path(sys.executable).parent / "rlmetrics"
+    found = shutil.which("rlmetrics")
+    if found and script.exists() and Path(found).resolve() == script.resolve():
+        return "rlmetrics"
+    if not script.exists():
+        return f"{sys.executable} -m rlmetrics.cli"
+    try:
+        return os.path.relpath(script) if Path.cwd() in script.parents else str(script)
+    except ValueError:  # another drive
+        return str(script)
 
 
 def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -160,8 +210,7 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     jsonl = None
     if "jsonl" in run.loggers:
         jsonl = Path(run.metrics_jsonl or Path(run.run_dir) / "metrics.jsonl")
-    print(summarize(history, time.perf_counter() - start, jsonl))
-    print(NEXT_STEP)
+    print("\n".join(summarize(history, time.perf_counter() - start, jsonl, run.dp)))
     return 0
 
 

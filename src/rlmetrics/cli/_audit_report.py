@@ -27,6 +27,7 @@ class Spread:
     rel_diff: float  # abs_diff / |first| (0 when equal, inf when first is 0)
     worst: str  # the partition furthest away
     ok: bool  # abs_diff <= tol · max(1, |first|)
+    worst_value: float = math.nan  # the value at ``worst`` (NaN when missing there)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class AuditReport:
     exact: dict[str, Spread]
     naive: dict[str, Spread] | None
     excluded: list[str]
+    exclude: tuple[str, ...] = ()  # the name prefixes left out
 
     def order(self) -> list[str]:
         """Metric names by drift: exact drifts first, then naive spread, then exact spread."""
@@ -71,7 +73,8 @@ def spread(values: dict[str, float | None], tol: float) -> Spread:
     ref = math.nan if first is None else first
     rel = 0.0 if abs_diff == 0 else abs_diff / abs(ref) if ref else math.inf
     ok = abs_diff <= tol * max(1.0, abs(ref)) if first is not None else False
-    return Spread(ref, abs_diff, rel, worst, ok)
+    at_worst = values[worst]
+    return Spread(ref, abs_diff, rel, worst, ok, math.nan if at_worst is None else at_worst)
 
 
 def spread_report(
@@ -83,9 +86,10 @@ def spread_report(
 ) -> AuditReport:
     """The report of {partition label: metrics}; the first partition is the reference.
 
-    ``naive``: {partition label: metrics} of a naive reduction, spread the same way (the
-    trainer audit's ``--naive``). ``exclude``: name prefixes left out of the comparison
-    (listed as excluded).
+    ``naive``: {partition label: metrics} of a naive reduction (the trainer audit's
+    ``--naive``), each partition's spread from the exact reference value: the naive
+    reduction can miss it even in the reference partition. ``exclude``: name prefixes
+    left out of the comparison (listed as excluded).
     """
     if len(runs) < 2:
         raise ValueError(f"an audit needs at least two partitions, got {list(runs)}")
@@ -95,54 +99,87 @@ def spread_report(
     kept = [n for n in names if n not in excluded]
     exact = {n: spread({p: m.get(n) for p, m in runs.items()}, tol) for n in kept}
     naive_spreads = None
-    if naive is not None:
-        naive_spreads = {n: spread({p: naive[p].get(n) for p in runs}, tol) for n in kept}
-    return AuditReport(list(runs), tol, exact, naive_spreads, excluded)
+    if naive is not None:  # each partition's naive value against the exact reference
+        first = runs[next(iter(runs))]
+        naive_spreads = {
+            n: spread({"exact": first.get(n), **{p: naive[p].get(n) for p in runs}}, tol)
+            for n in kept
+        }
+    return AuditReport(list(runs), tol, exact, naive_spreads, excluded, prefixes)
 
 
 # -- output ---------------------------------------------------------------------------
 def verdict(report: AuditReport) -> str:
-    """``N metrics invariant to TOL; M drift`` (+ the naive count, the exclusions)."""
+    """``N metrics invariant to TOL; M drift, across ...``, then a line with the naive
+    count and one with the exclusions (each line under 100 columns for a few partitions)."""
     drift = len(report.drifting)
-    line = (
+    lines = [
         f"{len(report.exact) - drift} metrics invariant to {report.tol:g}; {drift} drift "
-        f"(across {len(report.partitions)} partitions: {', '.join(report.partitions)})"
-    )
+        f"({len(report.partitions)} partitions: {', '.join(report.partitions)})"
+    ]
     if report.naive is not None:
         naive_drift = sum(not s.ok for s in report.naive.values())
-        line += f"; naive (verl-style) aggregation: {naive_drift} drift"
+        lines.append(f"naive (verl-style) aggregation: {naive_drift} of {len(report.naive)} drift")
     if report.excluded:
-        names = ", ".join(report.excluded)
-        line += f"\nexcluded (measurements, not functions of the batch): {names}"
-    return line
+        groups = [f"{p}*" for p in report.exclude if any(n.startswith(p) for n in report.excluded)]
+        lines.append(
+            f"excluded: {len(report.excluded)} measurements, not functions of the batch "
+            f"(--include-measurements compares them):\n  {', '.join(groups)}"
+        )
+    return "\n".join(lines)
 
 
 def _num(x: float) -> str:
     return f"{x:.3g}" if x else "0"
 
 
+def _percent(x: float) -> str:
+    """A relative difference as a signed percentage, short: +4.3%, -430%, +1.2e+05%."""
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    if abs(x) < 0.1:
+        return f"{x:+.1g}%"
+    if abs(x) < 10:
+        return f"{x:+.2g}%"
+    return f"{x:+.0f}%" if abs(x) < 1e5 else f"{x:+.1e}%"
+
+
 def table_rows(report: AuditReport) -> tuple[list[str], list[list[tuple[str, str]]]]:
-    """The table's header and rows, each cell (text, rich style), sorted by drift."""
-    header = ["metric", "value", "max |Δ|", "rel Δ", ""]
+    """The table's header and rows, each cell (text, rich style), sorted by drift.
+
+    ``value`` is the reference partition's, ``exact Δ`` the largest relative difference
+    from it over the partitions (``ok`` within the tolerance, else ``DRIFT at`` the
+    partition furthest away). With the naive reduction: ``naive`` is its value furthest
+    from the exact one, ``naive Δ`` that difference in percent of the exact value, ``at``
+    the partition it came from.
+    """
+    header = ["metric", "value", "exact Δ"]
     if report.naive is not None:
-        header += ["naive value", "naive |Δ|", "naive rel Δ", "worst (naive)"]
+        header += ["naive", "naive Δ", "at"]
     rows = []
     for name in report.order():
         e = report.exact[name]
-        verdict_cell = ("ok", "") if e.ok else (f"DRIFT ({e.worst})", "red")
-        row = [(name, ""), (f"{e.value:.6g}", ""), (_num(e.abs_diff), ""),
-               (_num(e.rel_diff), ""), verdict_cell]  # fmt: skip
+        exact = (
+            (f"{_num(e.rel_diff)} ok", "")
+            if e.ok
+            else (f"{_num(e.rel_diff)} DRIFT at {e.worst}", "red")
+        )
+        row = [(name, ""), (f"{e.value:.6g}", ""), exact]
         if report.naive is not None:
             n = report.naive[name]
-            style = "" if n.ok else "yellow"
-            row += [(f"{n.value:.6g}", ""), (_num(n.abs_diff), style),
-                    (_num(n.rel_diff), style), ("" if n.ok else n.worst, "")]  # fmt: skip
+            if n.abs_diff == 0:
+                row += [("same", ""), ("0", ""), ("", "")]
+            else:
+                signed = (n.worst_value - n.value) / abs(n.value) if n.value else math.inf
+                style = "" if n.ok else "yellow"
+                row += [(f"{n.worst_value:.6g}", ""), (_percent(100 * signed), style),
+                        (n.worst, "")]  # fmt: skip
         rows.append(row)
     return header, rows
 
 
 def render(report: AuditReport, console: Any = None) -> None:
-    """Print the table, sorted by drift, and the verdict line.
+    """Print the table, sorted by drift, and the verdict line; about 100 columns wide.
 
     A rich table when rich is installed (or ``console`` is given), plain text otherwise;
     metric names are shown literally either way.
@@ -154,23 +191,27 @@ def render(report: AuditReport, console: Any = None) -> None:
     header, rows = table_rows(report)
     if console is None and not available("rich"):
         plain = [[text for text, _ in row] for row in rows]
-        print(format_table(title, header, plain, right=range(1, len(header))))
+        right = [i for i, col in enumerate(header) if col not in ("metric", "at")]
+        print(format_table(title, header, plain, right=right))
         print(verdict(report))
         return
+    from rich import box
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    if console is None:  # piped output: wide enough for every column
-        console = Console(width=None if Console().is_terminal else 150)
-    table = Table(title=title)
+    if console is None:  # piped output: 100 columns
+        console = Console(width=None if Console().is_terminal else 100)
+    table = Table(
+        title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
+    )
     for col in header:
-        table.add_column(col, justify="left" if col == "metric" else "right",
-                         no_wrap=col in header[:5])  # fmt: skip
+        table.add_column(col, justify="left" if col in ("metric", "at") else "right",
+                         no_wrap=col != "metric", overflow="fold")  # fmt: skip
     for row in rows:
         table.add_row(*(Text(text, style=style) for text, style in row))
     console.print(table)
-    console.print(verdict(report), soft_wrap=True, highlight=False, markup=False)
+    console.print(verdict(report), soft_wrap=False, highlight=False, markup=False)
 
 
 def plot(report: AuditReport, path: str | Path) -> Path:

@@ -92,7 +92,7 @@ def compute_states(
         empty: "omit" leaves empty metrics out; "nan" reports them as NaN.
         quantiles: the quantiles ``dist`` metrics report (the workers' Tracker's).
 
-    Example:
+    Examples:
         >>> a, b = Tracker(), Tracker()
         >>> a.mean("loss", 1.0, weight=1.0); b.mean("loss", 3.0, weight=3.0)
         >>> compute_states([a.state(), b.state()])

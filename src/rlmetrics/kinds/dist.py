@@ -47,7 +47,7 @@ class Dist(ExtraKind):
     one ``name/pXX`` per quantile, exactly as numpy computes them on the whole batch
     (numpy's default 'linear' quantile method).
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> t.dist("len", [1, 2, 3, 4])

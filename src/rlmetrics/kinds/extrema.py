@@ -10,7 +10,7 @@ from rlmetrics.kinds.base import Kind, ResultColumns
 class Max(Kind):
     """Largest element logged (a weight or mask > 0 selects the elements).
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> t.max("len/max", 3); t.max("len/max", 7); t.min("len/min", [3, 7])

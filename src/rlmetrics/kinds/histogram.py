@@ -43,7 +43,7 @@ class Histogram(Kind):
         quantiles: the quantiles to estimate, each in [0, 1].
         report_bins: whether to report the per-bin fractions.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker, register_kind, unregister_kind
         >>> kind = register_kind(Histogram(name="doc_hist", edges=[0, 1, 2, 4]))
         >>> t = Tracker()

@@ -29,7 +29,7 @@ _disagreements: dict[str, int] = {}  # per name, its disagreements warned about 
 class Last(Kind):
     """A replicated value (learning rate, KL coefficient): the value in effect.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> t.last("lr", 1e-3); t.last("lr", 2e-3)

@@ -12,7 +12,7 @@ class Mean(Kind):
 
     Never a mean of means: two pieces of 1 and 3 tokens merge to the 4-token mean.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> t.mean("loss", 1.0, weight=1.0); t.mean("loss", 3.0, weight=3.0)

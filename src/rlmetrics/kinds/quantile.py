@@ -170,7 +170,7 @@ class QuantileSketch(Kind):
         ValueError: naming the argument, when a parameter is out of range or the state
             would exceed ``MAX_SLOTS``.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker, register_kind, unregister_kind
         >>> kind = register_kind(QuantileSketch(name="doc_sketch", alpha=0.01))
         >>> t = Tracker()

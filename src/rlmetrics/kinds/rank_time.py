@@ -79,7 +79,7 @@ class RankTime(PerRank):
     the slowest rank's index (the lowest index on a tie). A rank's total is the sum of
     its entries in the step.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> t.log("timing_s/gen", [0.0, 3.0], [0, 1], kind="rank_time@2")  # rank 1: 3 s
@@ -118,7 +118,7 @@ class RankThroughput(PerRank):
     and n the number of ranks that logged. Never a mean of per-rank rates, which
     over-states the rate whenever the ranks' times differ.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> t.log("perf/throughput", [2.0, 0.0, 60.0], [1, 0, 1], kind="rank_throughput@2")

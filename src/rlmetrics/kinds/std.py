@@ -105,7 +105,7 @@ class MomentTriples(ExtraKind):
 class Std(MomentTriples):
     """Population (ddof=0) standard deviation, weighted, exact when |mean| >> std.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> for x in (1e8 + 1, 1e8 - 1): t.std("x", x)

@@ -11,7 +11,7 @@ class Sum(Kind):
     """Weighted sum of every element logged (a weight multiplies its element; a bool mask
     selects); empty (omitted) when no element with weight > 0 was logged.
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> t.sum("tokens", 3); t.sum("tokens", 4); t.sum("tokens", 5, weight=2)

@@ -4,7 +4,7 @@ Every backend takes ``log(step, metrics)`` and ``close()``; each imports its lib
 in its constructor, so importing this package needs none of them. A failed write
 warns (``LoggerWarning``) and training continues.
 
-Example:
+Examples:
     >>> loggers = build_loggers("jsonl", run_dir=tmp_dir)  # doctest: +SKIP
     >>> loggers.log(1, {"actor/pg_loss": 0.5})  # doctest: +SKIP
 """

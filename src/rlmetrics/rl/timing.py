@@ -43,7 +43,7 @@ def timer(
     the block) it also logs ``timing_per_token_ms/<stage>`` = 1000 · seconds /
     num_tokens, kind ``max`` (its longest entry on the slowest rank; host clock only).
 
-    Example:
+    Examples:
         >>> from rlmetrics import Tracker
         >>> t = Tracker()
         >>> with timer(t, "gen", clock=iter([1.0, 3.5]).__next__):

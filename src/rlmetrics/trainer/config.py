@@ -133,7 +133,7 @@ class AlgoConfig:
         32, "prompts per step (a batch is num_prompts * samples_per_prompt sequences)", metavar="P"
     )
     samples_per_prompt: int = opt(8, "samples per prompt (GRPO's group size n)", metavar="N")
-    mini_batches: int = opt(1, "optimizer steps per epoch (the batch is cut in K)", metavar="K")
+    mini_batches: int = opt(4, "optimizer steps per epoch (the batch is cut in K)", metavar="K")
     epochs: int = opt(1, "passes over the batch per step (PPO epochs)", metavar="E")
     micro_batch_size: int | None = opt(None, "sequences per micro-batch (None: all)", metavar="M")
     max_tokens_per_micro_batch: int | None = opt(
@@ -195,7 +195,7 @@ class AlgoConfig:
 class RunConfig:
     """The run: length, ranks, seed, logging."""
 
-    steps: int = opt(150, "training steps")
+    steps: int = opt(60, "training steps")
     dp: int = opt(2, "data-parallel ranks (spawn launcher; torchrun sets its own)", metavar="D")
     seed: int = opt(
         0, "seed of the model init and of every step's rollout, in [0, 2**32 - 1]", metavar="S"
@@ -217,8 +217,8 @@ class RunConfig:
         metavar="LIST",
         aliases=("--logger",),
     )
-    log_every: int = opt(50, "print a metrics table every k steps (0: never)")
-    progress: bool = opt(True, "show a progress bar")
+    log_every: int = opt(0, "print a table of every metric every k steps (0: never)")
+    progress: bool = opt(True, "print a progress line per step (reward, clip fraction, ...)")
     timeout: float = opt(120.0, "seconds before a missing rank raises in a metrics sync")
     checkpoint_every: int = opt(
         0, "save RUN_DIR/checkpoint.pt every k steps and at the last (0: never)", metavar="K"
@@ -246,7 +246,8 @@ class RunConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MetricsConfig:
-    """Opt-in metrics: the switches of the verl and TRL integrations (all off by default)."""
+    """Opt-in metrics: the switches of the verl and TRL integrations, and the naive
+    values the demo shows (all off by default)."""
 
     per_source: bool = opt(
         False,
@@ -265,6 +266,12 @@ class MetricsConfig:
         "report {actor,critic}/update_time_s (the slowest rank's update time, with /mean, "
         "/min, /slowest_rank) and make perf/mfu/{actor,critic} the whole step's FLOPs over "
         "that time (not a mean of per-rank ratios)",
+    )
+    naive: bool = opt(
+        False,
+        "also report naive/actor/pg_clipfrac and naive/actor/ppo_kl: the mean of "
+        "micro-batch means that a per-micro-batch logger reports (it changes with the "
+        "partition), to compare with the exact values (on in rlmetrics demo)",
     )
 
 

@@ -35,6 +35,9 @@ from rlmetrics.rl.policy import clamped_log_ratio
 from rlmetrics.rl.updates import masked
 from rlmetrics.trainer.task import SOURCES
 
+NAIVE = ("actor/pg_clipfrac", "actor/ppo_kl")
+"""The token means that ``naive`` reports again, naively, as ``naive/<name>``."""
+
 UPDATE_TIME = "update_time_s"
 """The rank-time metric of a learner's update, under its name: ``actor/update_time_s``."""
 
@@ -143,3 +146,22 @@ def finish(metrics: dict[str, float]) -> dict[str, float]:
         if slowest is not None:
             metrics[f"perf/mfu/{learner}"] = ideal / max(slowest, 1e-12)
     return metrics
+
+
+def naive_means(updates: list[rl.MetricUpdate]) -> list[rl.MetricUpdate]:
+    """``naive/<name>`` for each token mean of ``NAIVE`` in one micro-batch's updates.
+
+    Each is the micro-batch's own mean, logged with weight 1 (0 for a micro-batch with
+    no token). The tracker averages them over every micro-batch of every rank: the mean
+    of micro-batch means that a framework logging a float per micro-batch reports (verl's
+    too, when ranks have as many micro-batches). It changes with the partition, by
+    design: the demo prints it next to the exact value.
+    """
+    out = []
+    for update in updates:
+        if update.name in NAIVE:
+            tokens = update.weight.sum()
+            own_mean = update.value.sum() / tokens.clamp(min=1)
+            out.append(rl.MetricUpdate(f"naive/{update.name}", "mean", own_mean,
+                                       (tokens > 0).double()))  # fmt: skip
+    return out

@@ -230,7 +230,7 @@ def train(
         rank, world_size: this rank in the data-parallel group.
         group: the data-parallel process group (None: the default group, if any).
         device: where the models live (default: the CPU).
-        report: write logs and a progress bar (default: on rank 0 only).
+        report: write logs and a progress line per step (default: on rank 0 only).
 
     Returns:
         the metrics of every step this call ran (the same on every rank); a resumed

@@ -208,7 +208,8 @@ def actor_loss(actor: TinyGPT, cfg: AlgoConfig, extra: MetricsConfig | None = No
     Given per-source counts (``optimize(..., per_source=True)``), the same objective
     again over each data source's rows (no gradient, the same forward pass), as
     ``<key>/<source>``; with ``extra.token_quantiles``, the sketches of the tokens'
-    entropy, ratio and KL.
+    entropy, ratio and KL; with ``extra.naive``, the micro-batch's own clip fraction and
+    KL (``extras.naive_means``).
     """
     extra = extra or MetricsConfig()
 
@@ -230,6 +231,8 @@ def actor_loss(actor: TinyGPT, cfg: AlgoConfig, extra: MetricsConfig | None = No
             ref = mb["ref_log_probs"] if cfg.kl_coef else None
             updates += extras.token_quantiles(logp, mb["old_log_probs"], entropy, mask, ref,
                                               cfg.kl_type)  # fmt: skip
+        if extra.naive:
+            updates += extras.naive_means(updates)
         return loss, updates
 
     return loss_fn

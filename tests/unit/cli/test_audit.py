@@ -61,6 +61,19 @@ def test_table_names_metrics_sorted_by_drift_and_ends_with_a_verdict(report) -> 
     order = report.order()
     naive = [report.naive[n].rel_diff for n in order]
     assert naive == sorted(naive, reverse=True)  # no exact drift: by naive spread
+    narrow = Console(record=True, width=100)  # the table reads in a 100-column terminal
+    render(report, narrow)
+    lines = narrow.export_text().splitlines()
+    assert max(map(len, lines)) <= 100 and "…" not in "".join(lines)
+    header = next(line.split() for line in lines if line.startswith("metric"))
+    assert header == ["metric", "value", "exact", "Δ", "naive", "naive", "Δ", "at"]
+    rows = {
+        line.split()[0]: line.split() for line in lines if line.split()[:1] in [[n] for n in order]
+    }
+    assert set(rows) == set(order)  # every name whole, on one line
+    worst = report.naive[order[0]]  # the naive value shown is the furthest partition's
+    assert rows[order[0]][4] == f"{worst.worst_value:.6g}" and rows[order[0]][-1] == worst.worst
+    assert len(lines) <= len(order) + 8  # the exclusions fit on a line or two
 
 
 @pytest.mark.slow  # spawns gloo ranks (the report fixture)
@@ -202,3 +215,24 @@ def test_partition_runs_are_the_checkers_runs() -> None:
     assert assert_partition_invariant(fn, batch) == runs["whole batch"]
     with pytest.raises(TypeError, match="real_ranks"):
         partition_runs(fn, batch, real_ranks=True)
+
+
+def test_the_demos_naive_values_are_the_audits_mean_of_micro_batch_means() -> None:
+    """``naive/actor/pg_clipfrac`` (``MetricsConfig.naive``, on in ``rlmetrics demo``) is the
+    mean of each micro-batch's own clip fraction: what the audit's recording tracker,
+    which keeps every log call's own value, reduces naively. Uneven micro-batches move
+    it away from the exact value."""
+    from dataclasses import replace
+
+    from rlmetrics.trainer.config import MetricsConfig
+    from rlmetrics.trainer.train import setup, train_step
+
+    cfg = audit_config()
+    cfg = replace(cfg, algo=replace(cfg.algo, micro_batch_size=2),
+                  metrics=MetricsConfig(naive=True))  # fmt: skip
+    tracker = RecordingTracker()
+    metrics = train_step(setup(cfg, 0, 1, None, None), 1, tracker)
+    naive = tracker.naive(by_tokens=False)
+    for name in ("actor/pg_clipfrac", "actor/ppo_kl"):
+        assert math.isclose(metrics[f"naive/{name}"], naive[name][1], rel_tol=1e-12), name
+    assert metrics["naive/actor/pg_clipfrac"] != metrics["actor/pg_clipfrac"] > 0

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmetrics.cli import NEXT_STEP, build_parser, config_from_args, main
 from rlmetrics.cli import _audit_report as audit_report
+from rlmetrics.cli import build_parser, command_prefix, config_from_args, main
 from rlmetrics.trainer.config import AlgoConfig, RunConfig, TaskConfig
 from rlmetrics.trainer.launch import rank_device
 
@@ -219,16 +219,35 @@ def test_demo_on_a_missing_gpu_or_through_ray_on_a_gpu_is_a_usage_error(capsys) 
 
 
 # -- a plain install: no rich, no matplotlib ------------------------------------------------
-def test_demo_without_rich_prints_plain_tables_and_ends_pointing_to_audit(
+def test_demo_without_rich_prints_progress_tables_and_a_summary_ending_in_a_command(
     monkeypatch, capsys
 ) -> None:
     hide(monkeypatch, "rich")
     assert main(["demo", *TINY, "--dp", "1", "--steps", "2", "--log-every", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
+    progress = [line for line in out if line.startswith("step ") and "reward" in line]
+    assert [line.split()[1] for line in progress] == ["1/2", "2/2"]
     assert "step 2" in out and any(line.split()[:3] == ["group", "metric", "value"] for line in out)
     assert any(line.split()[:2] == ["actor", "entropy"] for line in out)
-    assert out[-2].startswith("mean reward (critic/score/mean)")
-    assert out[-1] == NEXT_STEP and "rlmetrics audit" in out[-1]
+    summary = out[out.index(progress[-1]) + 1 :]
+    summary = summary[next(i for i, line in enumerate(summary) if "steps on 1 rank" in line) :]
+    assert "mean reward (critic/score/mean)" in summary[0]
+    assert summary[1].startswith("actor/pg_clipfrac at step ") and " exact " in summary[1]
+    assert "mean of micro-batch means" in summary[2]
+    assert summary[-1].startswith(f"next: {command_prefix()} audit --naive")
+
+
+def test_the_closing_hint_is_a_command_that_runs_here(tmp_path, monkeypatch) -> None:
+    """The hint names this installation's script as the user can type it: the bare name
+    when PATH finds this one, else its path (relative from inside a checkout)."""
+    import shutil
+
+    script = Path(sys.executable).parent / "rlmetrics"
+    assert script.exists()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert Path(command_prefix()).resolve() == script.resolve()
+    monkeypatch.setattr(shutil, "which", lambda name: str(script))
+    assert command_prefix() == "rlmetrics"
 
 
 def test_audit_without_rich_renders_plain_text(monkeypatch, capsys) -> None:
@@ -240,8 +259,8 @@ def test_audit_without_rich_renders_plain_text(monkeypatch, capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "metric spread across partitions (vs dp1)"
     assert lines[1].split()[:2] == ["metric", "value"]
-    assert lines[2].split() == ["loss", "2", "0.5", "0.25", "DRIFT", "(dp2)"]
-    assert lines[3].split() == ["acc[top1]", "1", "0", "0", "ok"]
+    assert lines[2].split() == ["loss", "2", "0.25", "DRIFT", "at", "dp2"]
+    assert lines[3].split() == ["acc[top1]", "1", "0", "ok"]
     assert lines[4].startswith("1 metrics invariant to 1e-09; 1 drift")
 
 

@@ -77,7 +77,7 @@ class MetricsAggregator:
         aggregation_rules: verl's exact-name rules, ``{"sum": [...], "last": [...]}``;
             edit it before adding metrics, as in verl.
 
-    Example:
+    Examples:
         >>> agg = MetricsAggregator()
         >>> agg.add_step_metrics({"actor/pg_loss/mean": 1.0}, sample_count=1)
         >>> agg.add_step_metrics({"actor/pg_loss/mean": 3.0}, sample_count=3)

@@ -77,7 +77,7 @@ class Metric:
         aggregation: "mean", "sum", "min", "max" or an ``AggregationType``.
         value: a first value, or a list of values.
 
-    Example:
+    Examples:
         >>> m = Metric("mean")
         >>> m.append(1.0, weight=1); m.append(3.0, weight=3)
         >>> m.aggregate()
