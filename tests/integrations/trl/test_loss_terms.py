@@ -90,6 +90,16 @@ def test_moe_trains_as_trl_and_logs_whole_batch_numpy(
         _check_against_numpy(exact)
 
 
+# the rows of the MoE drift table in docs/trl.md (printed by the test below, pytest -s)
+DRIFT_ROWS = [
+    (1, "entropy"),
+    (2, "clip_ratio/region_mean"),
+    (2, "clip_ratio/high_max"),
+    (1, "aux_loss"),
+    (1, "loss"),
+]
+
+
 @pytest.mark.parametrize("group", ["one_process", "two_processes"])
 def test_moe_plain_trl_drifts_and_exact_does_not(
     group: str, request: pytest.FixtureRequest
@@ -99,6 +109,7 @@ def test_moe_plain_trl_drifts_and_exact_does_not(
     change with the split. The load-balancing loss is computed per micro-batch, so
     `aux_loss` (and the gradient, hence later steps) depends on the split for both."""
     runs, splits = _moe_runs(group, request)
+    print(reference.drift_table(runs, ("plain" + MOE, "exact" + MOE), splits, DRIFT_ROWS))
     exact, plain = spread(runs, "exact" + MOE, splits), spread(runs, "plain" + MOE, splits)
     drifting = {k: v for k, v in exact.items() if k[0] == 1 and v > TOL}
     assert set(key for _, key in drifting) <= PER_MICRO_BATCH | {"grad_norm"}, drifting
@@ -160,6 +171,8 @@ def test_variant_trains_as_trl_and_logs_whole_batch_numpy(
     for step, key in drifts:
         theirs = next(entry for entry in plain[0]["logs"] if entry["step"] == step)
         want = reference.expected(captures, step, plain[0]["spec"])
+        mine = next(entry for entry in exact[0]["logs"] if entry["step"] == step)[key]
+        print(f"| {name} {p}x{a} | `{key}` | {step} | {theirs[key]:.6g} | {mine:.6g} |")
         assert not close(theirs[key], want[key]), (name, step, key, theirs[key], want[key])
 
 
