@@ -29,6 +29,10 @@ import reference
 from grpo_runs import LOSS_VARIANTS, ONE_PROCESS, TWO_PROCESSES, RunSpec
 from reference import TOL, close, logged, mismatches, spread
 
+# the one-process MoE fixture is 12 runs; under a loaded CI machine it outlasts the
+# suite's default of 300 s per test
+pytestmark = pytest.mark.timeout(900)
+
 MOE = "+qwen3_moe"
 # the terms TRL computes per micro-batch: their keys depend on the split by definition
 PER_MICRO_BATCH = {"aux_loss", "loss"}
