@@ -18,7 +18,10 @@ seconds per optimizer step.
 
 The hooks override private methods of ``trl==1.16.0`` (``_compute_loss``,
 ``_calculate_rewards``, ``_generate``, ``_generate_and_score_completions``,
-``_log_metric``, ``log``); another TRL version is refused rather than trusted.
+``_log_metric``, ``log``); another TRL version is refused rather than trusted. Every
+loss type and loss term of TRL 1.16 trains as in ``GRPOTrainer`` (the MoE load-balancing
+loss, the entropy bonus, fixed or adaptive, the high-entropy token mask, the off-policy
+sequence mask, either reward aggregation); vLLM generation is refused.
 
 ``extra_metrics=ExtraMetrics(...)`` (off by default) adds keys TRL does not have:
 per value of a dataset column (``by_column``), quantiles of per-token quantities
@@ -39,12 +42,15 @@ import torch
 from rlmetrics.integrations._labels import DeclaringLabels
 from rlmetrics.integrations.trl_loss import (
     TOKEN_QUANTILE_STATS,
+    TOKEN_SUM_LOSS_TYPES,
     LossConfig,
     Normalizer,
     aggregate_loss,
+    finish_loss,
     finish_token_quantiles,
     importance_ratio,
     kl_k3,
+    log_extra_loss_terms,
     log_policy_metrics,
     log_token_quantiles,
     per_token_policy_loss,
@@ -54,6 +60,7 @@ from rlmetrics.integrations.trl_rollout import (
     log_completions,
     log_rewards,
     zero_std_groups,
+    zero_std_normalized_sum,
 )
 from rlmetrics.tracker import LogMethods, Tracker
 
@@ -110,6 +117,20 @@ BNPO_WARNING = (
     "x processes; the logged `loss` is that split-dependent value (every other metric is "
     "split-invariant). loss_type='dapo' is the split-invariant token mean."
 )
+# the other loss terms TRL 1.16 computes per micro-batch, so that the objective (and the
+# keys that report it) depends on the split: setting -> (why, the keys)
+SPLIT_DEPENDENT_TERMS = {
+    "router_aux_loss_coef": (
+        "the MoE load-balancing loss is computed per micro-batch (a product of two means "
+        "over its tokens, not a mean of per-token values)",
+        "`aux_loss` and `loss`",
+    ),
+    "top_entropy_quantile": (
+        "the entropy threshold is a quantile over one micro-batch's tokens (of every process)",
+        "`policy_loss` and `loss`",
+    ),
+    "entropy_coef": ("the entropy bonus is one micro-batch's token mean", "`loss`"),
+}
 
 
 # the generation batch's key that carries each completion's label to the micro-batches
@@ -202,17 +223,41 @@ def dataset_labels(datasets: Sequence[Any], column: str) -> list[str] | None:
     return sorted(values)
 
 
-def _unsupported(trainer: Any) -> list[str]:
-    """The settings whose loss terms or metrics this trainer does not implement."""
-    checks = {
-        "use_vllm": trainer.use_vllm,
+# the settings this trainer refuses, and why
+UNSUPPORTED = {
+    "use_vllm": (
+        "vLLM's importance-sampling correction of the loss and its sampling/* metrics are "
+        "not implemented: vLLM does not run on the CPU, where these hooks are tested"
+    ),
+}
+
+
+def _unsupported(trainer: Any) -> dict[str, str]:
+    """The settings in effect whose loss terms or metrics this trainer does not
+    implement, each with the reason."""
+    checks = {"use_vllm": trainer.use_vllm}
+    return {name: UNSUPPORTED[name] for name, bad in checks.items() if bad}
+
+
+def split_dependence_warning(trainer: Any) -> str | None:
+    """The warning for the loss terms in effect that TRL computes per micro-batch (None
+    when there are none): the objective, and the keys that report it, then depend on
+    the split, in ``GRPOTrainer`` as here."""
+    in_effect = {
+        "router_aux_loss_coef": trainer.aux_loss_enabled,
         "top_entropy_quantile": trainer.top_entropy_quantile < 1.0,
-        "off_policy_mask_threshold": trainer.off_policy_mask_threshold is not None,
-        "entropy_coef/use_adaptive_entropy": trainer._entropy_bonus_enabled,
-        "router_aux_loss_coef (MoE aux loss)": trainer.aux_loss_enabled,
-        "multi_objective_aggregation": trainer.multi_objective_aggregation != "sum_then_normalize",
+        "entropy_coef": trainer._entropy_bonus_enabled,
     }
-    return [name for name, bad in checks.items() if bad]
+    terms = [SPLIT_DEPENDENT_TERMS[name] for name, on in in_effect.items() if on]
+    if not terms:
+        return None
+    why = "; ".join(f"{reason} ({keys})" for reason, keys in terms)
+    return (
+        f"ExactGRPOTrainer: as in trl.GRPOTrainer, {why}: the loss and its gradient depend "
+        "on per_device_train_batch_size x gradient_accumulation_steps x processes, and "
+        "those keys log that split-dependent value, exactly (every other metric is "
+        "split-invariant for the same weights)."
+    )
 
 
 def column_labels(
@@ -252,9 +297,13 @@ class ExactGRPOTrainer(GRPOTrainer):
     Raises:
         RuntimeError: the installed TRL is not a tested version.
         ValueError: a setting whose loss or metrics this trainer does not implement
-            (``loss_type`` other than grpo/bnpo/dr_grpo/dapo, vLLM, entropy masking or
-            bonus, off-policy masks, MoE aux loss, ``normalize_then_sum``).
+            (vLLM generation), with the reason.
     """
+
+    # the adaptive entropy controller's state, which GRPOTrainer sets up (and checkpoints)
+    entropy_coef: float
+    _last_world_entropy: float
+    _entropy_window_stats: torch.Tensor | None
 
     def __init__(
         self, *args: Any, extra_metrics: ExtraMetrics | None = None, **kwargs: Any
@@ -263,9 +312,10 @@ class ExactGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         unsupported = _unsupported(self)
         if unsupported:
+            reasons = "; ".join(f"{name}: {why}" for name, why in unsupported.items())
             raise ValueError(
-                f"ExactGRPOTrainer does not implement these GRPOConfig settings: {unsupported}; "
-                "use trl.GRPOTrainer for them"
+                f"ExactGRPOTrainer does not implement these GRPOConfig settings: {reasons}. "
+                "Use trl.GRPOTrainer for them"
             )
         self._loss_config = LossConfig(
             loss_type=self.loss_type,
@@ -276,9 +326,14 @@ class ExactGRPOTrainer(GRPOTrainer):
             importance_sampling_level=self.importance_sampling_level,
             use_bias_correction_kl=self.args.use_bias_correction_kl,
             max_completion_length=self.max_completion_length,
+            sapo_temperature_pos=self.args.sapo_temperature_pos,
+            sapo_temperature_neg=self.args.sapo_temperature_neg,
         )
         if self.loss_type == "bnpo":
             warnings.warn(BNPO_WARNING, stacklevel=2)
+        split_dependence = split_dependence_warning(self)
+        if split_dependence is not None:
+            warnings.warn(split_dependence, stacklevel=2)
         self.extra_metrics = extra_metrics or ExtraMetrics()
         self.exact_trackers = {"train": Tracker(), "eval": Tracker()}
         self._labelled_logs: dict[str, LogMethods] = dict(self.exact_trackers)
@@ -315,12 +370,13 @@ class ExactGRPOTrainer(GRPOTrainer):
         mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
-        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
             input_ids,
             attention_mask,
             inputs["completion_ids"].size(1),
             compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KEYS},
         )
         advantages = inputs["advantages"]
@@ -328,15 +384,54 @@ class ExactGRPOTrainer(GRPOTrainer):
             advantages = advantages.unsqueeze(1)
         old = inputs.get("old_per_token_logps")
         old = per_token_logps.detach() if old is None else old
+        # TRL's own masks and weights (its gathers and formulas, so training is TRL's)
+        keep, entropy_mask = self._loss_masks(
+            inputs, entropies, mask, advantages, per_token_logps, old
+        )
+        gamma_weights = None
+        if config.loss_type == "vespo":
+            gamma_weights = self.get_gamma_weights(
+                advantages=advantages,
+                log_ratio_per_token=per_token_logps - old,
+                mask=mask,
+                importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+                k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg,
+                lambda_neg=self.args.vespo_lambda_neg,
+            )
         ratio = importance_ratio(per_token_logps, old, mask, config.importance_sampling_level)
         per_token_kl = None
         if config.beta != 0.0:
             per_token_kl = kl_k3(inputs["ref_per_token_logps"], per_token_logps)
             if config.use_bias_correction_kl:
                 per_token_kl = per_token_kl * ratio
-        per_token_loss = per_token_policy_loss(ratio, advantages, config, per_token_kl)
+        per_token_loss = per_token_policy_loss(
+            ratio,
+            advantages,
+            config,
+            per_token_kl,
+            per_token_logps=per_token_logps,
+            gamma_weights=gamma_weights,
+            keep=keep,
+        )
         log = self.exact_trackers[mode]
         loss = aggregate_loss(per_token_loss, mask, config, self._normalizer(mode, inputs), log)
+        steps = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        bonus = None
+        if self._entropy_bonus_enabled:
+            effective = mask if entropy_mask is None else mask * entropy_mask
+            coefficient = self._entropy_coefficient()
+            micro_mean = (entropies * effective).sum() / effective.sum().clamp(min=1.0)
+            loss = loss - coefficient * (micro_mean / steps)
+            bonus = coefficient * micro_mean
+            if mode == "train":
+                self._update_adaptive_entropy(entropies, effective)
+                if self.accelerator.sync_gradients:  # the coefficient after the step, as TRL
+                    log.last("entropy_coef", self.entropy_coef)
+        if aux_loss is not None:  # the MoE load-balancing loss, scaled as TRL scales it
+            loss = loss + self.router_aux_loss_coef * aux_loss / steps
+        log_extra_loss_terms(log, entropy_bonus=bonus, aux_loss=aux_loss)
         log_policy_metrics(
             self._labelled_log(mode),
             mask=mask,
@@ -345,6 +440,7 @@ class ExactGRPOTrainer(GRPOTrainer):
             advantages=advantages,
             per_token_kl=per_token_kl,
             config=config,
+            gamma_weights=gamma_weights,
             by=inputs.get(LABELS_KEY),
         )
         if self.extra_metrics.tokens_per_second and mode == "train":
@@ -355,9 +451,75 @@ class ExactGRPOTrainer(GRPOTrainer):
             )
         return loss
 
+    def _loss_masks(
+        self,
+        inputs: dict[str, Any],
+        entropies: torch.Tensor,
+        mask: torch.Tensor,
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        old_per_token_logps: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The masks TRL multiplies the per-token loss by, in its order (the off-policy
+        sequence mask, the high-entropy token mask), and the entropy mask alone (the
+        entropy bonus acts on its tokens)."""
+        keep = []
+        if self.off_policy_mask_threshold is not None:
+            keep.append(
+                self.get_off_policy_mask(
+                    advantages=advantages,
+                    per_token_logps=per_token_logps,
+                    sampling_per_token_logps=inputs.get(
+                        "sampling_per_token_logps", old_per_token_logps
+                    ),
+                    mask=mask,
+                    off_policy_threshold=self.off_policy_mask_threshold,
+                )
+            )
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(
+                entropies, mask, 1 - self.top_entropy_quantile
+            )
+            keep.append(entropy_mask)
+        return keep, entropy_mask
+
+    def _entropy_coefficient(self) -> float:
+        """The coefficient this step's entropy bonus applies: ``entropy_coef``, or, under
+        adaptive control, that only while the last step's entropy was at or below the
+        target (TRL's gate)."""
+        if not self.use_adaptive_entropy:
+            return float(self.entropy_coef)
+        gate_open = self._last_world_entropy <= self.args.entropy_target
+        return float(self.entropy_coef) if gate_open else 0.0
+
+    def _update_adaptive_entropy(self, entropies: torch.Tensor, effective: torch.Tensor) -> None:
+        """TRL's adaptive entropy controller: sum the step's entropy over the tokens the
+        bonus acts on, and at the step's end move ``entropy_coef`` by ``entropy_coef_delta``
+        towards keeping the entropy (all processes' token mean) at ``entropy_target``.
+        That mean is one reduce and one host read per optimizer step: the controller
+        needs it before the next step, in GRPOTrainer as here."""
+        if not self.use_adaptive_entropy:
+            return
+        stats = torch.stack([(entropies * effective).sum(), effective.sum()]).detach()
+        window = self._entropy_window_stats
+        window = stats if window is None else window + stats
+        self._entropy_window_stats = window
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(window, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        args, coef = self.args, float(self.entropy_coef)
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
+
     def _normalizer(self, mode: str, inputs: dict[str, Any]) -> Normalizer:
         steps = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type != "dapo":
+        if self.loss_type not in TOKEN_SUM_LOSS_TYPES:
             return Normalizer(accumulation_steps=steps)
         tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":  # one optimizer step's share of the generation batch
@@ -406,7 +568,10 @@ class ExactGRPOTrainer(GRPOTrainer):
         scored = ~torch.isnan(rewards_per_func).all(dim=1)
         rewards = torch.where(scored, (rewards_per_func * weights).nansum(dim=1), torch.nan)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        is_std_zero = zero_std_groups(rewards, num_generations, self.scale_rewards)
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            is_std_zero = zero_std_normalized_sum(rewards_per_func, weights, num_generations)
+        else:
+            is_std_zero = zero_std_groups(rewards, num_generations, self.scale_rewards)
         start = self.accelerator.process_index * num_local
         local = slice(start, start + num_local)
         log_rewards(
@@ -443,6 +608,7 @@ class ExactGRPOTrainer(GRPOTrainer):
                 tracker.max(SLOWEST_SECONDS, self._window_seconds)
             self._window_seconds, self._window_steps = 0.0, 0
         results = finish_token_quantiles(finish_results(tracker.compute()))
+        results = finish_loss(results, aux_loss_coef=self.router_aux_loss_coef)
         tokens, seconds = results.pop(WINDOW_TOKENS, None), results.pop(SLOWEST_SECONDS, None)
         if tokens is not None and seconds:
             results["tokens_per_second/total"] = tokens / seconds

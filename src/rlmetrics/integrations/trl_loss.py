@@ -12,11 +12,19 @@ split into processes, micro-batches and accumulation steps:
 - ``clip_ratio/low_min``: the smallest, over the window's sequences, per-sequence
   fraction of low-clipped tokens; ``clip_ratio/high_max``: the largest per-sequence
   fraction of high-clipped tokens.
+- ``cispo_clip_ratio`` (``cispo``): the fraction of tokens whose ratio was capped, token
+  weighted; ``vespo/phi_seq_mean`` (``vespo``): the mean, over the window's sequences, of
+  each sequence's gamma weight. Clip ratios are logged for the clipped loss types only
+  (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``), as TRL does.
 - ``loss``: what the loss type averages, over the whole window: per-sequence token means
-  averaged over sequences (``grpo``), per-sequence token sums over
-  ``max_completion_length`` averaged over sequences (``dr_grpo``), a token mean
-  (``dapo``). ``bnpo`` averages token means of micro-batches, so its loss (and its
+  averaged over sequences (``grpo``, ``sapo``), per-sequence token sums over
+  ``max_completion_length`` averaged over sequences (``dr_grpo``), per-sequence token
+  sums averaged over sequences (``luspo``), a token mean (``dapo``, ``cispo``,
+  ``vespo``). ``bnpo`` averages token means of micro-batches, so its loss (and its
   gradient) depends on the micro-batch size; it is logged as such, with a warning.
+  The policy part is logged as ``policy_loss``; ``finish_loss`` adds the terms TRL adds
+  per micro-batch (the entropy bonus, the MoE load-balancing loss), each a mean over the
+  window's micro-batches, as the objective weighs them.
 
 Given ``by`` (one label per sequence), ``entropy``, ``kl`` and the clip ratios are also
 logged per label as ``<key>/<label>``: the same meaning over that label's sequences.
@@ -38,7 +46,19 @@ from torch import Tensor
 from rlmetrics.tracker import LogMethods
 
 # the loss types whose loss this module computes (and TRL 1.16 computes the same way)
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# those with a clipped surrogate, whose clip ratios TRL logs
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# the loss types normalised by the tokens of the whole optimizer step
+TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
+
+# the policy part of the loss, as logged (the loss type's aggregate, over the window)
+POLICY_LOSS = "policy_loss"
+# hidden: each micro-batch's entropy bonus (its coefficient times its token mean of
+# entropy), averaged over the window's micro-batches
+ENTROPY_BONUS = "loss/_entropy_bonus"
+# each micro-batch's MoE load-balancing loss, averaged over the window's micro-batches
+AUX_LOSS = "aux_loss"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +74,8 @@ class LossConfig:
         importance_sampling_level: "token" or "sequence".
         use_bias_correction_kl: multiply the per-token KL by the ratio.
         max_completion_length: ``dr_grpo``'s constant normaliser.
+        sapo_temperature_pos: ``sapo``'s gate temperature for positive advantages.
+        sapo_temperature_neg: ``sapo``'s gate temperature for the others.
     """
 
     loss_type: str
@@ -64,6 +86,8 @@ class LossConfig:
     importance_sampling_level: str
     use_bias_correction_kl: bool
     max_completion_length: int
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -83,8 +107,9 @@ class Normalizer:
 
     Attributes:
         accumulation_steps: micro-batches per optimizer step (1 in evaluation).
-        dapo_tokens: ``dapo``'s divisor, the tokens one optimizer step's share of the
-            generation batch holds on this process (unused by other loss types).
+        dapo_tokens: the divisor of ``dapo``, ``cispo`` and ``vespo``: the tokens one
+            optimizer step's share of the generation batch holds on this process
+            (unused by other loss types).
     """
 
     accumulation_steps: float
@@ -110,38 +135,116 @@ def kl_k3(ref_per_token_logps: Tensor, per_token_logps: Tensor) -> Tensor:
 
 
 def per_token_policy_loss(
-    ratio: Tensor, advantages: Tensor, config: LossConfig, per_token_kl: Tensor | None
+    ratio: Tensor,
+    advantages: Tensor,
+    config: LossConfig,
+    per_token_kl: Tensor | None,
+    *,
+    per_token_logps: Tensor,
+    gamma_weights: Tensor | None = None,
+    keep: Sequence[Tensor] = (),
 ) -> Tensor:
-    """The clipped surrogate (negated, to minimise), plus ``beta`` times the KL."""
-    clipped = torch.clamp(ratio, 1 - config.epsilon_low, 1 + config.epsilon_high)
-    if config.delta is not None:
-        ratio = torch.clamp(ratio, max=config.delta)
-    loss = -torch.min(ratio * advantages, clipped * advantages)
+    """TRL's per-token loss (to minimise): the loss type's policy term, times each mask
+    of ``keep`` (the off-policy and the high-entropy masks), plus ``beta`` times the KL.
+
+    ``cispo`` and ``vespo`` weigh the log-probabilities (``per_token_logps``); ``vespo``
+    by its gamma weights (``gamma_weights``, one per sequence, from TRL).
+
+    Raises:
+        ValueError: ``vespo`` without its gamma weights.
+    """
+    loss = _policy_term(ratio, advantages, config, per_token_logps, gamma_weights)
+    for mask in keep:
+        loss = loss * mask
     if per_token_kl is not None:
         loss = loss + config.beta * per_token_kl
     return loss
 
 
+def _policy_term(
+    ratio: Tensor,
+    advantages: Tensor,
+    config: LossConfig,
+    per_token_logps: Tensor,
+    gamma_weights: Tensor | None,
+) -> Tensor:
+    if config.loss_type == "cispo":
+        capped = torch.clamp(ratio, max=config.epsilon_high).detach()
+        return -capped * advantages * per_token_logps
+    if config.loss_type == "sapo":
+        temperatures = torch.where(
+            advantages > 0, config.sapo_temperature_pos, config.sapo_temperature_neg
+        )
+        gate = torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures
+        return -gate * advantages
+    if config.loss_type == "vespo":
+        if gamma_weights is None:
+            raise ValueError("loss_type='vespo' needs the gamma weights of its sequences")
+        return -gamma_weights * advantages * per_token_logps
+    clipped = torch.clamp(ratio, 1 - config.epsilon_low, 1 + config.epsilon_high)
+    if config.delta is not None:
+        ratio = torch.clamp(ratio, max=config.delta)
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
 def aggregate_loss(
     per_token_loss: Tensor, mask: Tensor, config: LossConfig, scale: Normalizer, log: LogMethods
 ) -> Tensor:
-    """The micro-batch's loss for backward; logs ``loss`` with its meaning's weights."""
+    """The micro-batch's loss for backward; logs its value as ``policy_loss`` with its
+    meaning's weights."""
     masked = per_token_loss * mask
     loss_type = config.loss_type
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
-        log.mean("loss", per_seq.detach())
+        log.mean(POLICY_LOSS, per_seq.detach())
         return per_seq.mean() / scale.accumulation_steps
     if loss_type == "dr_grpo":
         per_seq = masked.sum(-1) / config.max_completion_length
-        log.mean("loss", per_seq.detach())
+        log.mean(POLICY_LOSS, per_seq.detach())
+        return per_seq.mean() / scale.accumulation_steps
+    if loss_type == "luspo":
+        per_seq = masked.sum(-1)
+        log.mean(POLICY_LOSS, per_seq.detach())
         return per_seq.mean() / scale.accumulation_steps
     if loss_type == "bnpo":
         micro = masked.sum() / mask.sum().clamp(min=1.0)
-        log.mean("loss", micro.detach())  # one value per micro-batch: split-dependent
+        log.mean(POLICY_LOSS, micro.detach())  # one value per micro-batch: split-dependent
         return micro / scale.accumulation_steps
-    log.mean("loss", _zero_masked(per_token_loss.detach(), mask), weight=mask)  # dapo
+    # dapo, cispo, vespo: a token mean over the optimizer step
+    token_loss = _zero_masked(per_token_loss.detach(), mask)
+    log.mean(POLICY_LOSS, token_loss, weight=mask)
     return masked.sum() / scale.dapo_tokens
+
+
+def log_extra_loss_terms(
+    log: LogMethods, *, entropy_bonus: Tensor | None, aux_loss: Tensor | None
+) -> None:
+    """Log the terms TRL adds to one micro-batch's loss, one value per micro-batch (the
+    weight each has in the objective): the entropy bonus, its coefficient applied
+    (subtracted), and the MoE load-balancing loss (added, times its coefficient)."""
+    if entropy_bonus is not None:
+        log.mean(ENTROPY_BONUS, entropy_bonus.detach())
+    if aux_loss is not None:
+        log.mean(AUX_LOSS, aux_loss.detach())
+
+
+def finish_loss(results: dict[str, float], *, aux_loss_coef: float) -> dict[str, float]:
+    """``loss`` from its logged parts, as the objective sums them: ``policy_loss`` minus
+    the entropy bonus plus ``aux_loss_coef`` times ``aux_loss``. ``policy_loss`` stays
+    a key when there is an entropy bonus (TRL logs it then), else it is ``loss``."""
+    out = dict(results)
+    bonus = out.pop(ENTROPY_BONUS, None)
+    policy = out.pop(POLICY_LOSS, None)
+    if policy is None:
+        return out
+    loss = policy
+    if bonus is not None:
+        out[POLICY_LOSS] = policy
+        loss = loss - bonus
+    if AUX_LOSS in out:
+        loss = loss + aux_loss_coef * out[AUX_LOSS]
+    out["loss"] = loss
+    return out
 
 
 def log_policy_metrics(
@@ -153,13 +256,44 @@ def log_policy_metrics(
     advantages: Tensor,
     per_token_kl: Tensor | None,
     config: LossConfig,
+    gamma_weights: Tensor | None = None,
     by: Sequence[str] | None = None,
 ) -> None:
-    """Log entropy, KL and the clip ratios of one micro-batch (device tensors, no sync);
-    with ``by`` (one label per sequence), each also per label."""
+    """Log entropy, KL and the loss type's own metrics of one micro-batch (device
+    tensors, no sync): the clip ratios, ``cispo_clip_ratio`` or ``vespo/phi_seq_mean``.
+    With ``by`` (one label per sequence), entropy, KL and the clip ratios also per label."""
     entropies = _zero_masked(entropies.detach(), mask)
     kl = None if per_token_kl is None else _zero_masked(per_token_kl.detach(), mask)
     ratio = ratio.detach()
+    per_sequence = ratio.shape[-1] == 1  # one ratio per sequence: each sequence weighs 1
+    for labels in (None, by) if by is not None else (None,):
+        log.mean("entropy", entropies, weight=mask, by=labels)
+        if kl is not None:
+            log.mean("kl", kl, weight=mask, by=labels)
+        if config.loss_type in CLIPPED_LOSS_TYPES:
+            _log_clip_ratios(log, mask, ratio, advantages, config, labels)
+    if config.loss_type == "cispo":
+        capped = (ratio > config.epsilon_high) & (advantages > 0)
+        if per_sequence:
+            log.mean("cispo_clip_ratio", capped.squeeze(-1))
+        else:
+            log.mean("cispo_clip_ratio", capped, weight=mask)
+    if gamma_weights is not None:
+        log.mean("vespo/phi_seq_mean", gamma_weights.detach().squeeze(-1))
+
+
+def _log_clip_ratios(
+    log: LogMethods,
+    mask: Tensor,
+    ratio: Tensor,
+    advantages: Tensor,
+    config: LossConfig,
+    labels: Sequence[str] | None,
+) -> None:
+    """The clip ratios of the clipped loss types, of the ratio as the loss used it
+    (capped at ``delta`` when set, as TRL counts it)."""
+    if config.delta is not None:
+        ratio = torch.clamp(ratio, max=config.delta)
     low = (ratio < 1 - config.epsilon_low) & (advantages < 0)
     high = (ratio > 1 + config.epsilon_high) & (advantages > 0)
     if ratio.shape[-1] == 1:  # one ratio per sequence: each sequence weighs 1
@@ -174,15 +308,11 @@ def log_policy_metrics(
         high_frac = (high * mask).sum(-1) / tokens.clamp(min=1)
         has_tokens = tokens > 0
     region = low | high
-    for labels in (None, by) if by is not None else (None,):
-        log.mean("entropy", entropies, weight=mask, by=labels)
-        if kl is not None:
-            log.mean("kl", kl, weight=mask, by=labels)
-        log.mean("clip_ratio/low_mean", low, weight=weight, by=labels)
-        log.mean("clip_ratio/high_mean", high, weight=weight, by=labels)
-        log.mean("clip_ratio/region_mean", region, weight=weight, by=labels)
-        log.min("clip_ratio/low_min", low_frac, mask=has_tokens, by=labels)
-        log.max("clip_ratio/high_max", high_frac, mask=has_tokens, by=labels)
+    log.mean("clip_ratio/low_mean", low, weight=weight, by=labels)
+    log.mean("clip_ratio/high_mean", high, weight=weight, by=labels)
+    log.mean("clip_ratio/region_mean", region, weight=weight, by=labels)
+    log.min("clip_ratio/low_min", low_frac, mask=has_tokens, by=labels)
+    log.max("clip_ratio/high_max", high_frac, mask=has_tokens, by=labels)
 
 
 # the sketch metrics' name suffix, and the statistics reported of each

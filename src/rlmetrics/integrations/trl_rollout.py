@@ -13,7 +13,9 @@ generation batches, processes and accumulation steps the window spans:
   kind needs; the relative error of the variance is about 1e-16 x mean^2 / variance,
   far below 1e-6 while |mean| / std < 1e4, as rewards are).
 - ``frac_reward_zero_std``: the fraction of completions whose group (or batch, with
-  ``scale_rewards="batch"``) has rewards of zero spread.
+  ``scale_rewards="batch"``) has rewards of zero spread; with
+  ``multi_objective_aggregation="normalize_then_sum"``, whose generation batch has
+  summed normalised rewards of zero spread (the spread TRL's advantages divide by).
 - ``completions/*``: means, minima and maxima over completions; ``*_terminated_length``
   over completions that ended with EOS (0 when none did, as TRL reports).
 
@@ -63,6 +65,34 @@ def zero_std_groups(rewards: Tensor, num_generations: int, scale_rewards: str) -
         return torch.ones(rewards.shape[0], dtype=torch.bool, device=rewards.device)
     std = _nan_sample_std(rewards.view(-1, num_generations))
     return torch.isclose(std, torch.zeros_like(std)).repeat_interleave(num_generations)
+
+
+def zero_std_normalized_sum(
+    rewards_per_func: Tensor, reward_weights: Tensor, num_generations: int
+) -> Tensor:
+    """Per completion, under ``multi_objective_aggregation="normalize_then_sum"``: do the
+    generation batch's rewards, each function's normalised within its group and then
+    summed with the weights, have zero spread? (TRL 1.16's aggregation: a completion no
+    function scored is left out; a group of one normalises to its deviation, 0.)
+
+    ``rewards_per_func`` is the whole generation batch (every process's rows), one
+    column per reward function, NaN where a function does not apply.
+    """
+    num_funcs = rewards_per_func.shape[1]
+    grouped = rewards_per_func.view(-1, num_generations, num_funcs)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    if num_generations > 1:
+        std = _nan_sample_std(grouped.transpose(1, 2)).unsqueeze(1)
+    else:
+        std = torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + 1e-4)).view(-1, num_funcs)
+    summed = (normalized * reward_weights.to(normalized.device)).nansum(dim=1)
+    summed[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    if summed.numel() > 1:
+        spread = _nan_sample_std(summed.unsqueeze(0))
+    else:
+        spread = torch.zeros(1, device=summed.device)
+    return torch.isclose(spread, torch.zeros_like(spread)).expand(summed.shape[0])
 
 
 def _nan_sample_std(rows: Tensor) -> Tensor:

@@ -14,6 +14,19 @@ pytest.importorskip("trl", reason="needs the .venv-trl environment (make test-tr
 sys.path.insert(0, str(Path(__file__).parent))
 import grpo_runs
 
+# transformers 5.24's deprecations that TRL 1.16 itself triggers, on every run: GRPOConfig
+# sets `gradient_checkpointing` (its default) and GRPOTrainer reads
+# `model.is_gradient_checkpointing`. Known noise, not ours: a green run reads as green.
+TRL_NOISE = (
+    "ignore:`gradient_checkpointing` is deprecated:FutureWarning",
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in TRL_NOISE:
+        config.addinivalue_line("filterwarnings", line)
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

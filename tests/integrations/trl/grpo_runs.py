@@ -41,6 +41,8 @@ ONE_PROCESS = [(8, 1), (4, 2), (2, 4)]
 TWO_PROCESSES = [(4, 1), (2, 2), (1, 4)]
 EXTRA = {"by_column": SOURCE_COLUMN, "token_quantiles": True, "tokens_per_second": True}
 EXTRA_SPLITS = [(2, 2), (1, 4)]
+# an options entry that names a variant in RunSpec.key (taken out before GRPOConfig)
+TAG = "tag"
 # the "late" order: the dataset in this order, unshuffled, so that on two processes the
 # first generation batch (steps 1-2) holds short prompts only and the second (steps
 # 3-4) brings the first long one: a source that first turns up at step 3
@@ -69,6 +71,7 @@ class RunSpec:
     logging_steps: int = 1
     extra: dict[str, Any] | None = None  # ExtraMetrics' fields (exact only); None: off
     order: str = "shuffled"  # the dataset: PROMPTS shuffled, or "late" (LATE_PROMPTS)
+    model: str = "qwen2"  # or "qwen3_moe": the tiny MoE model (MOE_SUBDIR)
 
     @property
     def split(self) -> str:
@@ -76,14 +79,19 @@ class RunSpec:
 
     @property
     def key(self) -> tuple[str, str]:
-        """(trainer, split), the trainer marked "+extra" when ExtraMetrics is on (and
-        "+late" for the late order)."""
+        """(trainer, split), the trainer marked "+extra" when ExtraMetrics is on, "+late"
+        for the late order, "+<model>" for another model and "+<tag>" for the options'
+        ``TAG`` entry, which names a variant (it is no GRPOConfig field)."""
         trainer = self.trainer + ("+extra" if self.extra is not None else "")
-        return (trainer + ("+late" if self.order == "late" else ""), self.split)
+        trainer += "+late" if self.order == "late" else ""
+        trainer += "" if self.model == "qwen2" else f"+{self.model}"
+        trainer += f"+{self.options[TAG]}" if TAG in self.options else ""
+        return (trainer, self.split)
 
 
 def build_model_dir(path: Path) -> Path:
-    """A word-level tokenizer and a 2-layer, 32-wide Qwen2, saved without any download."""
+    """A word-level tokenizer and a 2-layer, 32-wide Qwen2, saved without any download;
+    in ``path / MOE_SUBDIR`` the same tokenizer and a tiny Qwen3-MoE."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -112,7 +120,40 @@ def build_model_dir(path: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    _build_moe(path / MOE_SUBDIR, len(vocab), vocab["<pad>"], vocab["<eos>"])
+    tokenizer.save_pretrained(path / MOE_SUBDIR)
     return path
+
+
+# where build_model_dir saves the MoE model, under the Qwen2's directory
+MOE_SUBDIR = "qwen3_moe"
+
+
+def _build_moe(path: Path, vocab_size: int, pad: int, eos: int) -> None:
+    """A 2-layer, 32-wide Qwen3-MoE: 4 experts, 2 per token, every layer sparse. Its
+    config keeps the architecture's defaults otherwise: ``router_aux_loss_coef=0.001``
+    and ``output_router_logits`` present, so TRL adds the load-balancing loss."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
 
 
 def reward_vowels(completions: list[str], log_metric: Any = None, **_: Any) -> list[float]:
@@ -228,8 +269,9 @@ def _capturing(base: type) -> type:
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
             with self.counter.phase_of("loss"):
                 loss = super()._compute_loss(model, inputs)
-            logps, entropies, _ = self.captured_forward
+            logps, entropies, aux = self.captured_forward
             item = {"step": self.state.global_step + 1, "logp": logps, "entropy": entropies}
+            item["aux"] = aux  # the MoE load-balancing loss (None without one)
             keys = ("completion_mask", "advantages", "old_per_token_logps", "prompt_ids")
             for key in (*keys, "prompt_mask"):
                 item[key] = inputs.get(key)
@@ -274,6 +316,7 @@ def make_config(spec: RunSpec, out_dir: str) -> Any:
     from trl import GRPOConfig
 
     options = {"beta": 0.0, "learning_rate": 0.05, "num_generations": 4, **spec.options}
+    options.pop(TAG, None)
     if spec.order == "late":
         options["shuffle_dataset"] = False
     return GRPOConfig(
@@ -306,11 +349,73 @@ def late_source_specs() -> list[RunSpec]:
     ]
 
 
+# TRL 1.16's other loss types and loss terms, grouped so that few runs cover them all:
+# name -> (GRPOConfig options, processes, split, logging_steps). Each variant has a
+# metric that plain TRL logs split-dependently: cispo's cispo_clip_ratio (a mean of
+# micro-batch means), vespo's policy_loss (divided by the accumulation steps) and its
+# adaptive entropy_coef (a mean over the window's steps); sapo's and luspo's entropy
+# and KL. epsilon_high=1.1 gives cispo's cap a ratio that step 2 reaches; an entropy
+# target above the tiny model's entropy keeps the adaptive bonus applied.
+LOSS_VARIANTS: dict[str, tuple[dict[str, Any], int, tuple[int, int], int]] = {
+    "cispo": (
+        {
+            "loss_type": "cispo",
+            "epsilon_high": 1.1,
+            "top_entropy_quantile": 0.5,
+            "multi_objective_aggregation": "normalize_then_sum",
+        },
+        2,
+        (1, 4),
+        1,
+    ),
+    "vespo": (
+        {
+            "loss_type": "vespo",
+            "use_adaptive_entropy": True,
+            "entropy_coef": 0.01,
+            "entropy_target": 10.0,
+        },
+        2,
+        (1, 4),
+        2,
+    ),
+    "sapo": ({"loss_type": "sapo", "off_policy_mask_threshold": 0.01}, 1, (4, 2), 1),
+    "luspo": (
+        {"loss_type": "luspo", "importance_sampling_level": "sequence", "entropy_coef": 0.01},
+        1,
+        (4, 2),
+        1,
+    ),
+}
+
+
+def variant_specs(processes: int) -> list[RunSpec]:
+    """Both trainers on every loss variant run on ``processes`` processes."""
+    specs = []
+    for name, (options, procs, (per_device, accumulation), logging) in LOSS_VARIANTS.items():
+        if procs == processes:
+            options = {**OPTIONS, **options, TAG: name}
+            specs += [
+                RunSpec(t, per_device, accumulation, options, logging_steps=logging)
+                for t in ("exact", "plain")
+            ]
+    return specs
+
+
+def moe_specs(splits: list[tuple[int, int]]) -> list[RunSpec]:
+    """Both trainers on the tiny MoE at every split of ``splits``."""
+    return [
+        RunSpec(t, p, a, OPTIONS, model="qwen3_moe") for t in ("exact", "plain") for p, a in splits
+    ]
+
+
 def two_process_specs() -> list[RunSpec]:
     """The specs of the tests' one torchrun launch: both trainers at every two-process
-    split, and ExactGRPOTrainer with ExtraMetrics at EXTRA_SPLITS."""
+    split, on the Qwen2 and on the MoE, ExactGRPOTrainer with ExtraMetrics at
+    EXTRA_SPLITS, and the loss variants run on two processes."""
     runs = [RunSpec(t, p, a, OPTIONS) for t in ("exact", "plain") for p, a in TWO_PROCESSES]
-    return runs + [RunSpec("exact", p, a, OPTIONS, extra=EXTRA) for p, a in EXTRA_SPLITS]
+    runs += [RunSpec("exact", p, a, OPTIONS, extra=EXTRA) for p, a in EXTRA_SPLITS]
+    return runs + moe_specs(TWO_PROCESSES) + variant_specs(2)
 
 
 def run(
@@ -330,6 +435,8 @@ def run(
 
     base = ExactGRPOTrainer if spec.trainer == "exact" else GRPOTrainer
     extra = {} if spec.extra is None else {"extra_metrics": ExtraMetrics(**spec.extra)}
+    if spec.model != "qwen2":
+        model_dir = model_dir / MOE_SUBDIR
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompts = LATE_PROMPTS * 4 if spec.order == "late" else PROMPTS * 4

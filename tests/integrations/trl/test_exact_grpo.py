@@ -10,10 +10,10 @@ step from the same per-token values; plain GRPOTrainer must show the drift.
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,10 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import grpo_runs
 import reference
 from grpo_runs import ONE_PROCESS, OPTIONS, TWO_PROCESSES, RunSpec
-
-# keys whose value is not a function of the batch (wall time, the epoch counter)
-NOT_BATCH = {"step_time", "epoch", "step"}
-TOL = 1e-6
+from reference import TOL, close, logged, spread
 
 
 def _specs(splits: list[tuple[int, int]], trainer: str, options: dict) -> list[RunSpec]:
@@ -44,36 +41,15 @@ def one_process(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     return runs
 
 
-def _logs(result: list[dict]) -> list[dict[str, float]]:
-    """The logged metrics of a run (every process logs the same dicts; rank 0's)."""
-    return [{k: v for k, v in entry.items() if k not in NOT_BATCH} for entry in result[0]["logs"]]
-
-
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=TOL, abs_tol=TOL) or (math.isnan(a) and math.isnan(b))
-
-
-def _spread(runs: dict, trainer: str, splits: list[tuple[int, int]]) -> dict[tuple, float]:
-    """Per (step, key): the largest difference between splits."""
-    logs = [_logs(runs[trainer, f"{p}x{a}"]) for p, a in splits]
-    spread = {}
-    for step, entries in enumerate(zip(*logs, strict=True), start=1):
-        assert all(set(e) == set(entries[0]) for e in entries), "splits logged different keys"
-        for key in entries[0]:
-            values = [e[key] for e in entries]
-            spread[step, key] = max(values) - min(values)
-    return spread
-
-
 @pytest.mark.parametrize("group", ["one_process", "two_processes"])
 def test_exact_metrics_equal_across_splits(group: str, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue(group)
     splits = ONE_PROCESS if group == "one_process" else TWO_PROCESSES
-    spread = _spread(runs, "exact", splits)
-    keys = {key for _, key in spread}
+    gaps = spread(runs, "exact", splits)
+    keys = {key for _, key in gaps}
     assert {"kl", "entropy", "loss", "clip_ratio/high_max", "reward_std"} <= keys
-    assert any(v > 0 for (step, key), v in _spread(runs, "plain", splits).items())
-    drifting = {k: v for k, v in spread.items() if not v <= TOL}
+    assert any(v > 0 for (step, key), v in spread(runs, "plain", splits).items())
+    drifting = {k: v for k, v in gaps.items() if not v <= TOL}
     assert not drifting, f"ExactGRPOTrainer's metrics changed with the split: {drifting}"
 
 
@@ -86,7 +62,7 @@ def test_exact_metrics_equal_whole_batch_numpy(group: str, request: pytest.Fixtu
         captures = [rank["captures"] for rank in result]
         for entry in result[0]["logs"]:
             want = reference.expected(captures, entry["step"], result[0]["spec"])
-            wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+            wrong = {k: (entry.get(k), v) for k, v in want.items() if not close(entry.get(k), v)}
             assert not wrong, f"{per_device}x{acc} step {entry['step']}: (logged, numpy) {wrong}"
 
 
@@ -96,13 +72,13 @@ def test_plain_grpo_trainer_drifts(group: str, request: pytest.FixtureRequest) -
     split and differ from the whole-batch value (this is what ExactGRPOTrainer fixes)."""
     runs = request.getfixturevalue(group)
     splits = ONE_PROCESS if group == "one_process" else TWO_PROCESSES
-    spread = _spread(runs, "plain", splits)
-    assert spread[1, "entropy"] > 1e-5
-    assert spread[2, "clip_ratio/high_max"] > 0.05
+    gaps = spread(runs, "plain", splits)
+    assert gaps[1, "entropy"] > 1e-5
+    assert gaps[2, "clip_ratio/high_max"] > 0.05
     p, a = splits[-1]
     result = runs["plain", f"{p}x{a}"]
     want = reference.expected([rank["captures"] for rank in result], 1, result[0]["spec"])
-    assert abs(_logs(result)[0]["entropy"] - want["entropy"]) > 1e-5
+    assert abs(logged(result)[0]["entropy"] - want["entropy"]) > 1e-5
 
 
 @pytest.mark.parametrize("group", ["one_process", "two_processes"])
@@ -112,11 +88,11 @@ def test_training_is_unchanged(group: str, request: pytest.FixtureRequest) -> No
     runs = request.getfixturevalue(group)
     splits = ONE_PROCESS if group == "one_process" else TWO_PROCESSES
     for per_device, acc in splits:
-        exact, plain = (_logs(runs[t, f"{per_device}x{acc}"]) for t in ("exact", "plain"))
+        exact, plain = (logged(runs[t, f"{per_device}x{acc}"]) for t in ("exact", "plain"))
         for mine, theirs in zip(exact, plain, strict=True):
             for key in ("grad_norm", "loss", "reward", "completions/mean_length"):
                 if key in theirs:
-                    assert _close(mine[key], theirs[key]), (per_device, acc, key)
+                    assert close(mine[key], theirs[key]), (per_device, acc, key)
 
 
 def test_two_step_logging_window(model_dir: Path, tmp_path: Path) -> None:
@@ -128,10 +104,10 @@ def test_two_step_logging_window(model_dir: Path, tmp_path: Path) -> None:
         result = grpo_runs.run(spec, model_dir, str(tmp_path))
         (entry,) = result["logs"]
         want = reference.expected([result["captures"]], entry["step"], result["spec"])
-        wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+        wrong = {k: (entry.get(k), v) for k, v in want.items() if not close(entry.get(k), v)}
         assert not wrong, f"{spec.split}: (logged, numpy) {wrong}"
-        logs.append(_logs([result])[0])
-    assert {k for k in logs[0] if not _close(logs[0][k], logs[1][k])} == set()
+        logs.append(logged([result])[0])
+    assert {k for k in logs[0] if not close(logs[0][k], logs[1][k])} == set()
 
 
 @pytest.mark.parametrize(
@@ -153,13 +129,13 @@ def test_other_loss_types_train_as_trl_and_log_exactly(
         grpo_runs.run(RunSpec(trainer, 4, 2, options), model_dir, str(tmp_path))
         for trainer in ("exact", "plain")
     )
-    for mine, theirs in zip(_logs([exact]), _logs([plain]), strict=True):
+    for mine, theirs in zip(logged([exact]), logged([plain]), strict=True):
         for key in ("grad_norm", "loss", "reward"):
             if key in theirs:
-                assert _close(mine[key], theirs[key]), key
+                assert close(mine[key], theirs[key]), key
     for entry in exact["logs"]:
         want = reference.expected([exact["captures"]], entry["step"], exact["spec"])
-        wrong = {k: (entry.get(k), v) for k, v in want.items() if not _close(entry.get(k), v)}
+        wrong = {k: (entry.get(k), v) for k, v in want.items() if not close(entry.get(k), v)}
         assert not wrong, f"step {entry['step']}: (logged, numpy) {wrong}"
 
 
@@ -190,11 +166,11 @@ def test_bnpo_loss_is_split_dependent_and_says_so(model_dir: Path, tmp_path: Pat
     for spec in _specs([(8, 1), (2, 4)], "exact", options):
         with pytest.warns(UserWarning, match="loss_type='bnpo'"):
             results.append([grpo_runs.run(spec, model_dir, str(tmp_path), warn=True)])
-    first, second = (_logs(result)[0] for result in results)
-    assert {k for k in first if not _close(first[k], second[k])} == {"loss", "grad_norm"}
+    first, second = (logged(result)[0] for result in results)
+    assert {k for k in first if not close(first[k], second[k])} == {"loss", "grad_norm"}
     for result in results:
         want = reference.expected([result[0]["captures"]], 1, result[0]["spec"])
-        assert _close(_logs(result)[0]["loss"], want["loss"])
+        assert close(logged(result)[0]["loss"], want["loss"])
 
 
 def test_untested_trl_version_is_refused() -> None:
@@ -205,13 +181,14 @@ def test_untested_trl_version_is_refused() -> None:
         check_trl_version("1.17.0")
 
 
-def test_unsupported_setting_is_refused(model_dir: Path, tmp_path: Path) -> None:
-    spec = RunSpec("exact", 8, 1, {"loss_type": "cispo"})
-    with pytest.raises(ValueError, match=r"loss_type in .*got 'cispo'"):
-        grpo_runs.run(spec, model_dir, str(tmp_path))
-    spec = RunSpec("exact", 8, 1, {"top_entropy_quantile": 0.5})
-    with pytest.raises(ValueError, match="top_entropy_quantile"):
-        grpo_runs.run(spec, model_dir, str(tmp_path))
+def test_vllm_is_refused_with_the_reason() -> None:
+    """vLLM cannot run here (no GPU, no vLLM), so TRL itself refuses use_vllm=True before
+    the trainer's own check; the check's answer, on the attribute it reads."""
+    from rlmetrics.integrations.trl import _unsupported
+
+    assert _unsupported(SimpleNamespace(use_vllm=False)) == {}
+    (reason,) = _unsupported(SimpleNamespace(use_vllm=True)).values()
+    assert "importance-sampling correction" in reason and "CPU" in reason
 
 
 def test_import_without_trl_names_what_to_install() -> None:
