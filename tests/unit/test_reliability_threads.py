@@ -234,21 +234,25 @@ def test_take_state_raising_resets_nothing_and_the_next_take_returns_the_rest() 
     assert len(tracker) == 0 and tracker.compute() == {}
 
 
-def test_a_window_step_that_raises_leaves_the_tracker_as_it_was() -> None:
-    """A kind change inside a window raises from ``Window.step()``; the step taken from
-    the tracker is not lost: the tracker still holds it."""
+def test_a_window_step_with_a_kind_change_takes_the_rest_of_the_step() -> None:
+    """A kind change inside a window drops that metric from the step, named at the
+    report; the step's other metrics are in the window, and nothing of the step stays
+    in the tracker to land in the next one (``step()`` raised and left the whole step
+    there, so the recovery merged it into a later step)."""
     tracker = Tracker()
     window = Window(tracker, every=3)
     tracker.mean("x", 1.0)
     window.step()
     tracker.max("x", 4.0)
     tracker.dist("d", [1.0, 2.0])
+    assert window.step() is None
+    assert tracker.compute() == {}
     with pytest.raises(ValueError, match=r"metric 'x' is kind 'max'"):
-        window.step()
-    same = Tracker()  # the step logged alone
-    same.max("x", 4.0)
+        window.flush()
+    same = Tracker()  # the window's calls without the dropped one
+    same.mean("x", 1.0)
     same.dist("d", [1.0, 2.0])
-    assert tracker.compute() == same.compute()
+    assert window.flush() == same.compute()
 
 
 # -- a grouped call: whole in one step --------------------------------------------------
