@@ -370,7 +370,7 @@ class Tracker(LogMethods):
         self._checked_weight = CheckedWeight()  # the last tensor weight logged
         self._recorded = 0  # elements and calls recorded since the last fold
         # device timers and tensor token counts not read yet (``rlmetrics.timing``)
-        self.device_timers = DeviceTimers(self._logged_kind)
+        self.device_timers = DeviceTimers(self._logged_kind, self._holding)
         self._groups = Groups()  # calls with by= waiting for the fold
         # read by every log call, so kept on the instance (docs/architecture.md, "Performance")
         self.record_limit = type(self).record_limit
