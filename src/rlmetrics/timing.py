@@ -98,7 +98,10 @@ def check_seconds(
     if isinstance(seconds, bool | Tensor) or not isinstance(seconds, numbers.Real):
         raise TypeError(f"metric {name!r}: {what} must be a python or numpy number, got "
                         f"{type(seconds).__name__}")  # fmt: skip
-    value = float(seconds)
+    try:
+        value = float(seconds)
+    except OverflowError as error:  # a python int beyond float64's range, as a log call
+        raise ValueError(f"metric {name!r}: {what} is out of float64's range ({error})") from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
         raise ValueError(f"metric {name!r}: {what} must be finite and {bound}, got {seconds!r}")
@@ -152,7 +155,11 @@ def throughput_record(
 
 def check_count_tensor(name: str, num_tokens: Tensor) -> Tensor:
     """A tensor token count as a float64 copy of its one number, on its device (a copy:
-    a later in-place change of the caller's tensor leaves the logged count as it was)."""
+    a later in-place change of the caller's tensor leaves the logged count as it was).
+    A bool or complex tensor is refused, as a python bool or complex is."""
+    if num_tokens.dtype == torch.bool or num_tokens.is_complex():
+        raise TypeError(f"metric {name!r}: num_tokens must be a real number, got a tensor "
+                        f"of dtype {num_tokens.dtype}")  # fmt: skip
     if num_tokens.numel() != 1:
         raise ValueError(f"metric {name!r}: num_tokens must hold one number, got a tensor "
                          f"of shape {tuple(num_tokens.shape)}")  # fmt: skip
