@@ -268,7 +268,7 @@ def test_a_kind_keeping_split_pieces_keeps_its_values_after_later_folds(
     rng = np.random.default_rng(5)
     t = Tracker()
     snapshots, expected = [], []
-    for step in range(3):
+    for _ in range(3):
         x = rng.normal(size=(3, 40)).astype(np.float32 if dtype == torch.float32 else np.float64)
         masks = rng.random((3, 40)) < 0.7 if weighted == "mask" else np.ones((3, 40), bool)
         for row, mask in zip(x, masks, strict=True):
