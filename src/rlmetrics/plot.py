@@ -464,15 +464,16 @@ def run_plot(args: argparse.Namespace) -> int:
     """Plot from parsed arguments; returns the exit status: 0 when a file was written
     (each metric not drawn as it is named on stderr), 2 with a message on error (also
     when no selected metric has a finite value to draw)."""
+    caught: list[warnings.WarningMessage] = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", PlotWarning)
-            try:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", PlotWarning)
                 written = plot_jsonl(
                     args.run, split_names(args.metrics), args.out, split_names(args.by)
                 )
-            finally:
-                _show(caught)
+        finally:  # shown once recording has stopped: inside, each shown warning was
+            _show(caught)  # recorded again into the list being shown, without end
     except (OSError, ValueError, ImportError) as err:
         print(f"rlmetrics plot: error: {err}", file=sys.stderr)
         return 2

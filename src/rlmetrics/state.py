@@ -13,6 +13,7 @@ from rlmetrics.errors import MalformedStateError
 from rlmetrics.kinds import Dist, Kind, MetricState, QuantileSketch, get_kind
 from rlmetrics.kinds.base import carries_extra, result_of
 from rlmetrics.kinds.dist import as_array
+from rlmetrics.kinds.extra import ExtraKind
 
 STATE_VERSION = 2
 """The ``to_dict`` format: 2 writes a user kind's extra with its python types (a list,
@@ -47,7 +48,7 @@ class TrackerState:
                     "in the other"
                 )
             else:
-                merged[name] = mine.merge(metric, get_kind(mine.kind))
+                merged[name] = merged_metric(name, mine, metric, get_kind(mine.kind))
         return TrackerState(merged)
 
     @classmethod
@@ -181,10 +182,32 @@ class TrackerState:
         return cls(metrics)
 
 
+def merged_metric(name: str, a: MetricState, b: MetricState, kind: Kind) -> MetricState:
+    """``a.merge(b)``, raising a ``ValueError`` naming the metric ``name`` for anything
+    the merge raises (a user kind's ``merge_extra`` may raise anything)."""
+    try:
+        return a.merge(b, kind)
+    except Exception as error:
+        raise ValueError(f"metric {name!r}: {type(error).__name__}: {error}") from error
+
+
+def merged_extra(name: str, extra: Any, loaded: Any, kind: ExtraKind) -> Any:
+    """``kind.merge_extra(extra, loaded)``: what a merge does with a metric's extra,
+    raising a ``ValueError`` naming the metric ``name`` for anything it raises."""
+    try:
+        return kind.merge_extra(extra, loaded)
+    except Exception as error:
+        raise ValueError(
+            f"metric {name!r}: its {kind.name!r} extra {loaded!r:.200} does not merge "
+            f"({type(error).__name__}: {error})"
+        ) from None
+
+
 def check_metric(name: str, metric: object, kind: Kind) -> None:
     """Check that ``metric`` can merge into a metric called ``name`` of ``kind``: its
-    slot counts, the configuration it was made with and the shape of its extra, so that
-    a merge either applies whole or changes nothing.
+    slot counts, the configuration it was made with and its extra (the numbers of a
+    fixed-length one, such as std's triples; the kind's ``check_extra``), so that a
+    merge either applies whole or changes nothing.
 
     Raises:
         TypeError: ``metric`` is not a ``MetricState``.
@@ -203,17 +226,27 @@ def check_metric(name: str, metric: object, kind: Kind) -> None:
             f"metric {name!r}: kind {kind.name!r} is configured as {kind.fingerprint()!r} "
             f"here but as {metric.fingerprint!r} where the merged state was made"
         )
-    empty = kind.empty_extra() if carries_extra(kind) else None
+    if not carries_extra(kind):
+        return
+    empty, extra = kind.empty_extra(), metric.extra
     # a fixed-length tuple of numbers (std's triples); an empty one may grow (a user's)
     if (
         isinstance(empty, tuple)
         and empty
-        and not (isinstance(metric.extra, tuple | list) and len(metric.extra) == len(empty))
+        and not (
+            isinstance(extra, tuple | list)
+            and len(extra) == len(empty)
+            and all(map(_is_real, extra))
+        )
     ):
         raise ValueError(
             f"metric {name!r}: a {kind.name!r} state's extra holds {len(empty)} numbers, "
-            f"got {metric.extra!r}"
+            f"got {extra!r:.200}"
         )
+    try:
+        kind.check_extra(extra)
+    except ValueError as error:
+        raise ValueError(f"metric {name!r}: {error}") from None
 
 
 def checked_load(
@@ -221,7 +254,8 @@ def checked_load(
 ) -> dict[str, Kind]:
     """The kind of each of ``state``'s metrics (``kind_of``: the loading tracker's
     lookup), after checking that each can be loaded: its kind is known, its slots,
-    configuration and extra fit the kind (``check_metric``), a ``dist``'s values are as
+    configuration and extra fit the kind (``check_metric``), its extra merges into an
+    empty one (what loading it into an empty tracker does), a ``dist``'s values are as
     many as its count, and its kind computes a result from it.
 
     Raises:
@@ -233,6 +267,8 @@ def checked_load(
         try:
             kind = kind_of(metric.kind)
             check_metric(name, metric, kind)
+            if carries_extra(kind):
+                merged_extra(name, kind.empty_extra(), metric.extra, kind)
         except (TypeError, ValueError) as error:
             raise MalformedStateError(f"malformed {at}: {error}") from None
         if isinstance(kind, Dist):

@@ -33,7 +33,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,7 +98,10 @@ def check_seconds(
     if isinstance(seconds, bool | Tensor) or not isinstance(seconds, numbers.Real):
         raise TypeError(f"metric {name!r}: {what} must be a python or numpy number, got "
                         f"{type(seconds).__name__}")  # fmt: skip
-    value = float(seconds)
+    try:
+        value = float(seconds)
+    except OverflowError as error:  # a python int beyond float64's range, as a log call
+        raise ValueError(f"metric {name!r}: {what} is out of float64's range ({error})") from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
         raise ValueError(f"metric {name!r}: {what} must be finite and {bound}, got {seconds!r}")
@@ -152,7 +155,11 @@ def throughput_record(
 
 def check_count_tensor(name: str, num_tokens: Tensor) -> Tensor:
     """A tensor token count as a float64 copy of its one number, on its device (a copy:
-    a later in-place change of the caller's tensor leaves the logged count as it was)."""
+    a later in-place change of the caller's tensor leaves the logged count as it was).
+    A bool or complex tensor is refused, as a python bool or complex is."""
+    if num_tokens.dtype == torch.bool or num_tokens.is_complex():
+        raise TypeError(f"metric {name!r}: num_tokens must be a real number, got a tensor "
+                        f"of dtype {num_tokens.dtype}")  # fmt: skip
     if num_tokens.numel() != 1:
         raise ValueError(f"metric {name!r}: num_tokens must hold one number, got a tensor "
                          f"of shape {tuple(num_tokens.shape)}")  # fmt: skip
@@ -279,11 +286,19 @@ class DeviceTimers:
     ``throughput`` hand them here, and the tracker's fold has them read and logged
     (``read``). ``logged_kind``: the kind name a metric of the tracker's step is logged
     as (None when it is not), so that a count of a name logged as another kind raises
-    at its call, as a log call would."""
+    at its call, as a log call would. ``holding``: the tracker's lock, which ``add``
+    takes as a log call does, so that an entry added while another thread ends the step
+    lands whole in that step or the next (its fold reads the entries, its reset drops
+    the rest)."""
 
-    def __init__(self, logged_kind: Callable[[str], str | None]) -> None:
+    def __init__(
+        self,
+        logged_kind: Callable[[str], str | None],
+        holding: Callable[[], AbstractContextManager[Any]],
+    ) -> None:
         self.pending: list[DeviceTimer | DeviceCount] = []
         self.logged_kind = logged_kind
+        self.holding = holding
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -294,13 +309,15 @@ class DeviceTimers:
         Raises:
             ValueError: a count's metric is already logged as another kind.
         """
-        if isinstance(entry, DeviceCount):
-            full, kind = _full_name(entry.view, entry.name), f"rank_throughput@{entry.world_size}"
-            logged = self.logged_kind(full)
-            if logged is not None and logged != kind:
-                raise ValueError(f"metric {full!r} is already logged as kind {logged!r}; "
-                                 f"cannot log it as kind {kind!r}")  # fmt: skip
-        self.pending.append(entry)
+        with self.holding():
+            if isinstance(entry, DeviceCount):
+                full = _full_name(entry.view, entry.name)
+                kind = f"rank_throughput@{entry.world_size}"
+                logged = self.logged_kind(full)
+                if logged is not None and logged != kind:
+                    raise ValueError(f"metric {full!r} is already logged as kind {logged!r}; "
+                                     f"cannot log it as kind {kind!r}")  # fmt: skip
+            self.pending.append(entry)
 
     def clear(self) -> None:
         """Drop everything not read yet (the tracker was reset)."""
@@ -337,9 +354,11 @@ class DeviceTimers:
 
 def _log_counts(counts: list[DeviceCount]) -> None:
     """Read the counts (one transfer per device) and log each call; raise for bad ones."""
+    by_device: dict[torch.device, list[DeviceCount]] = {}
+    for count in counts:
+        by_device.setdefault(count.tokens.device, []).append(count)
     values: dict[int, float] = {}
-    for device in {id(c.tokens.device): c.tokens.device for c in counts}.values():
-        group = [c for c in counts if c.tokens.device == device]
+    for group in by_device.values():
         read = torch.stack([c.tokens for c in group]).tolist()
         values.update(zip(map(id, group), read, strict=True))
     bad: dict[str, int] = {}

@@ -28,13 +28,13 @@ from rlmetrics._engine.record import (
     record_tensor,
 )
 from rlmetrics._engine.sync import SyncedParts, as_timeout, should_sync, sync_reduce
-from rlmetrics._engine.table import StateTable
+from rlmetrics._engine.table import UNMERGED, StateTable
 from rlmetrics.errors import RejectedInputError
 from rlmetrics.groups import Groups, LabelledPart, check_kinds
 from rlmetrics.kinds import KINDS, Dist, Kind, MetricRecords, QuantileSketch, get_kind
-from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT
+from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT, carries_extra
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
-from rlmetrics.state import TrackerState, check_metric, checked_load
+from rlmetrics.state import TrackerState, check_metric, checked_load, merged_extra
 from rlmetrics.timing import DeviceTimers, log_elapsed, log_throughput, timer
 
 EMPTY_POLICIES = ("omit", "nan")
@@ -460,7 +460,7 @@ class Tracker(LogMethods):
         self._checked_weight = CheckedWeight()  # the last tensor weight logged
         self._recorded = 0  # elements and calls recorded since the last fold
         # device timers and tensor token counts not read yet (``rlmetrics.timing``)
-        self.device_timers = DeviceTimers(self._logged_kind)
+        self.device_timers = DeviceTimers(self._logged_kind, self._holding)
         self._groups = Groups()  # calls with by= waiting for the fold
         # read by every log call, so kept on the instance (docs/architecture.md, "Performance")
         self.record_limit = type(self).record_limit
@@ -816,7 +816,8 @@ class Tracker(LogMethods):
             raise TypeError(f"merge expects a Tracker or TrackerState, got {type(other).__name__}")
         with self._lock:
             self._fold()  # this tracker's own calls come first: a merged state is another source
-            self._merge_checked(state, self._checked_kinds(state, self._accumulators))
+            kinds = self._checked_kinds(state, self._accumulators)
+            self._merge_checked(state, kinds, self._merged_extras(state, kinds))
         return self
 
     def _checked_kinds(
@@ -840,11 +841,34 @@ class Tracker(LogMethods):
             kinds[name] = kind
         return kinds
 
-    def _merge_checked(self, state: TrackerState, kinds: Mapping[str, Kind]) -> None:
+    def _merged_extras(self, state: TrackerState, kinds: Mapping[str, Kind]) -> dict[str, Any]:
+        """Each extra of ``state`` merged with this tracker's, before anything changes
+        (a user kind's ``merge_extra`` may raise on any state).
+
+        Raises:
+            ValueError: naming the metric whose extra does not merge.
+        """
+        extras = {}
+        for name, metric in state.metrics.items():
+            kind = kinds[name]
+            if carries_extra(kind):
+                acc = self._accumulators.get(name)
+                extra = kind.empty_extra() if acc is None else self._table.extras[acc.row]
+                extras[name] = merged_extra(name, extra, metric.extra, kind)
+        return extras
+
+    def _merge_checked(
+        self,
+        state: TrackerState,
+        kinds: Mapping[str, Kind],
+        extras: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Load ``state``'s checked metrics (``extras``: their extras merged already)."""
         for name, metric in state.metrics.items():
             acc = self._accumulators.get(name) or self._accumulator(name, kinds[name])
             acc.accepted_a_call = True
-            self._table.load(acc.row, metric, acc.kind)
+            extra = UNMERGED if extras is None else extras.get(name, UNMERGED)
+            self._table.load(acc.row, metric, acc.kind, extra)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the caches (``StepPlan``) and the lock."""

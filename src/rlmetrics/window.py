@@ -25,7 +25,7 @@ from rlmetrics._engine.packing import ReducedStep
 from rlmetrics._engine.sync import as_timeout, should_sync
 from rlmetrics._window_keys import Decoded, decode, empty_state, latest_of, window_key
 from rlmetrics.errors import MalformedStateError, RejectedInputError
-from rlmetrics.kinds import Kind, MetricState
+from rlmetrics.kinds import MetricState
 from rlmetrics.state import TrackerState, checked_load
 from rlmetrics.tracker import Tracker
 
@@ -120,11 +120,10 @@ class Window:
             RejectedInputError: at the report, on every rank, when a log call of the
                 window was rejected (see ``Tracker.compute``) or dropped at the fold (a
                 logged tensor changed in place, a call with ``by=`` that could not be
-                split) on any rank. ``step()`` itself raises neither, so every rank counts
-                the step and the ranks' windows close together; those calls were dropped
-                and the window is kept: ``flush()`` then reports everything else.
-            ValueError: a metric's kind differs from the one it had earlier in the
-                window (the tracker is left as it was).
+                split), or a metric logged as another kind than earlier in the window,
+                on any rank. ``step()`` itself raises for none of them, so every rank
+                counts the step and the ranks' windows close together; those calls were
+                dropped and the window is kept: ``flush()`` then reports everything else.
         """
         # the step is added and the tracker reset in one hold of the tracker's lock
         # (Tracker.take_state), so a call another thread makes is in this step or the next
@@ -137,17 +136,19 @@ class Window:
     def _take_step(self) -> None:
         """Add the tracker's step to the window and reset the tracker, in one hold of its
         lock (``Tracker.take_state``), without the calls its fold dropped
-        (``ModifiedInputError``, ``by=`` calls) or its state rejected: those are counted
-        and their reasons kept for the report, which raises on every rank (see
-        ``step``). Raising here instead would skip the step on this rank only: its window
-        would close a step later than its peers', and their reports would pair different
-        steps. A kind changed in the window raises, the tracker left as it was."""
+        (``ModifiedInputError``, ``by=`` calls) or its state rejected, and without the
+        metrics logged as another kind than earlier in the window: those are counted and
+        their reasons kept for the report, which raises on every rank (see ``step``).
+        Raising here instead would skip the step on this rank only: its window would
+        close a step later than its peers', and their reports would pair different
+        steps."""
         reasons: list[str] = []
         added = False
 
         def add(state: TrackerState) -> None:
             nonlocal added
             added = True
+            state = self._without_changed_kinds(state, reasons)
             if reasons:
                 self._num_rejected += 1
                 self._rejected_message = " Then: ".join(reasons)
@@ -158,14 +159,14 @@ class Window:
                 self.tracker._take_state(add)
                 return
             except ValueError as error:
-                if added or attempt == 2:  # the window's kind check; or not this step's inputs
+                if added or attempt == 2:  # not this step's inputs
                     raise
                 reasons.append(str(error))
 
     def _add(self, state: TrackerState) -> None:
         """Merge one step's state into the open window (nothing changes if it raises)."""
         index = self._num_open
-        kinds = {name: self._kind(name, metric, index) for name, metric in state.metrics.items()}
+        kinds = {name: self.tracker.kind(metric.kind) for name, metric in state.metrics.items()}
         replaced = {n: m for n, m in state.metrics.items() if kinds[n].keeps_latest}
         merged = self._merged.merge(
             TrackerState({n: m for n, m in state.metrics.items() if n not in replaced})
@@ -181,15 +182,25 @@ class Window:
             self._per_step.append(TrackerState(selected))
         self._num_open += 1
 
-    def _kind(self, name: str, metric: MetricState, index: int) -> Kind:
-        seen = self._kinds.get(name)
-        if seen is not None and seen != metric.kind:
-            raise ValueError(
-                f"Window: metric {name!r} is kind {metric.kind!r} in the window's step "
-                f"{index} but {seen!r} in an earlier step; a window merges a name's steps, so "
-                "it must keep one kind (flush() the window before changing it)"
-            )
-        return self.tracker.kind(metric.kind)
+    def _without_changed_kinds(self, state: TrackerState, reasons: list[str]) -> TrackerState:
+        """``state`` without the metrics whose kind differs from the one they have earlier
+        in the window (a window merges a name's steps, so a name keeps one kind); a
+        reason for each is added to ``reasons``, for the report to raise."""
+        changed = [
+            name
+            for name, metric in state.metrics.items()
+            if self._kinds.get(name, metric.kind) != metric.kind
+        ]
+        if not changed:
+            return state
+        reasons += (
+            f"metric {name!r} is kind {state.metrics[name].kind!r} in the window's step "
+            f"{self._num_open} but {self._kinds[name]!r} in an earlier step, and was dropped "
+            "from the step (a window keeps one kind per name: flush() the window before "
+            "changing it)"
+            for name in changed
+        )
+        return TrackerState({n: m for n, m in state.metrics.items() if n not in changed})
 
     def flush(self, reset: bool = True) -> dict[str, float]:
         """Report the open window now (the steps taken so far; ``{}`` when none was

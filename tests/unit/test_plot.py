@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +24,8 @@ from rlmetrics.plot import (
     read_jsonl,
     run_plot,
 )
+
+from helpers import SRC_DIR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -250,6 +255,29 @@ def test_cli_plots_the_rest_beside_other_values_matplotlib_refuses(tmp_path, cap
 
     assert panel("one", [1, 2], [math.nan, 2.0]).drawn
     assert not panel("nulls", [1], [math.nan]).drawn
+
+
+def test_cli_shows_foreign_warnings_once_and_ends(tmp_path):
+    """Warnings matplotlib raises while drawing (a glyph missing from its font for a
+    metric named in Chinese or with an emoji; identical x limits for steps near 1e18)
+    are shown once each on stderr and the command ends, exit 0, the figure written (they
+    were shown inside the block that recorded them, each one recorded again into the
+    list being shown: the command never ended). In a fresh interpreter, since pytest
+    records warnings itself."""
+    rows = [{"step": 10**18 + s, "critic/score/数学": float(s), "reward/🙂": 1.0} for s in range(3)]
+    path = write_rows(tmp_path / "run.jsonl", rows)
+    out = tmp_path / "fig.png"
+    env = {**os.environ, "PYTHONPATH": str(SRC_DIR)}
+    command = [sys.executable, "-m", "rlmetrics.plot", str(path), "--out", str(out)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"rlmetrics plot ran for 120 s: {str(expired.stderr)[:500]}")
+    assert done.returncode == 0 and done.stdout.startswith("wrote "), done.stderr
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    for glyph in ("CJK UNIFIED IDEOGRAPH-6570", "SLIGHTLY SMILING FACE"):
+        assert done.stderr.count(glyph) == 1, done.stderr
+    assert done.stderr.count("identical low and high xlims") == 1, done.stderr
 
 
 def test_plot_with_nothing_to_draw_is_an_error_naming_each_metric(tmp_path, capsys):

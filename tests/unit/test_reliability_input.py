@@ -611,3 +611,58 @@ def test_tensors_of_any_strides_log_their_logical_elements(
     for label in np.unique(labels).tolist():
         expected.update(reference("mean", f"m/{label}", x[labels == label], w[labels == label]))
     same(t.compute(), expected)
+
+
+# -- a tensor weight given new data by `.data = other` between log calls ------------------------
+REBOUND = {  # the weight's first data, and the data `.data = other` gives it
+    "bool mask to floats with a negative": ([True, True, False], [1.0, -1.0, 2.0]),
+    "floats to another shape": ([1.0, 2.0, 0.5], [2.0, 1.0, 0.0, 3.0, 1.0]),
+    "bool mask to another shape": ([True, False, True], [False, True, True, True, False]),
+    "floats to ints of another shape": ([1.0, 2.0, 0.5], [2, 1]),
+    "floats to complex": ([1.0, 2.0, 0.5], [1 + 1j, 2.0, 1.0]),
+    "floats that require grad to other floats": ([1.0, 2.0, 0.5], [0.0, 4.0, 1.0]),
+}
+
+
+@pytest.mark.parametrize("case", REBOUND)
+def test_a_weight_given_new_data_by_dot_data_is_checked_as_a_new_tensor(case: str) -> None:
+    """``weight.data = other`` gives a logged weight another dtype, shape and values
+    without moving its version counter, so a check kept for "the same object at the same
+    version" was stale: a bool mask given floats with a negative was never checked (a
+    mean of 2.714 where a fresh tensor is rejected), a weight given 5 elements was
+    refused for a matching value and accepted for a mismatched one (after which
+    ``compute()`` dropped the metric), a weight that requires grad kept its first
+    values. Now the rebound weight is checked as a fresh tensor of its new data is:
+    numpy's weighted mean over both calls, or the same error."""
+    first, then = REBOUND[case]
+    x0 = np.array([0.5, 3.0, 7.0])
+    x1 = np.arange(1.0, len(then) + 1.0)
+    grad = "grad" in case
+    w = torch.tensor(first, requires_grad=grad)
+    t = Tracker()
+    t.mean("m", torch.from_numpy(x0), weight=w)
+    version = w._version
+    with torch.no_grad():
+        w.data = torch.tensor(then)
+    assert w._version == version  # torch counts nothing: the records' checks must see it
+    if len(then) != len(x0):  # the value of the old shape is refused, as for a fresh weight
+        refused = rf"metric 'm': weight shape \({len(then)},\) does not match value shape \(3,\)"
+        with pytest.raises(ValueError, match=refused):
+            t.mean("m", torch.zeros(3), weight=w)
+    fresh = torch.tensor(then)
+    if fresh.is_complex():
+        with pytest.raises(TypeError, match="metric 'm'") as refused:
+            t.mean("m", torch.from_numpy(x1), weight=w)
+        with pytest.raises(TypeError) as fresh_refused:
+            Tracker().mean("m", torch.from_numpy(x1), weight=fresh)
+        assert str(refused.value) == str(fresh_refused.value)
+        same(t.compute(), reference("mean", "m", x0, np.array(first, dtype=np.float64)))
+        return
+    t.mean("m", torch.from_numpy(x1), weight=w)
+    weights = np.r_[np.array(first, dtype=np.float64), np.array(then, dtype=np.float64)]
+    if (weights < 0).any():
+        with pytest.raises(RejectedInputError, match="'m' \\(mean\\): 1"):
+            t.compute()
+        same(t.compute(), reference("mean", "m", x0, np.array(first, dtype=np.float64)))
+    else:
+        same(t.compute(), reference("mean", "m", np.r_[x0, x1], weights))

@@ -22,6 +22,7 @@ from rlmetrics import (
     MalformedStateError,
     MetricState,
     Tracker,
+    TrackerState,
     Window,
     register_kind,
     unregister_kind,
@@ -128,6 +129,12 @@ TRACKER_DAMAGE: dict[str, tuple[Callable[[dict], None], str]] = {
     "fingerprint a number": (_set((M, "a/mean", "fingerprint"), 5), "['fingerprint']"),
     "std extra a string": (_set((M, "a/std", "extra"), "abc"), "['a/std']"),
     "std extra of strings": (_set((M, "a/std", "extra"), ["a", "b", "c"]), "['a/std']"),
+    # the trial result converts numeric strings; the merge does not (issue 41)
+    "std extra of numeric strings": (_set((M, "a/std", "extra"), ["3", "2.3", "4.6"]), "['a/std']"),
+    "std extra with None": (_set((M, "a/std", "extra"), [3.0, None, 8.0]), "['a/std']"),
+    "std weight negative": (_set((M, "a/std", "extra"), [-3.0, 3.0, 8.0]), "['a/std']"),
+    "std weight a bool": (_set((M, "a/std", "extra"), [True, 3.0, 8.0]), "['a/std']"),
+    "std weight NaN": (_set((M, "a/std", "extra"), [math.nan, 3.0, 8.0]), "['a/std']"),
     "dist extra a string": (_set((M, "a/dist", "extra"), "abc"), "['a/dist']"),
     "dist extra of strings": (_set((M, "a/dist", "extra"), {"array": ["x"]}), "['a/dist']"),
     "dist extra ragged": (_set((M, "a/dist", "extra"), {"array": [[1.0], []]}), "['a/dist']"),
@@ -233,6 +240,14 @@ WINDOW_DAMAGE: dict[str, tuple[Callable[[dict], None], str]] = {
     "per_step a dict": (_set(("per_step",), {}), "['per_step']"),
     "per_step too long": (lambda sd: sd["per_step"].extend(sd["per_step"]), "['per_step']"),
     "per_step damaged": (_set(("per_step", 1, M, "a/std", "extra"), [1.0]), "['per_step'][1]"),
+    "merged std of numeric strings": (
+        _set(("merged", M, "a/std", "extra"), ["3", "2.3", "4.6"]),
+        "['merged']['metrics']['a/std']",
+    ),
+    "merged std weight negative": (
+        _set(("merged", M, "a/std", "extra"), [-3.0, 3.0, 8.0]),
+        "['merged']['metrics']['a/std']",
+    ),
     "per_step other kind": (
         _set(("per_step", 0, M, "a/mean"), {"kind": "sum", "sums": [1.0], "maxes": []}),
         "['per_step'][0]['metrics']['a/mean']",
@@ -252,6 +267,38 @@ def test_a_damaged_window_state_dict_raises_one_error_and_changes_nothing(label:
     assert where in str(raised.value), str(raised.value)
     assert window.state_dict() == before
     assert window.num_steps == 2 and len(window) == 2
+
+
+BAD_EXTRAS = {  # a metric's name, kind and an extra its merge cannot take or would misreport
+    "std numeric strings": ("a/std", "std", ("3", "2.333", "4.667")),
+    "std None": ("a/std", "std", (3.0, None, 8.0)),
+    "std negative weight": ("a/std", "std", (-3.0, 3.0, 8.0)),
+    "std bool weight": ("a/std", "std", (True, 3.0, 8.0)),
+    "a user kind's extra of another type": ("z/kept", "test_sd_kept_set", [1.0, 2.0]),
+}
+
+
+@pytest.mark.parametrize("label", list(BAD_EXTRAS))
+def test_merging_a_state_whose_extra_cannot_merge_changes_nothing(label: str) -> None:
+    """``Tracker.merge(TrackerState)`` checks what each metric's merge will do before
+    anything changes: a damaged extra raises ``ValueError`` naming its metric, and the
+    tracker keeps its metrics (the metrics before it were merged, then numpy's bare
+    ``UFuncTypeError`` or the user kind's ``TypeError`` came); ``TrackerState.merge``
+    names the metric too."""
+    name, kind, extra = BAD_EXTRAS[label]
+    good = filled().state().metrics["a/mean"]
+    state = TrackerState(
+        {"a/mean": good, name: MetricState(kind, (1.0,) * (kind != "std"), (), extra)}
+    )
+    tracker = filled()
+    tracker.log("z/kept", [5.0], kind="test_sd_kept_set")
+    before = tracker.state_dict()
+    with pytest.raises(ValueError, match=f"metric '{name}'"):
+        tracker.merge(state)
+    assert tracker.state_dict() == before
+    if label in ("std numeric strings", "std None"):  # a merge that raises
+        with pytest.raises(ValueError, match=f"metric '{name}'"):
+            tracker.state().merge(state)
 
 
 def test_load_state_dict_of_a_non_dict_is_a_type_error() -> None:

@@ -480,9 +480,22 @@ def test_state_dict_round_trip_keeps_the_ranks_apart() -> None:
          r"'t/p': num_tokens must hold one number, got a tensor of shape \(2,\)"),
         (lambda t: t.log("t/a", [1.0, 2.0, 3.0], kind="rank_time@2"), TypeError,
          "'t/a' .* splits each call into 2 equal parts"),
+        # a python int beyond float64, as a log call's (was a bare OverflowError)
+        (lambda t: t.elapsed("t/a", 10**400), ValueError,
+         "'t/a': seconds is out of float64's range"),
+        (lambda t: t.throughput("t/p", 10**400, 1.0), ValueError,
+         "'t/p': num_tokens is out of float64's range"),
+        (lambda t: t.throughput("t/p", torch.tensor(5.0), 10**400), ValueError,
+         "'t/p': seconds is out of float64's range"),
+        # a bool or complex tensor count, as a python bool (was: tensor(True) as 1 token)
+        (lambda t: t.throughput("t/p", torch.tensor(True), 1.0), TypeError,
+         "'t/p': num_tokens must be a real number, got a tensor of dtype torch.bool"),
+        (lambda t: t.throughput("t/p", torch.tensor(1 + 1j), 1.0), TypeError,
+         "'t/p': num_tokens must be a real number, got a tensor of dtype torch.complex"),
     ],
 )  # fmt: skip
 def test_errors_name_the_metric(call, error, match) -> None:
+    """Each bad argument raises at the call naming the metric; nothing is logged."""
     t = Tracker()
     with pytest.raises(error, match=match):
         call(t)

@@ -336,15 +336,28 @@ def test_keys_two_metrics_report_raise_as_in_compute(empty: str, per_step: bool)
         assert str(raised.value) == str(expected.value)
 
 
-def test_a_name_changing_kind_inside_a_window_raises_and_changes_nothing() -> None:
+def test_a_name_changing_kind_inside_a_window_is_dropped_and_raises_at_the_report() -> None:
+    """A metric logged as another kind than earlier in the window takes the path of a
+    rejected call: ``step()`` counts the step without it (raising there made one rank of
+    a sync close its windows a step after its peers', and left the call in the tracker
+    for the next step), the report raises naming it and both kinds, and ``flush()``
+    reports the rest; the next window may use the new kind."""
     tracker = Tracker()
-    window = Window(tracker, every=3)
+    window = Window(tracker, every=2)
     tracker.mean("x", 1.0)
-    window.step()
+    tracker.mean("y", 2.0)
+    assert window.step() is None
     tracker.max("x", 4.0)
-    with pytest.raises(ValueError, match=r"metric 'x' is kind 'max'.*'mean' in an earlier"):
+    tracker.mean("y", 5.0)
+    message = r"1 step\(s\).*metric 'x' is kind 'max' in the window's step 1 but 'mean'"
+    with pytest.raises(RejectedInputError, match=message):
         window.step()
-    assert tracker.compute() == {"x": 4.0} and window.flush() == {"x": 1.0}
+    assert (window.num_steps, len(window), tracker.compute()) == (2, 2, {})
+    assert window.flush() == {"x": 1.0, "y": 3.5}
+    tracker.max("x", 4.0)
+    assert window.step() is None
+    tracker.max("x", 3.0)
+    assert window.step() == {"x": 4.0}
 
 
 def test_nonfinite_counts_add_over_the_window_for_every_kind() -> None:
@@ -552,6 +565,27 @@ def gloo_modified(rank: int, world: int) -> list[object]:
     return [*out, window.num_steps]
 
 
+def gloo_kind_change(rank: int, world: int) -> list[object]:
+    """Rank 1 logs "x" as a max in the second step of the first window of two steps
+    (every other step and rank log it as a mean): per step, the step()'s report, or its
+    error (type, message) and the flush() after it, then the window's step count."""
+    tracker = Tracker()
+    window = Window(tracker, every=2, timeout=20)
+    out: list[object] = []
+    for step in range(6):
+        if rank == 1 and step == 1:
+            tracker.max("x", 7.0)
+        else:
+            tracker.mean("x", float(rank + step))
+        tracker.mean("y", float(rank + 10 * step))
+        try:
+            out.append(window.step())
+        except ValueError as error:
+            out.append((type(error).__name__, str(error)))
+            out.append(window.flush())
+    return [*out, window.num_steps]
+
+
 ASYNC_LENGTHS = (2, 3, 1, 4, 2)  # iterations per logged step
 
 
@@ -610,7 +644,9 @@ def gloo_outcome(request: pytest.FixtureRequest) -> tuple[int, dict]:
         "async": (gloo_async, ()),
         "collision": (gloo_collision, ()),
         "disagree": (gloo_disagree, ()),
-        "modified": (gloo_modified, ()),  # last: before the fix, it left ranks out of step
+        "modified": (gloo_modified, ()),
+        # last: before their fixes, these left the ranks out of step
+        "kind_change": (gloo_kind_change, ()),
     }
     return world, run_together(calls, world, timeout=600)
 
@@ -716,3 +752,32 @@ def test_gloo_tensor_changed_in_place_on_one_rank_keeps_the_windows_paired(
         assert out[2] == {"n": 2.0 * world, "x": pytest.approx(rest, rel=1e-15)}
         paired = {"n": 2.0 * world, "x": pytest.approx(np.mean(ranks), rel=1e-15)}
         assert out[3:] == [None, paired, None, paired, 6], out
+
+
+@pytest.mark.slow
+def test_gloo_kind_change_on_one_rank_keeps_the_windows_paired(gloo_outcome: tuple) -> None:
+    """Rank 1 logs a window's metric as another kind in one step: its step() counts the
+    step without that metric, as every rank counts it, so the report raises on every
+    rank (rank 1 naming the metric and both kinds), flush() reports the rest (numpy's
+    means over every other call), and the later windows pair the same steps (rank 1
+    raised in step(), its flush() paired with its peers' report, and the windows then
+    held other steps: x = 7.0 from the max, y = 3.33 where the truth is 3.5)."""
+    world, outcome = gloo_outcome
+    ranks = range(world)
+
+    def means(steps: range, skip: tuple[int, int] | None = None) -> dict[str, object]:
+        x = [r + s for s in steps for r in ranks if (r, s) != skip]
+        y = [r + 10 * s for s in steps for r in ranks]
+        return {
+            "x": pytest.approx(np.mean(x), rel=1e-15),
+            "y": pytest.approx(np.mean(y), rel=1e-15),
+        }
+
+    for rank, out in enumerate(ok_results(outcome["kind_change"])):
+        assert out[0] is None
+        error_type, message = out[1]  # type: ignore[misc]
+        assert error_type == "RejectedInputError", message
+        named = "metric 'x' is kind 'max' in the window's step 1 but 'mean'"
+        assert (named in message) == (rank == 1), message
+        assert out[2] == means(range(2), skip=(1, 1))
+        assert out[3:] == [None, means(range(2, 4)), None, means(range(4, 6)), 6], out

@@ -276,16 +276,18 @@ class CheckedWeight:
     """The last tensor weight a tracker's log calls checked, and what the checks found.
 
     RL losses pass one response mask to many metrics of a micro-batch; a weight logged
-    again unchanged (the same object at the same version: every in-place operation on
-    a tensor, metadata ones such as ``resize_`` and ``set_`` included, bumps its
-    version) needs none of its checks again, only the comparison of its shape with the
-    value's. ``last`` holds (the weight as logged, its version, its shape and size, its
-    device when not the CPU, whether its data is checked at the fold, the weight recorded:
-    detached if it required grad), or ``NOT_CHECKED``; it keeps the weight alive until
+    again unchanged needs none of its checks again, only the comparison of its shape
+    with the value's. Unchanged is the same object at the same version with the same
+    dtype and shape: every in-place operation on a tensor, metadata ones such as
+    ``resize_`` and ``set_`` included, bumps its version, but ``weight.data = other``
+    gives it another dtype, shape and data without one (the dtype and shape are all the
+    checks read; its data is read at the fold). ``last`` holds (the weight as logged,
+    its version, dtype and shape, its size, its device when not the CPU, whether its
+    data is checked at the fold), or ``NOT_CHECKED``; it keeps the weight alive until
     the tracker's next fold or reset.
     """
 
-    NOT_CHECKED = (None, -1, None, 0, None, False, None)
+    NOT_CHECKED = (None, -1, None, None, 0, None, False)
 
     __slots__ = ("last",)
 
@@ -343,10 +345,13 @@ def record_tensor(
             weight = tracked(weight)
             version = weight._version
         last = checked.last
-        if weight is last[0] and version == last[1]:
-            _, _, weight_shape, size, device, check_data, weight = last
-            if check_data and weight.requires_grad:  # requires_grad_ keeps the version
-                weight = weight.detach()
+        if (
+            weight is last[0]
+            and version == last[1]
+            and weight.dtype is last[2]
+            and weight.shape == last[3]
+        ):
+            _, _, _, weight_shape, size, device, check_data = last
         else:
             dtype = weight.dtype
             if dtype not in REAL_DTYPES or weight.layout is not STRIDED:
@@ -363,10 +368,10 @@ def record_tensor(
                     raise tensor_error(name, weight, "weight")
                 device = weight.device
             check_data = dtype is not BOOL  # a mask's data needs no check
-            recorded = weight.detach() if check_data and weight.requires_grad else weight
             size = weight_shape.numel()
-            checked.last = (weight, version, weight_shape, size, device, check_data, recorded)
-            weight = recorded
+            checked.last = (weight, version, dtype, weight_shape, size, device, check_data)
+        if check_data and weight.requires_grad:  # a view: the graph is not kept alive
+            weight = weight.detach()
         if weight_shape != shape:
             raise ValueError(
                 f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "

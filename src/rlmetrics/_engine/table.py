@@ -25,6 +25,9 @@ from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState, carries_extra
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.kinds.extra import ExtraKind
 
+UNMERGED: Any = object()
+"""``StateTable.load``'s default extra: not merged by the caller."""
+
 Positions = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, SUM and MAX positions
 IndexOn = Callable[[np.ndarray, torch.device], Tensor]  # an index array's device copy
 
@@ -262,14 +265,18 @@ class StateTable:
             return self.extras[row]
         return kind.merge_extra(self.extras[row], kind.host_extra(dev_extra))
 
-    def load(self, row: int, state: MetricState, kind: Kind) -> None:
-        """Merge a host snapshot into row ``row``."""
+    def load(self, row: int, state: MetricState, kind: Kind, extra: Any = UNMERGED) -> None:
+        """Merge a host snapshot into row ``row``; ``extra``: the merged extra, when the
+        caller merged the row's and the snapshot's already (``Tracker.merge`` does, so
+        that a merge that raises changes nothing)."""
         (s, m), sum_at, max_at = self.widths[row], self.sum_at[row], self.max_at[row]
         self.sums[sum_at : sum_at + s] += state.sums
         self.maxes[max_at : max_at + m] = np.maximum(self.maxes[max_at : max_at + m], state.maxes)
         self.counts[row, 0] += state.num_nonfinite
         if carries_extra(kind):
-            self.extras[row] = kind.merge_extra(self.extras[row], state.extra)
+            if extra is UNMERGED:
+                extra = kind.merge_extra(self.extras[row], state.extra)
+            self.extras[row] = extra
 
     def is_empty(self, row: int, kind: Kind) -> bool:
         """Whether the host half of row ``row`` holds nothing."""

@@ -16,7 +16,7 @@ def number_flag(kind: type, low: float = -math.inf, high: float = math.inf, *,
     """An argparse ``type=`` for a numeric flag: the text as ``kind`` (int or float),
     finite and in its range (``rlmetrics.trainer.config.number_need``, the check of
     every numeric config field), else a usage error naming the flag, exit 2:
-    ``argument --tol: must be a finite number >= 0, got 'nan'``."""
+    ``argument --tol: must be a finite number > 0, got 'nan'``."""
     from rlmetrics.trainer.config import number_need
 
     def parse(text: str) -> Any:

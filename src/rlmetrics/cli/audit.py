@@ -279,9 +279,10 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
     add("--epochs", type=count, default=2, metavar="E", help="PPO epochs (default: 2)")
     add("--seed", type=number_flag(int, 0, SEED_MAX), default=0, metavar="S",
         help="seed, in [0, 2**32 - 1] (default: 0)")  # fmt: skip
-    add("--tol", type=number_flag(float, 0), default=1e-9, metavar="X",
-        help="a metric drifts when |Δ| > tol·max(1, |value|); a finite number >= 0 "
-             "(default: 1e-9)")  # fmt: skip
+    add("--tol", type=number_flag(float, 0, open_low=True), default=1e-9, metavar="X",
+        help="a metric drifts when |Δ| > tol·max(1, |value|); a finite number > 0 (0 "
+             "would ask for identical bits, which no partition promises: sums added in "
+             "another order differ in their last bits) (default: 1e-9)")  # fmt: skip
     add("--naive", action="store_true",
         help="also show what a verl-style reduction would have logged")  # fmt: skip
     add("--plot", metavar="PNG", help="draw the spreads into this image")

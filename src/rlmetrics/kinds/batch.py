@@ -185,8 +185,9 @@ class Batch:
 
     A batch and its arrays are valid while the fold that made it runs: a host fold
     writes its large arrays into buffers the next fold writes over
-    (``rlmetrics._engine.plan.HostScratch``), so a kind keeps a copy of what it keeps (the
-    reductions it returns are new arrays).
+    (``rlmetrics._engine.plan.HostScratch``). So what a kind keeps beyond its reduce (its
+    extras) is new: ``split`` hands out pieces it may keep, and the reductions are new
+    arrays; a view of ``values``, ``weights`` or ``selected()`` is not.
     """
 
     on_host: bool = True
@@ -530,8 +531,10 @@ class Batch:
         return self.xp.concatenate(blocks, axis=1)
 
     def split(self, x: Array) -> list[Array]:
-        """``x`` cut into its rows' pieces."""
-        return np.split(x, np.cumsum(self.lengths[:-1]))
+        """``x`` cut into its rows' pieces, which a kind may keep (its extras): on the
+        host, views of a copy of ``x``, since ``x`` may be (a view of) a buffer the next
+        fold writes over."""
+        return np.split(np.array(x), np.cumsum(self.lengths[:-1]))
 
     def positions(self) -> Array:
         return np.arange(len(self.values), dtype=np.float64)
@@ -585,6 +588,7 @@ class DeviceBatch(Batch):
         return torch.stack([c.to(torch.float64) for c in columns], dim=1)
 
     def split(self, x: Tensor) -> list[Tensor]:
+        """``x`` cut into its rows' pieces, views (a device fold's arrays are its own)."""
         return list(x.split(self.lengths.tolist()))
 
     def positions(self) -> Tensor:

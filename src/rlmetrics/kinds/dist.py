@@ -62,13 +62,14 @@ class Dist(ExtraKind):
         self.quantiles = check_quantiles(quantiles, "dist")
 
     def reduce_extra(self, batch: Batch) -> list[Any]:
-        """Per metric, its selected values on the host; on a device, its (values,
-        selected) pieces: the selection is applied on the host after the transfer, which
-        a device cannot do without a sync."""
-        values, selected = batch.split(batch.values), batch.split(batch.selected())
+        """Per metric, its selected values on the host (views of one new array of every
+        selected value); on a device, its (values, selected) pieces: the selection is
+        applied on the host after the transfer, which a device cannot do without a sync."""
         if batch.on_host:
-            return [[v[kept]] for v, kept in zip(values, selected, strict=True)]
-        return list(zip(values, selected, strict=True))
+            kept = np.compress(batch.selected(), batch.values)
+            counts = batch.count().astype(np.int64)
+            return [[piece] for piece in np.split(kept, np.cumsum(counts[:-1]))]
+        return list(zip(batch.split(batch.values), batch.split(batch.selected()), strict=True))
 
     def empty_extra(self) -> list:
         return []

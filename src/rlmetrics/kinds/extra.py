@@ -42,6 +42,15 @@ class ExtraKind(Kind):
         """Merge two host extras (associative, commutative; inputs unchanged)."""
         return None
 
+    def check_extra(self, extra: Any) -> None:
+        """Check a host extra that comes from outside (a checkpoint, a merged state) for
+        what ``merge_extra`` and the result cannot tell: a value this kind never makes.
+        The default checks nothing.
+
+        Raises:
+            ValueError: saying what is wrong (the caller names the metric).
+        """
+
     def host_extra(self, dev_extra: Any) -> Any:
         """Turn batch extras (host arrays or device tensors) into a host extra (may sync;
         called at step end only)."""

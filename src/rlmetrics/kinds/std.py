@@ -12,6 +12,7 @@ which stays exact in float64 when |mean| >> std, unlike Σx² - (Σx)²/n.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,12 @@ class MomentTriples(ExtraKind):
     def merge_extra(self, a: Any, b: Any) -> tuple[float, ...]:
         merged = chan_merge(np.reshape(a, (-1, 3)), np.reshape(b, (-1, 3)))
         return tuple(merged.reshape(-1).tolist())
+
+    def check_extra(self, extra: Any) -> None:
+        """Each triple's weight W is finite and >= 0 (a negative one reports NaN); the
+        extra holds numbers (``state.check_metric`` checks that first)."""
+        if not all(0 <= w < math.inf for w in extra[::3]):
+            raise ValueError(f"a (W, mean, M2) triple's W must be finite and >= 0, got {extra!r}")
 
     def host_extra(self, dev_extra: Any) -> tuple[float, ...]:
         return tuple(float(x) for x in dev_extra.tolist())

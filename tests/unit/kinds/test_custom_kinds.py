@@ -61,16 +61,46 @@ class Distinct(ExtraKind):
         return {"": float(len(state.extra))} if state.sums[0] else None
 
 
+class KeptValues(ExtraKind):
+    """Keeps each row's pieces as ``batch.split`` hands them out (docs/custom-kinds.md:
+    the operation for extras); reports the sum of the selected values."""
+
+    name = "test_kept_values"
+
+    def reduce(self, batch: Batch) -> tuple[Any, Any]:
+        return batch.columns(), batch.columns()
+
+    def reduce_extra(self, batch: Batch) -> list[Any]:
+        pieces = zip(batch.split(batch.values), batch.split(batch.selected()), strict=True)
+        return [tuple(pair) for pair in pieces] if batch.on_host else list(pieces)
+
+    def empty_extra(self) -> tuple:
+        return ()
+
+    def host_extra(self, dev_extra: Any) -> tuple:
+        return tuple(x.cpu().numpy() for pair in dev_extra or [] for x in pair)
+
+    def merge_extra(self, a: Any, b: Any) -> tuple:
+        return tuple(a) + tuple(b)
+
+    def result(self, state: MetricState, name: str = "") -> dict[str, float] | None:
+        pairs = list(zip(state.extra[::2], state.extra[1::2], strict=True))
+        return {"sum": float(sum(v[k].sum() for v, k in pairs))} if pairs else None
+
+
 DISTINCT = Distinct()
+KEPT = KeptValues()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kinds() -> Any:
     register_kind(HIST, exist_ok=True)
     register_kind(DISTINCT, exist_ok=True)
+    register_kind(KEPT, exist_ok=True)
     yield
     unregister_kind(HIST.name)
     unregister_kind(DISTINCT.name)
+    unregister_kind(KEPT.name)
 
 
 # -- the Histogram kind against numpy ---------------------------------------------------
@@ -222,6 +252,48 @@ def test_histogram_rejects_bad_configuration(kwargs: dict, match: str) -> None:
 
 
 # -- registration ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype, weighted",
+    [(torch.float32, "mask"), (torch.float32, "none"), (torch.float64, "mask")],
+    ids=["float32 masked", "float32", "float64 masked"],
+)
+def test_a_kind_keeping_split_pieces_keeps_its_values_after_later_folds(
+    dtype: torch.dtype, weighted: str
+) -> None:
+    """A user kind that keeps ``batch.split(batch.values)`` pieces in its extras, as the
+    docs present it, holds what was logged: a ``take_state()`` snapshot and ``dist``
+    report numpy's sums after the next steps folded (float32 values and bool masks are
+    joined into buffers the tracker reuses, so the pieces were views of them: c/sum
+    reported 100.0 instead of 10.0)."""
+    rng = np.random.default_rng(5)
+    t = Tracker()
+    snapshots, expected = [], []
+    for _ in range(3):
+        x = rng.normal(size=(3, 40)).astype(np.float32 if dtype == torch.float32 else np.float64)
+        masks = rng.random((3, 40)) < 0.7 if weighted == "mask" else np.ones((3, 40), bool)
+        for row, mask in zip(x, masks, strict=True):
+            weight = torch.from_numpy(mask) if weighted == "mask" else None
+            t.log("c", torch.from_numpy(row), weight, kind=KEPT.name)
+            t.dist("d", torch.from_numpy(row), weight)
+        kept = x.astype(np.float64)[masks]
+        expected.append({"c/sum": float(kept.sum()), **reference_dist("d", kept)})
+        snapshots.append(t.take_state())
+    for snapshot, want in zip(snapshots, expected, strict=True):
+        got = snapshot.compute()
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+
+def reference_dist(name: str, x: np.ndarray) -> dict[str, float]:
+    """A dist's results by numpy (its default quantiles)."""
+    out = {f"{name}/{k}": float(f(x)) for k, f in (("mean", np.mean), ("std", np.std),
+                                                    ("min", np.min), ("max", np.max))}  # fmt: skip
+    for q, value in zip((0.5, 0.9, 0.99), np.quantile(x, (0.5, 0.9, 0.99)), strict=True):
+        out[f"{name}/p{round(q * 100, 6):g}"] = float(value)
+    return out
+
+
 def test_registering_a_name_twice_raises() -> None:
     other = Histogram(name="test_hist", edges=(0.0, 1.0))
     with pytest.raises(ValueError, match="kind 'test_hist' is already registered as Histogram"):

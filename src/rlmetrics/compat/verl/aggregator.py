@@ -137,11 +137,24 @@ class MetricsAggregator:
             else:
                 for key, value in metrics.items():
                     self._add(key, value, metrics, sample_count)
+            self._check_kinds()
             self._window.step()
         except BaseException:
             self._tracker.reset()  # the failed iteration is dropped
             raise
         self.step_count += 1
+
+    def _check_kinds(self) -> None:
+        """Raise when a key of this iteration has another kind than in an earlier one
+        (the window would take the iteration without it and raise at the report)."""
+        earlier = self._window.state().metrics
+        for key, kind in self._tracker.schema().items():
+            seen = earlier.get(key)
+            if seen is not None and seen.kind != kind:
+                raise ValueError(
+                    f"metric {key!r} is kind {kind!r} in this iteration but {seen.kind!r} "
+                    "in an earlier one; a key keeps one kind until reset()"
+                )
 
     def _add(self, key: str, value: Any, metrics: Mapping[str, Any], sample_count: int) -> None:
         if key == DAPO_FILTERED_REWARD_COUNTS_KEY and isinstance(value, Mapping):
