@@ -20,6 +20,7 @@ from rlmetrics._engine.plan import StepPlan
 from rlmetrics._engine.record import (
     TENSOR_WEIGHTS,
     CheckedWeight,
+    MetricRecords,
     NumberRecords,
     Prepared,
     prepare,
@@ -31,7 +32,7 @@ from rlmetrics._engine.sync import SyncedParts, as_timeout, should_sync, sync_re
 from rlmetrics._engine.table import UNMERGED, StateTable
 from rlmetrics.errors import RejectedInputError
 from rlmetrics.groups import Groups, LabelledPart, check_kinds
-from rlmetrics.kinds import KINDS, Dist, Kind, MetricRecords, QuantileSketch, get_kind
+from rlmetrics.kinds import KINDS, Dist, Kind, QuantileSketch, get_kind
 from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT, carries_extra
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.state import TrackerState, check_metric, checked_load, merged_extra
@@ -447,10 +448,10 @@ class Tracker(LogMethods):
             "dist": Dist(quantiles),
             "quantile": QuantileSketch(quantiles=quantiles),
         }
-        self._accumulators: dict[str, MetricRecords] = {}
-        # every name's accumulator, kept across steps and cleared on reuse: no
-        # allocation per name per step, and the sync code can recognise a step's
-        # accumulators as the last one's (see rlmetrics._engine.plan)
+        self._metric_records: dict[str, MetricRecords] = {}  # this step's metrics
+        # Every name's MetricRecords, kept across steps and cleared on reuse. No step
+        # allocates per name, and the caches recognise a step's metrics as the last
+        # one's (see rlmetrics._engine.plan).
         self._pool: dict[str, MetricRecords] = {}
         self._table = StateTable()  # every pooled metric's folded state, a row each
         self._plan = StepPlan()  # every cache kept between steps
@@ -523,12 +524,13 @@ class Tracker(LogMethods):
         lock.acquire()
         try:
             try:
-                acc = self._accumulators.get(name)
+                records = self._metric_records.get(name)
             except TypeError:  # an unhashable name
                 check_name(name)
                 raise
-            if acc is None or acc.kind_name != kind:  # the step's first call (or a kind
-                acc = self._accumulator(name, self.kind(kind))  # conflict, which raises)
+            if records is None or records.kind_name != kind:
+                # the step's first call, or a kind conflict, which raises
+                records = self._add_metric(name, self.kind(kind))
                 new = True
             else:
                 new = False
@@ -536,17 +538,17 @@ class Tracker(LogMethods):
                 if (
                     (value_type := type(value)) is float
                     and weight is None
-                    and acc.in_number_records
+                    and records.in_number_records
                     and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
                 ):  # record_number's work for a plain float, written out
                     numbers = self._numbers
                     numbers.values.append(value)
-                    numbers.rows.append(acc.row)
-                    acc.accepted_a_call = True
+                    numbers.rows.append(records.row)
+                    records.accepted_a_call = True
                     self._recorded += 1
                 elif value_type is Tensor and (weight is None or type(weight) in TENSOR_WEIGHTS):
                     self._recorded += 1 + record_tensor(
-                        acc,
+                        records,
                         name,
                         value,
                         weight,
@@ -556,17 +558,17 @@ class Tracker(LogMethods):
                         self.nonfinite,
                     )
                 else:
-                    self._log_value(acc, name, value, weight)
+                    self._log_value(records, name, value, weight)
             except BaseException:
                 if new:
-                    del self._accumulators[name]  # a failed first call leaves no empty metric
+                    del self._metric_records[name]  # a failed first call leaves no empty metric
                 raise
             if self._recorded > self.record_limit:
                 self._fold_early()
         finally:
             lock.release()
 
-    def _log_value(self, acc: MetricRecords, name: str, value: Any, weight: Any) -> None:
+    def _log_value(self, records: MetricRecords, name: str, value: Any, weight: Any) -> None:
         """Record a value ``_log`` does not record itself: python numbers, prepared values
         (``log_shared``), tensors, arrays and the rest."""
         value_type = type(value)
@@ -580,7 +582,7 @@ class Tracker(LogMethods):
                 as_number(name, value)
                 as_number(name, weight, "weight")
                 raise
-            record_number(acc, name, number, weight, self.nonfinite, self._numbers)
+            record_number(records, name, number, weight, self.nonfinite, self._numbers)
             self._recorded += 1
             return
         if value_type is not Prepared:
@@ -592,7 +594,7 @@ class Tracker(LogMethods):
                 copy=self.copy_cpu_tensors,
                 checked=self._checked_weight,
             )
-        self._recorded += 1 + record_prepared(acc, name, value, self.nonfinite, self._numbers)
+        self._recorded += 1 + record_prepared(records, name, value, self.nonfinite, self._numbers)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
@@ -633,7 +635,7 @@ class Tracker(LogMethods):
     def _log_parts(self, parts: list[LabelledPart]) -> None:
         """Log a grouped call's parts, one ``_log_shared`` call per label, after checking
         that none names a metric of another kind (a call that fails logs nothing)."""
-        check_kinds(self._accumulators, parts)
+        check_kinds(self._metric_records, parts)
         for metrics, value, weight in parts:
             self._log_shared(metrics, value, weight)
 
@@ -658,9 +660,9 @@ class Tracker(LogMethods):
                         self._groups.resolve(self._log_parts)
                 finally:
                     self._recorded = 0
-                    accs = list(self._accumulators.values())
+                    metrics = list(self._metric_records.values())
                     fold(
-                        accs,
+                        metrics,
                         self._numbers,
                         self._table,
                         self._plan,
@@ -681,52 +683,57 @@ class Tracker(LogMethods):
         except ValueError as error:
             self._fold_errors.append(error)
 
-    def _accumulator(self, name: str, kind: Kind) -> MetricRecords:
-        acc = self._accumulators.get(name)
-        if acc is not None:
+    def _add_metric(self, name: str, kind: Kind) -> MetricRecords:
+        """A new metric of this step: its pooled MetricRecords, cleared, or new ones.
+
+        Raises:
+            ValueError: ``name`` is logged as another kind this step.
+        """
+        records = self._metric_records.get(name)
+        if records is not None:
             raise ValueError(
-                f"metric {name!r} is already logged as kind {acc.kind.name!r}; "
+                f"metric {name!r} is already logged as kind {records.kind.name!r}; "
                 f"cannot log it as kind {kind.name!r}"
             )
-        acc = self._pool.get(name)
-        if acc is not None and acc.kind is kind:
-            acc.clear()
+        records = self._pool.get(name)
+        if records is not None and records.kind is kind:
+            records.clear()
         else:
             check_name(name)
-            acc = self._pool[name] = MetricRecords(
+            records = self._pool[name] = MetricRecords(
                 kind, self._table, self._table.add_row(kind), name
             )
-        self._accumulators[name] = acc
-        return acc
+        self._metric_records[name] = records
+        return records
 
     def _logged_kind(self, name: str) -> str | None:
         """The kind name ``name`` is logged as this step, or None."""
-        acc = self._accumulators.get(name)
-        return None if acc is None else acc.kind.name
+        records = self._metric_records.get(name)
+        return None if records is None else records.kind.name
 
     def prefixed(self, prefix: str) -> PrefixedTracker:
         return PrefixedTracker(self, prefix)
 
     # -- state --------------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
-        return name in self._accumulators
+        return name in self._metric_records
 
     def __len__(self) -> int:
-        return len(self._accumulators)
+        return len(self._metric_records)
 
     def __iter__(self) -> Iterator[str]:
         with self._lock:  # a snapshot: another thread may log a new name meanwhile
-            return iter(list(self._accumulators))
+            return iter(list(self._metric_records))
 
     @_locked
     def schema(self) -> dict[str, str]:
         """The names logged since the last reset, with their kind names."""
-        return {name: acc.kind.name for name, acc in self._accumulators.items()}
+        return {name: records.kind.name for name, records in self._metric_records.items()}
 
     def _synced_step(self, group: Any, timeout: float | timedelta | None) -> ReducedStep:
         """This step's folded states merged over ``group`` (``Window`` syncs its
         reporter's through it too)."""
-        parts = SyncedParts(self._accumulators, self._table, self._plan, self.kind)
+        parts = SyncedParts(self._metric_records, self._table, self._plan, self.kind)
         return sync_reduce(parts, group=group, timeout=timeout)
 
     @_locked
@@ -777,7 +784,7 @@ class Tracker(LogMethods):
         self._fold()
         table = self._table
         try:
-            return local_reduce(self._plan.local_packing(self._accumulators, table), table)
+            return local_reduce(self._plan.local_packing(self._metric_records, table), table)
         except RejectedInputError:
             self._forget_rejected()
             raise
@@ -787,17 +794,17 @@ class Tracker(LogMethods):
         rejected calls created (as a python call that raises creates none). Reads the
         counts of those candidates only, on this error path."""
         table = self._table
-        for name, acc in list(self._accumulators.items()):
-            if acc.num_deferred_checks and not acc.accepted_a_call:
+        for name, records in list(self._metric_records.items()):
+            if records.num_deferred_checks and not records.accepted_a_call:
                 # python numbers are checked at once, never rejected later: they are
                 # recognised by their effect on the host state, not marked on the fast path
-                if table.rejected(acc.row) >= acc.num_deferred_checks and table.is_empty(
-                    acc.row, acc.kind
+                if table.rejected(records.row) >= records.num_deferred_checks and table.is_empty(
+                    records.row, records.kind
                 ):
-                    del self._accumulators[name]
-                    table.clear_row(acc.row, acc.kind)
+                    del self._metric_records[name]
+                    table.clear_row(records.row, records.kind)
                     continue
-                acc.accepted_a_call = True  # a checked call was taken
+                records.accepted_a_call = True  # a checked call was taken
         table.forget_rejected()
 
     def merge(self, other: Tracker | TrackerState) -> Tracker:
@@ -816,7 +823,7 @@ class Tracker(LogMethods):
             raise TypeError(f"merge expects a Tracker or TrackerState, got {type(other).__name__}")
         with self._lock:
             self._fold()  # this tracker's own calls come first: a merged state is another source
-            kinds = self._checked_kinds(state, self._accumulators)
+            kinds = self._checked_kinds(state, self._metric_records)
             self._merge_checked(state, kinds, self._merged_extras(state, kinds))
         return self
 
@@ -824,19 +831,19 @@ class Tracker(LogMethods):
         self, state: TrackerState, current: Mapping[str, MetricRecords]
     ) -> dict[str, Kind]:
         """The kind each of ``state``'s metrics merges into, all checked against the
-        ``current`` accumulators before anything changes."""
+        ``current`` metric records before anything changes."""
         kinds = {}
         for name, metric in state.metrics.items():
             check_name(name)
-            acc = current.get(name)
+            records = current.get(name)
             kind_name = getattr(metric, "kind", None)
-            if acc is not None and acc.kind.name != kind_name:
+            if records is not None and records.kind.name != kind_name:
                 raise ValueError(
-                    f"metric {name!r} is kind {acc.kind.name!r} here but {kind_name!r} in the "
+                    f"metric {name!r} is kind {records.kind.name!r} here but {kind_name!r} in the "
                     "merged state"
                 )
             # str: a metric without a kind (not a MetricState) is then an unknown kind
-            kind = acc.kind if acc is not None else self.kind(str(kind_name))
+            kind = records.kind if records is not None else self.kind(str(kind_name))
             check_metric(name, metric, kind)
             kinds[name] = kind
         return kinds
@@ -852,8 +859,8 @@ class Tracker(LogMethods):
         for name, metric in state.metrics.items():
             kind = kinds[name]
             if carries_extra(kind):
-                acc = self._accumulators.get(name)
-                extra = kind.empty_extra() if acc is None else self._table.extras[acc.row]
+                records = self._metric_records.get(name)
+                extra = kind.empty_extra() if records is None else self._table.extras[records.row]
                 extras[name] = merged_extra(name, extra, metric.extra, kind)
         return extras
 
@@ -865,10 +872,10 @@ class Tracker(LogMethods):
     ) -> None:
         """Load ``state``'s checked metrics (``extras``: their extras merged already)."""
         for name, metric in state.metrics.items():
-            acc = self._accumulators.get(name) or self._accumulator(name, kinds[name])
-            acc.accepted_a_call = True
+            records = self._metric_records.get(name) or self._add_metric(name, kinds[name])
+            records.accepted_a_call = True
             extra = UNMERGED if extras is None else extras.get(name, UNMERGED)
-            self._table.load(acc.row, metric, acc.kind, extra)
+            self._table.load(records.row, metric, records.kind, extra)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the caches (``StepPlan``) and the lock."""
@@ -876,7 +883,7 @@ class Tracker(LogMethods):
             self._fold()
             state = dict(self.__dict__)
             del state["_lock"], state["_plan"]
-            return {**state, "_pool": dict(self._accumulators)}
+            return {**state, "_pool": dict(self._metric_records)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle with a new lock, and each metric on this process's kind object (a
@@ -884,13 +891,13 @@ class Tracker(LogMethods):
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._plan = StepPlan()
-        for acc in self._accumulators.values():
+        for records in self._metric_records.values():
             try:
-                kind = self.kind(acc.kind.name)
+                kind = self.kind(records.kind.name)
             except ValueError:  # a user kind not registered in this process: keep the copy
                 continue
-            if kind is not acc.kind and kind.settings() == acc.kind.settings():
-                acc.kind = kind
+            if kind is not records.kind and kind.settings() == records.kind.settings():
+                records.kind = kind
 
     @_locked
     def reset(self) -> None:
@@ -904,16 +911,16 @@ class Tracker(LogMethods):
         self._checked_weight.clear()
         self._fold_errors = []
         # records are left only by calls since the last fold (a fold clears every one)
-        if self._recorded and any(map(_get_values, self._accumulators.values())):
-            for acc in self._accumulators.values():
-                acc.clear()  # drops the records (the tensors they keep alive) now
+        if self._recorded and any(map(_get_values, self._metric_records.values())):
+            for records in self._metric_records.values():
+                records.clear()  # drops the records (the tensors they keep alive) now
         self._recorded = 0
-        if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
-            self._pool = dict(self._accumulators)
+        if len(self._pool) > 2 * len(self._metric_records) + 256:  # names that come and go
+            self._pool = dict(self._metric_records)
             self._table = self._table.compacted(list(self._pool.values()))
         else:
             self._table.clear()
-        self._accumulators = {}
+        self._metric_records = {}
 
     @_locked
     def compute(
@@ -976,9 +983,9 @@ class Tracker(LogMethods):
         except ValueError as error:  # ModifiedInputError; calls with by= dropped
             calls = getattr(error, "calls", {})
             for name, count in calls.items():
-                acc = self._accumulators.get(name)
-                if acc is not None:
-                    acc.count(REJECTED_SLOT, float(count))
+                records = self._metric_records.get(name)
+                if records is not None:
+                    records.count(REJECTED_SLOT, float(count))
             return error
         return None
 

@@ -17,12 +17,12 @@ from gloo_ranks import run_ranks
 # docs/architecture.md, "The walk of one step": the modules in the order first entered
 WALK = (
     "rlmetrics.tracker",
-    "rlmetrics.kinds.base",
     "rlmetrics._engine.record",
     "rlmetrics._engine.sync",
     "rlmetrics._engine.fold",
     "rlmetrics._engine.plan",
     "rlmetrics.kinds.batch",
+    "rlmetrics.kinds.base",
     "rlmetrics._engine.table",
     "rlmetrics._engine.packing",
     "rlmetrics.kinds.mean",

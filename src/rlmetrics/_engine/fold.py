@@ -5,7 +5,7 @@ of all metrics of a kind on one backend (host data with numpy; a metric with a t
 record on that tensor's device) become one ``Batch``, with a number of torch operations
 that depends on the kinds, devices and shapes logged but not on how many calls there
 were; the framework's rules apply to the whole batch at once (below), then the kind's
-``reduce`` makes one state row per metric, which folds into the metric's accumulator.
+``reduce`` makes one state row per metric, which folds into the metric's row of the state table.
 
 The batch is assembled first: ``Parts`` lays a set of metrics' records (python numbers,
 host arrays of any shape and real dtype, tensors) out as flat parts, each run of python
@@ -44,10 +44,10 @@ from torch import Tensor
 
 from rlmetrics._engine.inputs import REAL_DTYPES
 from rlmetrics._engine.plan import ElementOrder, FoldPlan, HostScratch, StepPlan
-from rlmetrics._engine.record import BOOL, NumberRecords
+from rlmetrics._engine.record import BOOL, MetricRecords, NumberRecords
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import ModifiedInputError
-from rlmetrics.kinds.base import MetricRecords, carries_extra
+from rlmetrics.kinds.base import carries_extra
 from rlmetrics.kinds.batch import Array, Batch, BatchRows, DeviceBatch, to_device
 from rlmetrics.kinds.extra import ExtraKind
 
@@ -92,13 +92,13 @@ class _Misaligned(RuntimeError):
     whose value and weight sizes differ (a tensor given data of another size by
     ``tensor.data = other`` after its log call's checks)."""
 
-    def __init__(self, accs: list[MetricRecords]) -> None:
-        super().__init__(f"misaligned records of {[acc.name for acc in accs]}")
-        self.accs = accs
+    def __init__(self, metrics: list[MetricRecords]) -> None:
+        super().__init__(f"misaligned records of {[records.name for records in metrics]}")
+        self.metrics = metrics
 
 
 def fold(
-    accs: list[MetricRecords],
+    metrics: list[MetricRecords],
     numbers: NumberRecords,
     table: StateTable,
     steps: StepPlan,
@@ -120,16 +120,16 @@ def fold(
         ModifiedInputError: a logged tensor changed in place; the records of the metrics
             named are dropped (reported once), every other metric is folded.
     """
-    with_records = [] if flat_only else list(filter(_get_values, accs))
+    with_records = [] if flat_only else list(filter(_get_values, metrics))
     try:
         # outside autograd: a logged tensor may have been made to require grad since
         with torch.no_grad() if with_records else nullcontext():
-            modified = _fold_all(accs, with_records, numbers, table, steps, nonfinite)
-        dropped = {acc.name: len(acc.values) for acc in modified}
+            modified = _fold_all(metrics, with_records, numbers, table, steps, nonfinite)
+        dropped = {records.name: len(records.values) for records in modified}
     finally:
         numbers.clear()
-        for acc in with_records:  # each holds an array record (numbers alone go flat)
-            acc.clear_records()
+        for records in with_records:  # each holds an array record (numbers alone go flat)
+            records.clear_records()
     if dropped:
         raise ModifiedInputError(
             "tensors logged this step were changed in place before compute(), so the "
@@ -140,7 +140,7 @@ def fold(
 
 
 def _fold_all(
-    accs: list[MetricRecords],
+    metrics: list[MetricRecords],
     with_records: list[MetricRecords],
     numbers: NumberRecords,
     table: StateTable,
@@ -151,17 +151,17 @@ def _fold_all(
     in place (their records are left out)."""
     modified: list[MetricRecords] = []
     if any(map(_get_versions, with_records)):
-        modified = [acc for acc in with_records if acc.versions and _modified(acc)]
-        with_records = [acc for acc in with_records if acc not in modified]  # identity
+        modified = [records for records in with_records if records.versions and _modified(records)]
+        with_records = [records for records in with_records if records not in modified]  # identity
     on_device: dict[Any, list[MetricRecords]] = {}
     host: list[MetricRecords] = []
-    for acc in with_records:
-        if acc.record_device is None:
-            host.append(acc)
+    for records in with_records:
+        if records.record_device is None:
+            host.append(records)
         else:
-            on_device.setdefault(acc.record_device, []).append(acc)
+            on_device.setdefault(records.record_device, []).append(records)
     if numbers.values or host:
-        plan = steps.fold_plan(table, None, accs)
+        plan = steps.fold_plan(table, None, metrics)
         if numbers.values:  # first, as an early fold would: their own cached layout
             _fold_records(table, steps, plan, numbers, [], None, nonfinite)
         if host:
@@ -176,7 +176,7 @@ def _fold_aligned(
     table: StateTable,
     steps: StepPlan,
     plan: FoldPlan,
-    accs: list[MetricRecords],
+    metrics: list[MetricRecords],
     device: torch.device | None,
     nonfinite: str,
 ) -> list[MetricRecords]:
@@ -184,11 +184,11 @@ def _fold_aligned(
     because a record's value and weight sizes no longer agree (``_Misaligned``: found
     before anything is folded, so the others fold as if they came alone)."""
     try:
-        _fold_records(table, steps, plan, None, accs, device, nonfinite)
+        _fold_records(table, steps, plan, None, metrics, device, nonfinite)
         return []
     except _Misaligned as error:
-        misaligned = error.accs
-    kept = [acc for acc in accs if acc not in misaligned]  # identity
+        misaligned = error.metrics
+    kept = [records for records in metrics if records not in misaligned]  # identity
     if kept:
         if device is not None:  # a device's plan is made for its metrics alone
             plan = steps.fold_plan(table, device, kept)
@@ -204,23 +204,23 @@ _get_row = attrgetter("row")
 _get_num_deferred_checks = attrgetter("num_deferred_checks")
 
 
-def _modified(acc: MetricRecords) -> bool:
+def _modified(records: MetricRecords) -> bool:
     """Whether a tensor recorded by reference changed in place since its log call (its
     version counter moved); ``versions`` holds each such tensor, then its version at the
     log call (a copy the log call made is not there: nothing else holds it)."""
-    versions = acc.versions
+    versions = records.versions
     return any(
         tensor._version != version
         for tensor, version in zip(versions[::2], versions[1::2], strict=True)
     )
 
 
-def _misaligned(acc: MetricRecords) -> bool:
+def _misaligned(records: MetricRecords) -> bool:
     """Whether a record of ``acc`` has an array or tensor weight of another size than
     its value."""
     return any(
         weight is not None and type(weight) is not float and part_size(value) != part_size(weight)
-        for value, weight in zip(acc.values, acc.weights, strict=True)
+        for value, weight in zip(records.values, records.weights, strict=True)
     )
 
 
@@ -229,7 +229,7 @@ def _fold_records(
     steps: StepPlan,
     plan: FoldPlan,
     numbers: NumberRecords | None,
-    accs: list[MetricRecords],
+    metrics: list[MetricRecords],
     device: torch.device | None,
     nonfinite: str,
 ) -> None:
@@ -238,7 +238,7 @@ def _fold_records(
     its own rows; all that adds lands in ``table`` with one indexed add and one indexed
     max."""
     with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-        batch, layout, counts = _batch(plan, numbers, accs, device, nonfinite, steps.scratch)
+        batch, layout, counts = _batch(plan, numbers, metrics, device, nonfinite, steps.scratch)
         element_at, call_at = layout.element_at, layout.call_at
         added: list[tuple[int, Array, Array]] = []  # (group, flat sums, flat maxes)
         for i in range(len(plan.groups)):
@@ -292,7 +292,7 @@ def _fold_extras(
 def _batch(
     plan: FoldPlan,
     numbers: NumberRecords | None,
-    accs: list[MetricRecords],
+    metrics: list[MetricRecords],
     device: torch.device | None,
     nonfinite: str,
     scratch: HostScratch,
@@ -300,8 +300,8 @@ def _batch(
     """The records as one screened batch in ``plan``'s order (each metric's elements
     together, in call order), its layout, and per metric its framework counts
     ([non-finite, rejected], None when no call needed a data check)."""
-    if not accs:  # python numbers only: checked when logged, one element per call
-        assert numbers is not None  # a host fold without accumulators has numbers
+    if not metrics:  # python numbers only: checked when logged, one element per call
+        assert numbers is not None  # a host fold without metric records has numbers
         cached = plan.numbers_order(numbers)
         layout = cached.layout
         if numbers.weight_at:
@@ -316,29 +316,29 @@ def _batch(
         batch = Batch.of(value, weight, cached.batch_rows)
         batch.all_selected = True  # a python number with weight 0 is not recorded
         return batch, layout, None
-    batch, layout, owned = _joined_batch(plan, accs, device, scratch)
+    batch, layout, owned = _joined_batch(plan, metrics, device, scratch)
     counts = None
-    if nonfinite != "propagate" or any(map(_get_num_deferred_checks, accs)):
+    if nonfinite != "propagate" or any(map(_get_num_deferred_checks, metrics)):
         counts = _screen(batch, layout, device, nonfinite)
     batch._zero_unselected(in_place=owned)
     return batch, layout, counts
 
 
 def _joined_batch(
-    plan: FoldPlan, accs: list[MetricRecords], device: torch.device | None, scratch: HostScratch
+    plan: FoldPlan, metrics: list[MetricRecords], device: torch.device | None, scratch: HostScratch
 ) -> tuple[Batch, ElementOrder, bool]:
     """The records of ``accs`` (one backend's metrics with records of their own) as one
     batch in ``plan``'s order, unscreened, its layout, and whether its values are an
     array made for it (not a record itself, which may be written over). Each metric's
     records are laid out in turn, the metrics in plan order, so the elements need no
     sort."""
-    index = plan.index[np.fromiter(map(_get_row, accs), np.int64, len(accs))]
+    index = plan.index[np.fromiter(map(_get_row, metrics), np.int64, len(metrics))]
     if len(index) > 1 and (index[1:] < index[:-1]).any():  # the host's come in tracker order
         order = np.argsort(index, kind="stable")
-        accs, index = [accs[i] for i in order.tolist()], index[order]
+        metrics, index = [metrics[i] for i in order.tolist()], index[order]
     parts = Parts()
-    for acc in accs:
-        parts.add(acc)
+    for records in metrics:
+        parts.add(records)
     parts.flush()
     host_scratch = scratch if device is None else None
     value = assemble(parts.values, device, scratch=host_scratch)
@@ -347,8 +347,8 @@ def _joined_batch(
     else:  # float weights, or a device: never into the scratch
         weight = assemble(parts.weights, device)
     if len(value) != len(weight):
-        raise _Misaligned([acc for acc in accs if _misaligned(acc)])
-    calls = np.fromiter(map(len, map(_get_values, accs)), np.int64, len(accs))
+        raise _Misaligned([records for records in metrics if _misaligned(records)])
+    calls = np.fromiter(map(len, map(_get_values, metrics)), np.int64, len(metrics))
     layout = ElementOrder.of_sorted(
         index, np.asarray(parts.lengths, dtype=np.int64), calls, parts.call_lengths, len(plan.rows)
     )
@@ -429,8 +429,8 @@ class Parts:
         self.numbers: list[float] = []
         self.number_weights: list[float] = []
 
-    def add(self, acc: MetricRecords) -> None:
-        values, weights = acc.values, acc.weights
+    def add(self, records: MetricRecords) -> None:
+        values, weights = records.values, records.weights
         if _types(values) == ONLY_TENSORS and _types(weights) == ONLY_TENSORS:
             # tensor values with tensor weights (a mask, most often): the parts as they are
             self.flush()
@@ -440,7 +440,7 @@ class Parts:
             self.call_lengths += sizes
             self.lengths.append(sum(sizes))
             return
-        if not acc.arrays:  # python numbers only: checked when logged, never rejected
+        if not records.arrays:  # python numbers only: checked when logged, never rejected
             self.numbers += values
             self.number_weights += weights
             self.call_lengths += [1] * len(values)

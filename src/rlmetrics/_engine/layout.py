@@ -16,7 +16,8 @@ from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 
-from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricRecords
+from rlmetrics._engine.record import MetricRecords
+from rlmetrics.kinds.base import NUM_COUNTS, Kind
 
 _get_kind = attrgetter("kind")
 
@@ -101,12 +102,12 @@ class BufferLayout:
             (place.name, place.kind.name, settings[id(place.kind)]) for place in self.placements
         )
 
-    def fits(self, accumulators: Mapping[str, MetricRecords]) -> bool:
-        """Whether every name of ``accumulators`` is here, with the same kind object."""
-        if not accumulators.keys() <= self.index.keys():
+    def fits(self, metric_records: Mapping[str, MetricRecords]) -> bool:
+        """Whether every name of ``metric_records`` is here, with the same kind object."""
+        if not metric_records.keys() <= self.index.keys():
             return False
-        kinds = map(self.kinds.__getitem__, map(self.index.__getitem__, accumulators))
-        return all(map(is_, map(_get_kind, accumulators.values()), kinds))
+        kinds = map(self.kinds.__getitem__, map(self.index.__getitem__, metric_records))
+        return all(map(is_, map(_get_kind, metric_records.values()), kinds))
 
     @cached_property
     def digest(self) -> float:

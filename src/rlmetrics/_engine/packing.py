@@ -23,9 +23,10 @@ import torch
 from torch import Tensor
 
 from rlmetrics._engine.layout import BufferLayout
+from rlmetrics._engine.record import MetricRecords
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import RejectedInputError
-from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricRecords, MetricState
+from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.kinds.extra import ExtraKind
 

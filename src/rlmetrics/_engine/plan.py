@@ -43,9 +43,8 @@ from torch import Tensor
 
 from rlmetrics._engine.layout import BufferLayout
 from rlmetrics._engine.packing import Packing, in_order
-from rlmetrics._engine.record import NumberRecords
+from rlmetrics._engine.record import MetricRecords, NumberRecords
 from rlmetrics._engine.table import StateTable
-from rlmetrics.kinds.base import MetricRecords
 from rlmetrics.kinds.batch import BatchRows, to_device
 
 RECENT_ENTRIES = 4

@@ -21,6 +21,7 @@ grad is detached (one view), so the record does not keep its autograd graph aliv
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -41,8 +42,7 @@ from rlmetrics._engine.inputs import (
     tracked,
     unmask,
 )
-from rlmetrics.kinds import MetricRecords
-from rlmetrics.kinds.base import NONFINITE_SLOT
+from rlmetrics.kinds.base import NONFINITE_SLOT, Kind
 from rlmetrics.kinds.mean import Mean
 
 BOOL = torch.bool
@@ -88,8 +88,70 @@ class NumberRecords:
         return self.value_array(), weights
 
 
+@dataclass(slots=True, eq=False)
+class MetricRecords:
+    """One metric in a Tracker: its kind, its row of the state table and this step's records.
+
+    A log call appends its value and weight as logged: no arithmetic. Python numbers go
+    to the tracker's flat ``NumberRecords`` while ``in_number_records`` holds; anything
+    else goes to ``values`` and ``weights``. At step end, or when the records pass
+    their memory bound, ``rlmetrics._engine.fold`` reduces them into the metric's row
+    of the ``StateTable``. Host data folds into the host half of the table. A metric
+    with a tensor record folds on that tensor's device, with no host sync.
+    """
+
+    kind: Kind
+    table: Any  # the tracker's rlmetrics._engine.table.StateTable
+    row: int
+    name: str = ""
+    # Calls whose data checks run at the fold, where they may be rejected.
+    num_deferred_checks: int = 0
+    # Whether any other call (or a merge) was taken. A metric that only rejected calls
+    # made is dropped once they are reported: a python call that raises makes no metric.
+    accepted_a_call: bool = False
+    # The records since the last fold, in call order.
+    values: list[Any] = field(default_factory=list)
+    weights: list[Any] = field(default_factory=list)
+    record_device: torch.device | None = None  # where the fold runs: a tensor record's device
+    arrays: bool = False  # whether any record is not a python number
+    # Each tensor recorded by reference, then its version at its log call. Flat, so that
+    # a log call extends it once.
+    versions: list[Any] = field(default_factory=list)
+    # Whether python numbers go to the tracker's flat records: until the step's first
+    # array record, and only for a kind that takes single numbers (parts == 1).
+    in_number_records: bool = False
+    # The kind's name, and whether it limits a call's size (parts, keeps_latest). Every
+    # log call reads them, so they are copied from the kind (architecture.md, "Performance").
+    kind_name: str = field(default="", init=False)
+    checks_call_size: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.in_number_records = self.kind.parts == 1
+        self.kind_name = self.kind.name
+        self.checks_call_size = self.kind.parts != 1 or self.kind.keeps_latest
+
+    def clear(self) -> None:
+        """A new step: no records, no calls counted."""
+        self.clear_records()
+        self.num_deferred_checks = 0
+        self.accepted_a_call = False
+
+    def clear_records(self) -> None:
+        """Drop the records (folded, or a new step)."""
+        self.values.clear()
+        self.weights.clear()
+        self.versions.clear()
+        self.record_device = None
+        self.arrays = False
+        self.in_number_records = self.kind.parts == 1
+
+    def count(self, slot: int, amount: float = 1.0) -> None:
+        """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
+        self.table.count(self.row, slot, amount)
+
+
 def record_number(
-    acc: MetricRecords,
+    records: MetricRecords,
     name: str,
     value: float,
     weight: float,
@@ -101,31 +163,31 @@ def record_number(
     if weight != 1.0:
         check_weight_number(name, weight)
         if weight == 0.0:  # contributes nothing, NaN or not, under every policy
-            acc.accepted_a_call = True  # but the metric exists (see Tracker._forget_rejected)
+            records.accepted_a_call = True  # but the metric exists (see Tracker._forget_rejected)
             return
-    if acc.checks_call_size:
-        _check_size(acc, name, 1, ())
+    if records.checks_call_size:
+        _check_size(records, name, 1, ())
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
-        acc.count(NONFINITE_SLOT)
+        records.count(NONFINITE_SLOT)
         return
-    acc.accepted_a_call = True
-    if acc.in_number_records:
+    records.accepted_a_call = True
+    if records.in_number_records:
         if weight != 1.0:
             numbers.weight_at.append(len(numbers.values))
             numbers.weights.append(weight)
         numbers.values.append(value)
-        numbers.rows.append(acc.row)
+        numbers.rows.append(records.row)
     else:
-        acc.values.append(value)
-        acc.weights.append(weight)
+        records.values.append(value)
+        records.weights.append(weight)
 
 
-def _check_size(acc: MetricRecords, name: str, size: int, shape: tuple[int, ...]) -> None:
+def _check_size(records: MetricRecords, name: str, size: int, shape: tuple[int, ...]) -> None:
     """A call's size against its kind's rule (``MetricRecords.checks_call_size``): a multiple of its
     ``parts``, one element for a kind that ``keeps_latest``."""
-    kind = acc.kind
+    kind = records.kind
     if size % kind.parts:
         raise TypeError(
             f"metric {name!r} (kind {kind.name!r}) splits each call into {kind.parts} equal "
@@ -299,7 +361,7 @@ class CheckedWeight:
 
 
 def record_tensor(
-    acc: MetricRecords,
+    records: MetricRecords,
     name: str,
     value: Tensor,
     weight: Tensor | float | int | None,
@@ -417,25 +479,25 @@ def record_tensor(
             except RuntimeError:  # an inference tensor: recorded as a copy
                 value = tracked(value)
                 value_version = None
-    if acc.checks_call_size:
-        _check_size(acc, name, size, shape)
+    if records.checks_call_size:
+        _check_size(records, name, size, shape)
     if check_data or nonfinite == "error":
-        acc.num_deferred_checks += 1  # may be rejected: compute() tells
+        records.num_deferred_checks += 1  # may be rejected: compute() tells
     else:
-        acc.accepted_a_call = True
+        records.accepted_a_call = True
     if version is not None:  # flat: each tensor, then its version (one extend a call)
         if value_version is not None:
-            acc.versions += (weight, version, value, value_version)
+            records.versions += (weight, version, value, value_version)
         else:
-            acc.versions += (weight, version)
+            records.versions += (weight, version)
     elif value_version is not None:
-        acc.versions += (value, value_version)
-    if device is not None and acc.record_device is None:
-        acc.record_device = device.device if isinstance(device, Tensor) else device
-    acc.arrays = True
-    acc.in_number_records = False  # the metric's later numbers follow this record
-    acc.values.append(value)
-    acc.weights.append(weight)
+        records.versions += (value, value_version)
+    if device is not None and records.record_device is None:
+        records.record_device = device.device if isinstance(device, Tensor) else device
+    records.arrays = True
+    records.in_number_records = False  # the metric's later numbers follow this record
+    records.values.append(value)
+    records.weights.append(weight)
     return size
 
 
@@ -451,7 +513,7 @@ def _weight_number(name: str, weight: Tensor | float | int) -> float:
 
 
 def record_prepared(
-    acc: MetricRecords,
+    records: MetricRecords,
     name: str,
     prepared: Prepared,
     nonfinite: str,
@@ -462,20 +524,20 @@ def record_prepared(
     the metric has no array record this step)."""
     number, weight_number, value, weight, size, shape, check_weights, device, versions = prepared
     if value is None:  # a python number and weight
-        record_number(acc, name, cast(float, number), weight_number, nonfinite, numbers)
+        record_number(records, name, cast(float, number), weight_number, nonfinite, numbers)
         return 0
-    if acc.checks_call_size:
-        _check_size(acc, name, size, shape)
+    if records.checks_call_size:
+        _check_size(records, name, size, shape)
     if check_weights or nonfinite == "error":
-        acc.num_deferred_checks += 1  # may be rejected: compute() tells
+        records.num_deferred_checks += 1  # may be rejected: compute() tells
     else:
-        acc.accepted_a_call = True
+        records.accepted_a_call = True
     if versions:
-        acc.versions.extend(versions)
-    if device is not None and acc.record_device is None:
-        acc.record_device = device.device if isinstance(device, Tensor) else device
-    acc.arrays = True
-    acc.in_number_records = False  # the metric's later numbers follow this record in its own
-    acc.values.append(value)
-    acc.weights.append(weight)
+        records.versions.extend(versions)
+    if device is not None and records.record_device is None:
+        records.record_device = device.device if isinstance(device, Tensor) else device
+    records.arrays = True
+    records.in_number_records = False  # the metric's later numbers follow this record in its own
+    records.values.append(value)
+    records.weights.append(weight)
     return size

@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlmetrics._engine.layout import BufferLayout
+from rlmetrics._engine.record import MetricRecords
 from rlmetrics.kinds import kind_names
-from rlmetrics.kinds.base import Kind, MetricRecords
+from rlmetrics.kinds.base import Kind
 from rlmetrics.kinds.rank_time import family_kind
 
 KindOf = Callable[[str], Kind]

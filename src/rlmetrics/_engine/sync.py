@@ -64,10 +64,10 @@ from rlmetrics._engine.packing import (
     with_nan_counts,
 )
 from rlmetrics._engine.plan import RecentEntries, StepPlan
+from rlmetrics._engine.record import MetricRecords
 from rlmetrics._engine.schema import KindOf, agreed_layout, schema_payload
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import SyncTimeoutError
-from rlmetrics.kinds.base import MetricRecords
 
 # Longer waits count as no timeout: gloo adds the wait to a nanosecond clock, which
 # overflows (the wait then fails at once) from about 9e9 s.

@@ -103,14 +103,14 @@ class StateTable:
         self.extras = {row: kind.empty_extra() for row, kind in self.extra_kinds.items()}
         self.device_part = None
 
-    def compacted(self, accs: list[Any]) -> StateTable:
+    def compacted(self, metrics: list[Any]) -> StateTable:
         """A new empty table with a row for each of ``accs`` only, which it renumbers
         (names that came and went drop out)."""
         table = StateTable()
         table.version = self.version + 1
-        for acc in accs:
-            acc.row = table.add_row(acc.kind)
-            acc.table = table
+        for records in metrics:
+            records.row = table.add_row(records.kind)
+            records.table = table
         return table
 
     def clear_row(self, row: int, kind: Kind) -> None:

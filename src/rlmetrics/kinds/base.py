@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
-import torch
 
 from rlmetrics.kinds.batch import Array, Batch
 
@@ -252,66 +251,3 @@ def result_of(kind: Kind, state: MetricState, name: str = "") -> dict[str, float
     if not present[0]:
         return None
     return {suffix: float(column[0]) for suffix, column in columns.items()}
-
-
-@dataclass(slots=True, eq=False)
-class MetricRecords:
-    """One metric in a Tracker: this step's records, and where its state is.
-
-    A log call appends its value and weight as logged (python floats, host arrays,
-    tensors), no arithmetic: python numbers to the tracker's flat ``NumberRecords``
-    while ``in_number_records`` holds, everything else to ``values`` and ``weights``.
-    ``rlmetrics._engine.fold`` reduces
-    the records into the metric's row of the tracker's ``StateTable`` at step end (or when
-    the tracker's records pass their memory bound): host data into the host half, a
-    metric with a tensor record on its device into the device half (no host sync).
-    """
-
-    kind: Kind
-    table: Any  # the tracker's rlmetrics._engine.table.StateTable
-    row: int
-    name: str = ""
-    # calls whose data checks run at step end (they may turn out rejected), and whether
-    # any other call (or merge) was taken: a metric all of whose calls were rejected is
-    # dropped when they are reported, as a python call that raises creates no metric
-    num_deferred_checks: int = 0
-    accepted_a_call: bool = False
-    # the records since the last fold, in call order (see rlmetrics._engine.record)
-    values: list[Any] = field(default_factory=list)
-    weights: list[Any] = field(default_factory=list)
-    record_device: torch.device | None = None  # a tensor record's device: the fold's
-    arrays: bool = False  # whether any record is not a python number
-    # the tensors recorded by reference, each followed by its version counter at its log
-    # call (flat, so that a log call extends it once)
-    versions: list[Any] = field(default_factory=list)
-    # python numbers go to the tracker's flat records (until an array record, and only
-    # for a kind that takes a single number)
-    in_number_records: bool = False
-    # the kind's name, and whether it limits a call's size (parts, keeps_latest): read by
-    # every log call, so copied from the kind (docs/architecture.md, "Performance")
-    kind_name: str = field(default="", init=False)
-    checks_call_size: bool = field(default=False, init=False)
-
-    def __post_init__(self) -> None:
-        self.in_number_records = self.kind.parts == 1
-        self.kind_name = self.kind.name
-        self.checks_call_size = self.kind.parts != 1 or self.kind.keeps_latest
-
-    def clear(self) -> None:
-        """A new step: no records, no calls counted."""
-        self.clear_records()
-        self.num_deferred_checks = 0
-        self.accepted_a_call = False
-
-    def clear_records(self) -> None:
-        """Drop the records (folded, or a new step)."""
-        self.values.clear()
-        self.weights.clear()
-        self.versions.clear()
-        self.record_device = None
-        self.arrays = False
-        self.in_number_records = self.kind.parts == 1
-
-    def count(self, slot: int, amount: float = 1.0) -> None:
-        """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
-        self.table.count(self.row, slot, amount)
