@@ -22,6 +22,7 @@ WALK = (
     "rlmetrics._engine.fold",
     "rlmetrics._engine.plan",
     "rlmetrics._engine.assemble",
+    "rlmetrics._engine.host_batch",
     "rlmetrics.kinds.batch",
     "rlmetrics.kinds.base",
     "rlmetrics._engine.table",

@@ -138,7 +138,7 @@ def assemble(
     array (``device`` None) or tensor on ``device``, in order; on the host ``dtype``
     may be ``np.bool_`` instead, for parts that are all bool masks. With ``scratch``
     (a host fold), parts that are all 1-D float32 tensors (values, left float32 for
-    ``Batch._of_narrow`` to widen) or all 1-D bool tensors (masks) are joined into its
+    ``HostBatch`` to widen) or all 1-D bool tensors (masks) are joined into its
     buffer of their dtype.
 
     Tensors are joined by class (device, dtype, 0-d ones stacked, others by their

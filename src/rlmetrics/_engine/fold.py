@@ -26,14 +26,12 @@ change in place before the fold. Its version counter then moved, or, after
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from contextlib import nullcontext
 from operator import attrgetter
 from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from rlmetrics._engine.assemble import (
     MASK_DTYPES,
@@ -44,12 +42,13 @@ from rlmetrics._engine.assemble import (
     on_backend,
     part_size,
 )
+from rlmetrics._engine.host_batch import BatchRows, HostBatch
 from rlmetrics._engine.plan import ElementOrder, FoldPlan, HostScratch, StepPlan
 from rlmetrics._engine.record import MetricRecords, NumberRecords
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import ModifiedInputError
 from rlmetrics.kinds.base import carries_extra
-from rlmetrics.kinds.batch import Array, Batch, BatchRows, DeviceBatch, to_device
+from rlmetrics.kinds.batch import Array, Batch, DeviceBatch
 from rlmetrics.kinds.extra import ExtraKind
 
 
@@ -199,11 +198,11 @@ class Fold:
     ) -> None:
         """Fold the records of ``metrics``, one backend's, as one screened batch."""
         with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-            batch, layout, owned = _joined_batch(plan, metrics, device, self.caches.scratch)
+            batch, layout = _joined_batch(plan, metrics, device, self.caches.scratch)
             counts = None
             if self.nonfinite != "propagate" or any(map(_get_num_deferred_checks, metrics)):
                 counts = _screen(batch, layout, device, self.nonfinite)
-            batch._zero_unselected(in_place=owned)
+            batch.zero_unselected()
             self._reduce(plan, batch, layout, counts, device)
 
     def _numbers_batch(self, plan: FoldPlan) -> tuple[Batch, ElementOrder]:
@@ -222,9 +221,8 @@ class Fold:
         if layout.order is not None:
             value = value[layout.order]
         weight = cached.unit_weights if weight is None else weight
-        batch = Batch.of(value, weight, cached.batch_rows)
-        batch.all_selected = True  # a python number with weight 0 is not recorded
-        return batch, layout
+        # all selected: a python number with weight 0 is not recorded
+        return HostBatch(value, weight, cached.batch_rows, all_selected=True), layout
 
     def _reduce(
         self,
@@ -318,10 +316,10 @@ def _misaligned(records: MetricRecords) -> bool:
 
 def _joined_batch(
     plan: FoldPlan, metrics: list[MetricRecords], device: torch.device | None, scratch: HostScratch
-) -> tuple[Batch, ElementOrder, bool]:
-    """The records of ``metrics`` (one backend's metrics with records of their own) as one
-    batch in ``plan``'s order, unscreened, its layout, and whether its values are an
-    array made for it (not a record itself, which may be written over). Each metric's
+) -> tuple[Batch, ElementOrder]:
+    """The records of ``metrics`` as one batch in ``plan``'s order, unscreened, and its layout.
+
+    ``metrics`` are one backend's metrics with records of their own. Each metric's
     records are laid out in turn, the metrics in plan order, so the elements need no
     sort."""
     index = plan.index[np.fromiter(map(_get_row, metrics), np.int64, len(metrics))]
@@ -344,21 +342,14 @@ def _joined_batch(
     layout = ElementOrder.of_sorted(
         index, np.asarray(parts.lengths, dtype=np.int64), calls, parts.call_lengths, len(plan.rows)
     )
-    place = None if device is None else _placer(device)
-    rows = BatchRows(
-        None, layout.lengths, layout.call_lengths, layout.starts, layout.full, None, place
-    )
     if device is not None:
-        return DeviceBatch.of(value, weight, rows), layout, False
+        return DeviceBatch(value, weight, None, layout.lengths, layout.call_lengths), layout
+    rows = BatchRows(None, layout.lengths, layout.call_lengths, layout.starts, layout.full)
     if value.dtype == np.float32:  # joined into the scratch, left narrow
         widened = scratch.take(len(value), np.float64)
-        return Batch._of_narrow(value, weight, rows, widened), layout, False
-    return Batch.of(value, weight, rows), layout, made_anew(value, parts.values)
-
-
-def _placer(device: torch.device) -> Callable[[np.ndarray], Tensor]:
-    """What puts a host array on ``device``."""
-    return lambda array: to_device(array, device)
+        return HostBatch(value, weight, rows, widened=widened), layout
+    # values made for the batch, not a record itself, may be zeroed in place
+    return HostBatch(value, weight, rows, owned=made_anew(value, parts.values)), layout
 
 
 def _screen(

@@ -41,11 +41,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlmetrics._engine.host_batch import BatchRows
 from rlmetrics._engine.layout import BufferLayout
 from rlmetrics._engine.packing import Packing, in_order
 from rlmetrics._engine.record import MetricRecords, NumberRecords
 from rlmetrics._engine.table import StateTable
-from rlmetrics.kinds.batch import BatchRows, to_device
+from rlmetrics.kinds.batch import to_device
 
 RECENT_ENTRIES = 4
 """Entries each cache keeps, one per set of metrics, newest first."""

@@ -752,7 +752,7 @@ def test_a_large_step_matches_numpy_whatever_its_records(reduce_host_data_with_n
     columns, split into micro-batches in two ways, report
     numpy's values on the whole batch (exact for max, min and counts)."""
     rng = np.random.default_rng(5)
-    n = 9000  # per metric: two metrics pass rows.SMALL together
+    n = 9000  # per metric: two metrics pass host_batch.SMALL together
     x = rng.normal(3.0, 2.0, size=(2, n)).astype(np.float32)
     keep = rng.random((2, n)) > 0.3
     x[~keep & (rng.random((2, n)) < 0.05)] = np.nan  # unselected: change nothing
