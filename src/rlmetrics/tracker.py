@@ -10,6 +10,7 @@ from datetime import timedelta
 from operator import attrgetter
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,10 +31,10 @@ from rlmetrics._engine.record import (
 )
 from rlmetrics._engine.sync import SyncedParts, as_timeout, should_sync, sync_reduce
 from rlmetrics._engine.table import UNMERGED, StateTable
+from rlmetrics._groups import Groups, LabelledPart, check_kinds
 from rlmetrics.errors import RejectedInputError
-from rlmetrics.groups import Groups, LabelledPart, check_kinds
 from rlmetrics.kinds import KINDS, Dist, Kind, QuantileSketch, get_kind
-from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT, carries_extra
+from rlmetrics.kinds.base import REJECTED_SLOT, carries_extra
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.state import TrackerState, check_metric, checked_load, merged_extra
 from rlmetrics.timing import DeviceTimers, log_elapsed, log_throughput, timer
@@ -58,47 +59,70 @@ def _locked(method: _Method) -> _Method:
 
 
 def _alias(name: str, weight: Any, mask: Any) -> Any:
-    """``mask=`` is ``weight=`` by its older name; both at once is an error."""
+    """``mask=`` is ``weight=`` under the name that reads better for a selection; both at
+    once is an error."""
     if weight is not None:
         raise TypeError(f"metric {name!r}: pass weight= or mask= (an alias), not both")
     return mask
 
 
-class LogMethods:
-    """The logging calls shared by ``Tracker`` and its prefixed views.
+Loggable = float | Tensor | np.ndarray | np.generic | Sequence[Any]
+"""What a log call takes as a value or a weight: a python number (an int or a bool is
+a float to a type checker), a tensor, a numpy array or scalar, or a sequence of numbers
+(nested for more dimensions)."""
+
+Labels = Tensor | np.ndarray | Sequence[Any] | str | int
+"""What ``by=`` takes: a label per element, per row, or one for the call."""
+
+
+class LogTarget:
+    """Something you can log into: a ``Tracker``, or a prefixed view of one.
+
+    Annotate a function that logs with it, and pass it either. Its log calls are the
+    same on both: each goes to ``_log``, the one path. A Tracker records the call; a
+    prefixed view adds its prefix and hands the call to its tracker.
 
     Every call takes ``weight=``: None (1 per element), a python number, or an array or
-    tensor of the value's shape (a bool mask counts as 0/1). Its meaning is the kind's:
-    a multiplier for ``mean``, ``std`` and ``sum``, a selector (weight > 0) for ``max``,
-    ``min``, ``dist`` and ``last``; a bool mask means the same everywhere. An element
-    with weight 0 contributes nothing, whatever its value. ``mask=`` is an alias of
-    ``weight=``, kept for code written when ``sum``, ``max``, ``min`` and ``dist`` took
-    a mask only (pass it by keyword).
+    tensor of the value's shape (a bool mask counts as 0/1). Its meaning is the kind's.
+    It is a multiplier for ``mean``, ``std`` and ``sum``, and a selector (weight > 0)
+    for ``max``, ``min``, ``dist``, ``quantile`` and ``last``. A bool mask means the same
+    everywhere. An element with weight 0 contributes nothing, whatever its value.
+    ``mask=`` is ``weight=`` under the name that reads better for a selection (by
+    keyword; not both).
 
-    Every call but ``last`` also takes ``by=``: a label per element (or per row, or one
-    for the call): a python sequence or numpy array of strings or integers, or an integer
-    tensor. Each label's elements are then logged under ``name/<label>``, exactly as if
-    logged alone; ``labels=`` maps labels to the names used (``{0: "gsm8k"}``). Tensor
-    labels are read at the fold (``compute()``), not at the call. See docs/groups.md and
-    ``rlmetrics.groups``.
-
-    Each log call goes to ``_log``, the one path: the Tracker's records the call, a
-    prefixed view's adds its prefix and hands the call to its tracker's.
+    Every call but ``last`` also takes ``by=``: a label per element, per row, or one for
+    the call. Labels are strings or integers, in a python sequence or numpy array, or an
+    integer tensor. Each label's elements are then logged under ``name/<label>``, exactly
+    as if logged alone. ``labels=`` maps labels to the names used (``{0: "gsm8k"}``).
+    Tensor labels are read at the fold (``compute()``), not at the call. See
+    docs/groups.md.
     """
 
     device_timers: DeviceTimers
     """The tracker's device timers and tensor token counts not read yet (``timing``)."""
 
     def _log(
-        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
-        by: Any = None, labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         raise NotImplementedError
 
     def mean(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Weighted mean: Σ value·weight / Σ weight.
 
         Args:
@@ -108,7 +132,8 @@ class LogMethods:
             weight: a multiplier per element: None (1 each), a number, or an array or
                 tensor of ``value``'s shape (a bool mask counts as 0/1). A token
                 mean takes the response mask here.
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -116,9 +141,15 @@ class LogMethods:
         self._log(name, "mean", value, weight, mask, by, labels)
 
     def sum(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements).
 
         Args:
@@ -127,7 +158,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: a multiplier per element: None (1 each), a number, or an array or
                 tensor of ``value``'s shape (a bool mask counts as 0/1).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -135,9 +167,15 @@ class LogMethods:
         self._log(name, "sum", value, weight, mask, by, labels)
 
     def max(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Largest element (of those with weight > 0).
 
         Args:
@@ -146,7 +184,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: selects the elements with weight > 0: None (all), a number, or an
                 array or tensor of ``value``'s shape (a bool mask).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -154,9 +193,15 @@ class LogMethods:
         self._log(name, "max", value, weight, mask, by, labels)
 
     def min(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Smallest element (of those with weight > 0).
 
         Args:
@@ -165,7 +210,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: selects the elements with weight > 0: None (all), a number, or an
                 array or tensor of ``value``'s shape (a bool mask).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -173,9 +219,15 @@ class LogMethods:
         self._log(name, "min", value, weight, mask, by, labels)
 
     def std(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Weighted population standard deviation (ddof=0), exact when |mean| >> std.
 
         Args:
@@ -184,7 +236,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: a multiplier per element (a frequency): None (1 each), a number, or
                 an array or tensor of ``value``'s shape (a bool mask counts as 0/1).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -192,9 +245,15 @@ class LogMethods:
         self._log(name, "std", value, weight, mask, by, labels)
 
     def last(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
         A weight of 0 (or False) leaves the previous value in place.
 
@@ -203,15 +262,22 @@ class LogMethods:
             value: one number: a python number or a one-element array or tensor.
             weight: 0 (or False) leaves the previous value in place; None or > 0 takes
                 ``value``.
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by, labels: not taken by ``last`` (a replicated value has no groups).
         """
         self._log(name, "last", value, weight, mask, by, labels)
 
     def dist(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Every element with weight > 0: name/mean, /std, /min, /max, /pXX.
 
         Args:
@@ -220,7 +286,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: selects the elements with weight > 0: None (all), a number, or an
                 array or tensor of ``value``'s shape (a bool mask).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -228,9 +295,15 @@ class LogMethods:
         self._log(name, "dist", value, weight, mask, by, labels)
 
     def quantile(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Every element with weight > 0 into a fixed-size sketch: the keys ``dist``
         reports, quantiles within a relative error (see docs/quantiles.md).
 
@@ -240,7 +313,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: selects the elements with weight > 0: None (all), a number, or an
                 array or tensor of ``value``'s shape (a bool mask).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -248,9 +322,16 @@ class LogMethods:
         self._log(name, "quantile", value, weight, mask, by, labels)
 
     def log(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None, *, kind: str,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+        kind: str,
+    ) -> None:
         """Log into any registered kind (built-in or user-defined) by its name.
 
         Args:
@@ -258,9 +339,10 @@ class LogMethods:
             value: a python number, a sequence, a numpy array or a tensor, any
                 shape (device tensors are read at ``compute()``).
             weight: as the kind defines it (a multiplier or a selector; see
-                ``LogMethods``): None (1 each), a number, or an array or tensor of
+                ``LogTarget``): None (1 each), a number, or an array or tensor of
                 ``value``'s shape.
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -289,7 +371,9 @@ class LogMethods:
         ``timer`` does (``where``: ``rank=``, ``world_size=``, ``group=``)."""
         log_elapsed(self, name, seconds, **where)
 
-    def throughput(self, name: str, num_tokens: Any, seconds: float, **where: Any) -> None:
+    def throughput(
+        self, name: str, num_tokens: float | Tensor, seconds: float, **where: Any
+    ) -> None:
         """Log ``num_tokens`` (a number or a one-element tensor) this rank processed in
         ``seconds``: ``name`` = Σ tokens / (slowest rank's seconds × ranks), per rank as
         verl's ``perf/throughput``; ``name/total`` = Σ tokens / slowest rank's seconds."""
@@ -298,11 +382,12 @@ class LogMethods:
     def log_shared(
         self,
         metrics: Sequence[tuple[str, str]],
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
     ) -> None:
         """Log one value (and weight) into several metrics, given as (name, kind) pairs,
         converting and checking the input once: the same as one ``log`` call per metric,
@@ -333,9 +418,14 @@ class LogMethods:
         raise NotImplementedError
 
     def _grouped(
-        self, metrics: list[tuple[str, str]], value: Any, weight: Any, mask: Any, by: Any,
+        self,
+        metrics: list[tuple[str, str]],
+        value: Any,
+        weight: Any,
+        mask: Any,
+        by: Any,
         labels: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A call with ``by=`` (or, wrongly, ``labels=`` alone)."""
         name = metrics[0][0]
         if mask is not None:
@@ -354,7 +444,7 @@ class LogMethods:
         raise NotImplementedError
 
 
-class PrefixedTracker(LogMethods):
+class PrefixedTracker(LogTarget):
     """A view of a Tracker that prepends a prefix to every name it logs."""
 
     def __init__(self, tracker: Tracker, prefix: str) -> None:
@@ -365,9 +455,15 @@ class PrefixedTracker(LogMethods):
         self.device_timers = tracker.device_timers
 
     def _log(
-        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
-        by: Any = None, labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         self.tracker._log(self.prefix + check_name(name), kind, value, weight, mask, by, labels)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
@@ -387,7 +483,7 @@ class PrefixedTracker(LogMethods):
         return PrefixedTracker(self.tracker, self.prefix + prefix)
 
 
-class Tracker(LogMethods):
+class Tracker(LogTarget):
     """Named metrics of one step, each reduced by its kind, merged exactly.
 
     A log call records its value and weight (python numbers, arrays, tensors as they
@@ -499,13 +595,19 @@ class Tracker(LogMethods):
         return self._own_kinds.get(kind_name) or KINDS.get(kind_name) or get_kind(kind_name)
 
     def _log(
-        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
-        by: Any = None, labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Every log call of this tracker and its views (the kind methods, ``log``): under
         the tracker's lock, the metric found (or made: a failed first call leaves none),
         then the value recorded; a plain float and a plain tensor by the shortest way.
-        A call with ``by=`` goes to ``rlmetrics.groups``, which hands back one call per
+        A call with ``by=`` goes to ``rlmetrics._groups``, which hands back one call per
         label (``_log_shared``), at once or at the fold.
 
         A subclass that overrides ``_log`` sees every log call, as made
@@ -642,7 +744,7 @@ class Tracker(LogMethods):
     def _fold(self, wait: bool = True) -> None:
         """Reduce every record into the states (see ``rlmetrics._engine.fold``), after logging
         the device timers (all, waiting for them; the finished ones without ``wait``)
-        and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``).
+        and splitting the calls with ``by=`` that wait for it (``rlmetrics._groups``).
         Raises the fold's errors, those of the step's early folds included."""
         errors, self._fold_errors = self._fold_errors, []
         if self.device_timers.pending:
@@ -1016,4 +1118,4 @@ class Tracker(LogMethods):
         self._merge_checked(state, kinds)
 
 
-__all__ = ["NUM_COUNTS", "LogMethods", "PrefixedTracker", "Tracker"]
+__all__ = ["Labels", "LogTarget", "Loggable", "PrefixedTracker", "Tracker"]

@@ -21,7 +21,7 @@ from rlmetrics import (
 )
 from rlmetrics.kinds import last
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
-from rlmetrics.tracker import LogMethods, PrefixedTracker
+from rlmetrics.tracker import LogTarget, PrefixedTracker
 
 from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
 
@@ -585,7 +585,7 @@ def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
     """Every log call goes through ``_log``: a subclass that overrides it (as
     ``rlmetrics.cli.audit.RecordingTracker`` does) sees every call, made on the tracker or
     a prefixed view, by kind method or kind name, with or without a mask; each kind's
-    method is written once, in ``LogMethods``."""
+    method is written once, in ``LogTarget``."""
 
     class Seeing(Tracker):
         def __init__(self) -> None:
@@ -611,7 +611,7 @@ def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
     assert t.seen == [*expected, ("e", "std"), ("p/f", "last")]
     assert t.compute() == {"a": 1.0, "b": 1.0, "e": 0.5, "p/c": 2.0, "p/f": 4.0, "p/q/d": 3.0}
     kinds = ("mean", "sum", "max", "min", "std", "last", "dist", "quantile", "log")
-    assert all(getattr(cls, kind) is getattr(LogMethods, kind)
+    assert all(getattr(cls, kind) is getattr(LogTarget, kind)
                for cls in (Tracker, Seeing, PrefixedTracker) for kind in kinds)  # fmt: skip
 
 

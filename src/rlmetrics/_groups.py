@@ -263,8 +263,10 @@ def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[n
         raise TypeError(
             f"metric {name!r}: labels must be strings or integers, all of one type ({error})"
         ) from error
-    parts = [label_part(name, label.item() if isinstance(label, np.generic) else label, mapping)
-             for label in uniques]  # fmt: skip
+    parts = [
+        label_part(name, label.item() if isinstance(label, np.generic) else label, mapping)
+        for label in uniques
+    ]
     return codes.reshape(array.shape).astype(np.int64, copy=False), parts
 
 
@@ -411,6 +413,3 @@ def _element_order(row_order: Any, width: int) -> Any:
     else:
         columns = np.arange(width)
     return (row_order[:, None] * width + columns).reshape(-1)
-
-
-__all__ = ["Deferred", "Groups", "LabelledPart", "check_kinds"]
