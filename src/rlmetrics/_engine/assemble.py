@@ -134,19 +134,20 @@ def assemble(
     *,
     scratch: HostScratch | None = None,
 ) -> Array:
-    """Flat parts (host arrays of any shape and real dtype, tensors) as one 1-D float64
-    array (``device`` None) or tensor on ``device``, in order; on the host ``dtype``
-    may be ``np.bool_`` instead, for parts that are all bool masks. With ``scratch``
-    (a host fold), parts that are all 1-D float32 tensors (values, left float32 for
-    ``HostBatch`` to widen) or all 1-D bool tensors (masks) are joined into its
-    buffer of their dtype.
+    """Flat parts as one 1-D array, in order: float64 on the host (``device`` None), or a
+    float64 tensor on ``device``.
 
-    Tensors are joined by class (device, dtype, 0-d ones stacked, others by their
-    trailing shape), so the number of torch operations depends on the classes, not on
-    the number of parts; a permutation restores the order when the classes interleave.
-    On the host, parts of several classes that are few, or large and interleaved
-    (``IN_PLACE_PARTS``), are instead copied into place one by one (numpy, no torch
-    operation).
+    Parts are host arrays of any shape and real dtype, or tensors. On the host, ``dtype``
+    may be ``np.bool_`` instead, for parts that are all bool masks. With ``scratch`` (a
+    host fold), parts that are all 1-D float32 tensors or all 1-D bool tensors are joined
+    into its buffer of their dtype. Float32 values stay float32 there, for ``HostBatch``
+    to widen.
+
+    Tensors are joined by class: device, dtype, and 0-d ones stacked, others by their
+    trailing shape. So the number of torch operations follows the classes, not the
+    number of parts. A permutation restores the order when the classes interleave. On
+    the host, parts of several classes that are few, or large and interleaved
+    (``IN_PLACE_PARTS``), are instead copied into place one by one, with numpy.
     """
     host, classes = _classes(parts, device is not None)
     if scratch is not None and not host and len(classes) == 1:
@@ -244,11 +245,13 @@ def _flat_host(part: np.ndarray, dtype: type = np.float64) -> np.ndarray:
 def _tensor_block(
     tensors: list[Tensor], scalar: bool, target: torch.device, dtype: torch.dtype
 ) -> Tensor:
-    """Tensors of one class (device, dtype, 0-d or trailing shape) as one flat tensor of
-    ``dtype`` on ``target``, a copy: joined in their own dtype, then converted (exact:
-    one dtype per class); a lone tensor of another dtype is only converted (the
-    conversion copies). ``reshape``, not ``view``: ``cat`` keeps its inputs' memory
-    format (channels_last stays so), whose elements lie out of their logical order."""
+    """Tensors of one class (device, dtype, 0-d or trailing shape) as one flat copy of
+    ``dtype`` on ``target``.
+
+    They are joined in their own dtype, then converted: exact, as a class has one dtype.
+    A lone tensor of another dtype is only converted, since the conversion copies.
+    ``reshape``, not ``view``: ``cat`` keeps its inputs' memory format (channels_last
+    stays so), whose elements lie out of their logical order."""
     if len(tensors) == 1 and not scalar and tensors[0].dtype != dtype:
         return tensors[0].reshape(-1).to(target, dtype)
     joined = torch.stack(tensors) if scalar else torch.cat(tensors).reshape(-1)

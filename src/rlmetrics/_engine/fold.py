@@ -53,9 +53,11 @@ from rlmetrics.kinds.extra import ExtraKind
 
 
 def joined_errors(errors: list[ValueError]) -> ValueError:
-    """Several folds' errors of one step as one: a ``ModifiedInputError`` when they all
-    are, else a ValueError; the messages in order, every dropped call counted in
-    ``calls`` (an error without ``calls`` dropped calls of no known metric)."""
+    """Several folds' errors of one step as one.
+
+    It is a ``ModifiedInputError`` when they all are, else a ValueError. The messages
+    come in order, and ``calls`` counts every dropped call by metric. An error without
+    ``calls`` dropped calls of no known metric."""
     message = " Then: ".join(map(str, errors))
     calls: dict[str, int] = {}
     for error in errors:

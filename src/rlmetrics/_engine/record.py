@@ -57,14 +57,15 @@ CPU = torch.device("cpu")
 
 
 class NumberRecords:
-    """A tracker's python-number log calls, flat and in call order: the value and
-    metric row of each, and the weight of each whose weight is not 1 (its position and
-    weight), in lists, so that a plain log call appends two numbers and the fold turns
+    """A tracker's python-number log calls, flat and in call order.
+
+    Lists hold the value and metric row of each call, and the position and weight of
+    each call whose weight is not 1. A plain log call appends two numbers. The fold turns
     each list into one array, however many metrics there were.
 
     A metric's numbers go here until its first array or tensor record of the step
-    (``MetricRecords.in_number_records``); later ones go to its own records, after that one, so each
-    metric's calls keep their order.
+    (``MetricRecords.in_number_records``). Later ones go to its own records, after that
+    one, so each metric's calls keep their order.
     """
 
     __slots__ = ("rows", "values", "weight_at", "weights")
@@ -343,16 +344,17 @@ def _on_host(value: Any) -> bool:
 class CheckedWeight:
     """The last tensor weight a tracker's log calls checked, and what the checks found.
 
-    RL losses pass one response mask to many metrics of a micro-batch; a weight logged
+    RL losses pass one response mask to many metrics of a micro-batch. A weight logged
     again unchanged needs none of its checks again, only the comparison of its shape
-    with the value's. Unchanged is the same object at the same version with the same
-    dtype and shape: every in-place operation on a tensor, metadata ones such as
-    ``resize_`` and ``set_`` included, bumps its version, but ``weight.data = other``
-    gives it another dtype, shape and data without one (the dtype and shape are all the
-    checks read; its data is read at the fold). ``last`` holds (the weight as logged,
-    its version, dtype and shape, its size, its device when not the CPU, whether its
-    data is checked at the fold), or ``NOT_CHECKED``; it keeps the weight alive until
-    the tracker's next fold or reset.
+    with the value's. Unchanged is the same object at the same version, dtype and shape.
+    Every in-place operation bumps a tensor's version, metadata ones such as ``resize_``
+    and ``set_`` included. But ``weight.data = other`` gives it another dtype, shape and
+    data without one. The dtype and shape are all the checks read; the data is read at
+    the fold.
+
+    ``last`` holds the weight as logged, its version, dtype, shape and size, its device
+    (None on the CPU) and whether its data is checked at the fold; or ``NOT_CHECKED``.
+    It keeps the weight alive until the tracker's next fold or reset.
     """
 
     NOT_CHECKED = (None, -1, None, None, 0, None, False)

@@ -1,13 +1,14 @@
 """A tracker's folded state: one row per metric, every row in a few flat arrays.
 
-The fold (``rlmetrics._engine.fold``) reduces a step's records into rows here, a whole kind at
-a time (one indexed add per array, however many metrics), and packing copies the
-arrays into the collective's buffer with one indexed assignment each. Nothing here
-loops over metrics in python except for kinds with an extra payload.
+The fold (``rlmetrics._engine.fold``) reduces a step's records into rows here, a whole
+kind at a time: one indexed add per array, however many metrics. Packing copies the
+arrays into the collective's buffer with one indexed assignment each. Nothing here loops
+over metrics in python, except for kinds with an extra payload.
 
-A row's state lives in two halves that meet only when packed: the host half (numpy,
-what host data folds into) and the device half (tensors on the first device a tensor
-record folded on, without a host sync). Sums add across the halves, maxes take the max.
+A row's state lives in two halves that meet only when packed. The host half (numpy)
+holds what host data folds into. The device half holds tensors on the first device a
+tensor record folded on, without a host sync. Sums add across the halves; maxes take the
+max.
 """
 
 from __future__ import annotations

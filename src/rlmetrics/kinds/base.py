@@ -45,9 +45,10 @@ class MetricState:
         maxes: max-merged slots.
         extra: the kind's extra payload (host objects), or None.
         num_nonfinite: non-finite elements dropped under ``nonfinite="skip"``.
-        fingerprint: the kind's ``fingerprint()`` where the state was made (its slot
-            layout and configuration, e.g. a histogram's edges); "" when unknown (states
-            saved before it was recorded), which skips the check.
+        fingerprint: the kind's ``fingerprint()`` where the state was made: its slot
+            layout and configuration, e.g. a histogram's edges. "" for a state made by
+            hand (``MetricState(...)``, a state dict without the key), which skips the
+            check.
     """
 
     kind: str
@@ -101,22 +102,23 @@ def nan_max(a: float, b: float) -> float:
 class Kind:
     """Base class of aggregation kinds; subclass it to define your own.
 
-    A kind declares its state (``num_sums`` additive slots, ``num_maxes`` max slots)
-    and implements ``reduce`` (a step's records of all its metrics, to one state row per
-    metric, in one vectorised pass: see ``rlmetrics.kinds.batch``) and ``result``. The
-    merge follows from the declaration: sums add, maxes take the max. A kind whose new
-    value replaces the rank's state (``last``) sets ``keeps_latest``.
+    A kind declares its state: ``num_sums`` additive slots and ``num_maxes`` max slots.
+    It implements ``reduce`` and ``result``. ``reduce`` turns a step's records of all the
+    kind's metrics into one state row per metric, in one vectorised pass (see
+    ``rlmetrics.kinds.batch``). The merge follows from the declaration: sums add, maxes
+    take the max. A kind whose new value replaces the rank's state (``last``) sets
+    ``keeps_latest``.
 
-    A kind whose every slot is a sum or a max of a per-element column (``COLUMNS`` in
-    ``rlmetrics.kinds.batch``: mean's Σ value·weight and Σ weight) declares them
-    instead (``sum_columns``, ``max_columns``; the slot counts follow) and needs no
-    ``reduce``: the fold then reduces all such kinds together, one sum per column and
-    one max per column, however many kinds and metrics logged. A replacing kind's
-    declared slots are its columns at each metric's last selected element (``last``).
+    A kind whose every slot is a sum or a max of a per-element column may declare the
+    columns instead of writing ``reduce`` (``sum_columns``, ``max_columns``; the slot
+    counts follow). Mean's are Σ value·weight and Σ weight (``COLUMNS`` in
+    ``rlmetrics.kinds.batch``). The default ``reduce`` then takes one sum or one max per
+    column over all the kind's metrics, however many were logged. A replacing kind's
+    declared slots are its columns at each metric's last selected element.
 
     Extension: a kind with a payload that is neither additive nor a max (std's moments,
-    dist's values) subclasses ``rlmetrics.kinds.extra.ExtraKind`` instead; its payload
-    is gathered at sync.
+    dist's values) subclasses ``rlmetrics.kinds.extra.ExtraKind`` instead. Its payload is
+    gathered at sync.
     """
 
     name: str = ""
