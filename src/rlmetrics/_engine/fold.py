@@ -71,7 +71,7 @@ def joined_errors(errors: list[ValueError]) -> ValueError:
 
 
 class _Misaligned(RuntimeError):
-    """A backend's joined values and weights differ in length: ``accs`` hold a record
+    """A backend's joined values and weights differ in length: ``metrics`` hold a record
     whose value and weight sizes differ (a tensor given data of another size by
     ``tensor.data = other`` after its log call's checks)."""
 

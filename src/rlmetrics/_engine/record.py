@@ -573,7 +573,7 @@ def record_prepared(
     nonfinite: str,
     numbers: NumberRecords,
 ) -> int:
-    """Record a prepared call (a ``Prepared``) into ``acc`` (the metric called ``name``);
+    """Record a prepared call (a ``Prepared``) into ``records`` (the metric called ``name``);
     returns the elements recorded (0 for a python number, which ``numbers`` takes while
     the metric has no array record this step)."""
     number, weight_number, value, weight, size, shape, check_weights, device, versions = prepared

@@ -105,7 +105,7 @@ class StateTable:
         self.device_part = None
 
     def compacted(self, metrics: list[Any]) -> StateTable:
-        """A new empty table with a row for each of ``accs`` only, which it renumbers
+        """A new empty table with a row for each of ``metrics`` only, which it renumbers
         (names that came and went drop out)."""
         table = StateTable()
         table.version = self.version + 1
