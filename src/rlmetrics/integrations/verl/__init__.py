@@ -31,8 +31,12 @@ from rlmetrics.integrations.verl._version import SUPPORTED_VERL, check_version
 from rlmetrics.integrations.verl.data_metrics import data_metrics_by_source
 
 WORKERS_MODULE = "verl.workers.engine_workers"
+WORKER_MODULE = "rlmetrics.integrations.verl.worker"
+"""The module that defines ``ExactTrainingWorker`` (it imports ``WORKERS_MODULE``)."""
 
 _ORIGINAL: dict[str, type] = {}
+_switch_pending = False
+"""True while a switch waits for ``WORKER_MODULE`` to define its class."""
 
 
 def enable() -> None:
@@ -67,6 +71,16 @@ def _after_import(name: str, callback: Callable[[], None]) -> None:
 
 
 def _switch() -> None:
+    """Point verl's worker classes at ``ExactTrainingWorker`` (verl's workers module is
+    loaded). When the worker module is itself importing verl's workers module (it was
+    imported first: directly, or by unpickling a class that names it, as Ray does), it
+    has no ``ExactTrainingWorker`` yet: the switch is left to its last line
+    (``_switch_when_defined``), right after the class is defined."""
+    global _switch_pending
+    worker = sys.modules.get(WORKER_MODULE)
+    _switch_pending = worker is not None and not hasattr(worker, "ExactTrainingWorker")
+    if _switch_pending:
+        return
     engine_workers = sys.modules[WORKERS_MODULE]
 
     from rlmetrics.integrations.verl.worker import ExactTrainingWorker
@@ -81,9 +95,19 @@ def _switch() -> None:
             module.TrainingWorker = ExactTrainingWorker
 
 
+def _switch_when_defined() -> None:
+    """Finish a switch that verl's workers module asked for while the worker module was
+    being imported (see ``_switch``); nothing to do otherwise. The worker module's last
+    line."""
+    if _switch_pending:
+        _switch()
+
+
 def disable() -> None:
     """Undo ``enable()`` (verl's own classes again, in every module ``enable`` changed)."""
+    global _switch_pending
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
+    _switch_pending = False
     from rlmetrics.integrations.verl.dataproto import merge_futures
 
     merge_futures(False)

@@ -30,7 +30,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss, value_loss
 
-from rlmetrics.integrations.verl import detail
+from rlmetrics.integrations.verl import _switch_when_defined, detail
 from rlmetrics.integrations.verl.losses import AGG_LOSSES, TOKEN_MEANS, RecordingLoss
 from rlmetrics.tracker import Tracker
 
@@ -178,3 +178,8 @@ class ExactTrainingWorker(TrainingWorker):
         achieved, promised = counter.estimate_flops(tokens, seconds)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         return float(achieved / promised / world)
+
+
+# Imported before verl's workers module (directly, or by an unpickled class), this module
+# imported that module above, whose loading asked for the switch before the class existed.
+_switch_when_defined()
