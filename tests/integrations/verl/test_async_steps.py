@@ -286,12 +286,7 @@ def verl_aggregate(run: dict[str, Any]) -> dict[str, Any]:
     """verl's own ``MetricsAggregator`` over the run's iterations (the states skipped)."""
     from verl.trainer.ppo.v1 import utils
 
-    was_enabled = integration.is_enabled()
-    integration.disable()
-    try:
-        aggregator = utils.MetricsAggregator()
-    finally:
-        integration.enable() if was_enabled else integration.disable()
+    aggregator = utils.MetricsAggregator()  # rlmetrics leaves verl's class where it is
     for iteration in run["iterations"]:
         aggregator.add_step_metrics(iteration["metrics"], sample_count=iteration["samples"])
     return aggregator.get_aggregated_metrics()

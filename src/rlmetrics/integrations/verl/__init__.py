@@ -10,9 +10,9 @@ What ``enable()`` changes, and nothing else: verl builds its actor's inner worke
 ``ActorRolloutRefWorker.actor_worker_cls`` (a class attribute meant for this) and its
 critic from ``verl.workers.engine_workers.TrainingWorker``; both are pointed at
 ``ExactTrainingWorker``, a subclass whose update metrics are partition invariant.
-On the driver, the class verl's V1 trainers merge a step's iterations with
-(``verl.trainer.ppo.v1.utils.MetricsAggregator``) is pointed at one that merges the
-workers' states exactly (``rlmetrics.integrations.verl.async_steps``).
+On the driver, the name verl's V1 trainers build the aggregator of a step's iterations
+from (``MetricsAggregator`` in ``verl.trainer.ppo.v1.trainer_base``) is pointed at one
+that merges the workers' states exactly (``rlmetrics.integrations.verl.async_steps``).
 No verl function is replaced but two: one for DataProto metrics (``DataProtoFuture.get``:
 see ``rlmetrics.integrations.verl.dataproto``), and the driver's ``compute_data_metrics``,
 by a wrapper that returns verl's dict unchanged unless ``RLMETRICS_VERL_DETAIL`` is on
@@ -60,7 +60,7 @@ def enable() -> None:
     merge_futures(True)
     _after_import(WORKERS_MODULE, _switch)
     _after_import(data_metrics.METRICS_MODULE, data_metrics.install)
-    _after_import(async_steps.UTILS_MODULE, async_steps.install)
+    _after_import(async_steps.TRAINER_MODULE, async_steps.install)
 
 
 def _after_import(name: str, callback: Callable[[], None]) -> None:

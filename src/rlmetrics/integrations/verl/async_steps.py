@@ -17,8 +17,9 @@ Two parts, both installed by ``enable()``:
   ``reduce_metrics`` on the driver hands it on as ``<role>/rlmetrics_state``. Called
   by the V0 trainer or by hand, it returns its values only, since nothing there would
   merge the state.
-* the driver: ``verl.trainer.ppo.v1.utils.MetricsAggregator``, and the name
-  ``trainer_base`` imports from it, point at ``StepMetricsAggregator``: the exact
+* the driver: the name ``MetricsAggregator`` in ``verl.trainer.ppo.v1.trainer_base``
+  (imported from ``verl.trainer.ppo.v1.utils``; ``PPOTrainer.step`` builds one a step
+  from it) points at ``StepMetricsAggregator``: the exact
   aggregator of ``rlmetrics.compat.verl`` (verl's rules for plain numbers, keys ending
   in ``count`` summed), which merges each iteration's states by their kinds in place
   of the values they replace: token means weighted by tokens, sums summed, max and
@@ -26,8 +27,9 @@ Two parts, both installed by ``enable()``:
   optimizer step, and the rank times (``<role>/update_time_s``) summed per rank over
   the iterations before the slowest rank is taken.
 
-verl's trainer modules are not replaced: the aggregator is a class verl looks up by
-name when a step starts, as the critic's ``TrainingWorker`` is.
+No verl function is replaced: the aggregator is a class verl looks up by name when a
+step starts, as the critic's ``TrainingWorker`` is; verl's own class stays in
+``verl.trainer.ppo.v1.utils``.
 """
 
 from __future__ import annotations
@@ -41,14 +43,13 @@ from rlmetrics.kinds import MetricState
 from rlmetrics.state import TrackerState
 
 UTILS_MODULE = "verl.trainer.ppo.v1.utils"
-"""The module that defines verl's ``MetricsAggregator``."""
-TRAINER_MODULES = ("verl.trainer.ppo.v1.trainer_base",)
-"""verl 0.9.1's modules that import ``MetricsAggregator`` by name and build one a step."""
+"""The module that defines verl's ``MetricsAggregator`` (left as verl made it)."""
+TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+"""The module whose ``PPOTrainer.step`` builds one ``MetricsAggregator`` a step, by the
+name it imported from ``UTILS_MODULE``."""
 AGGREGATOR = "MetricsAggregator"
 STATE_KEY = "rlmetrics_state"
 """The worker's metrics key that carries its merged state (``<role>/`` on the driver)."""
-
-_VERL_AGGREGATOR: dict[str, type] = {}
 
 
 class StepMetricsAggregator(MetricsAggregator):
@@ -95,21 +96,15 @@ def with_states(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def install() -> None:
-    """Point ``MetricsAggregator`` (verl's module and the loaded trainers' copies) at
-    ``StepMetricsAggregator`` (idempotent). Called right after the module that defines
-    it is imported, so trainer modules imported later take it with their own import."""
-    utils = sys.modules[UTILS_MODULE]
-    original = _VERL_AGGREGATOR.setdefault(AGGREGATOR, getattr(utils, AGGREGATOR))
-    for module in [utils, *(sys.modules.get(name) for name in TRAINER_MODULES)]:
-        if module is not None and getattr(module, AGGREGATOR, None) is original:
-            setattr(module, AGGREGATOR, StepMetricsAggregator)
+    """Point the name ``trainer_base`` builds each step's aggregator from at
+    ``StepMetricsAggregator`` (idempotent). Called right after ``trainer_base`` is
+    imported; verl's own class in ``UTILS_MODULE`` is left alone, for code that builds
+    one itself."""
+    setattr(sys.modules[TRAINER_MODULE], AGGREGATOR, StepMetricsAggregator)
 
 
 def uninstall() -> None:
-    """verl's own ``MetricsAggregator`` again, wherever ``install`` put the exact one."""
-    original = _VERL_AGGREGATOR.get(AGGREGATOR)
-    if original is None:
-        return
-    for module in [sys.modules.get(UTILS_MODULE), *map(sys.modules.get, TRAINER_MODULES)]:
-        if module is not None and getattr(module, AGGREGATOR, None) is StepMetricsAggregator:
-            setattr(module, AGGREGATOR, original)
+    """verl's own ``MetricsAggregator`` in ``trainer_base`` again."""
+    trainer_base = sys.modules.get(TRAINER_MODULE)
+    if trainer_base is not None and getattr(trainer_base, AGGREGATOR) is StepMetricsAggregator:
+        setattr(trainer_base, AGGREGATOR, getattr(sys.modules[UTILS_MODULE], AGGREGATOR))
