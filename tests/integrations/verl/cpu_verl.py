@@ -150,3 +150,23 @@ def setup_cpu() -> None:
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=["cpu"])(
             engine
         )
+
+
+def cpu_resource_pool_manager_class() -> type:
+    """verl's ``ResourcePoolManager`` whose pools hold CPUs (``use_gpu=False``) instead
+    of the GPUs its ``create_resource_pool`` asks Ray for (``Total available GPUs 0 is
+    less than total desired GPUs``); the trainers' pools are otherwise verl's."""
+    from verl.single_controller.ray import RayResourcePool
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    class CPUResourcePoolManager(ResourcePoolManager):
+        def create_resource_pool(self) -> None:
+            for name, process_on_nodes in self.resource_pool_spec.items():
+                self.resource_pool_dict[name] = RayResourcePool(
+                    process_on_nodes=process_on_nodes,
+                    use_gpu=False,
+                    max_colocate_count=1,
+                    name_prefix=name,
+                )
+
+    return CPUResourcePoolManager

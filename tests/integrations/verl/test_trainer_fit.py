@@ -272,21 +272,10 @@ def fit_config(files: FitFiles, micro: int, log_path: str) -> Any:
 def cpu_resource_pool_manager(config: Any, mapping: dict) -> Any:
     """verl's ``ResourcePoolManager`` whose pools hold CPUs (``use_gpu=False``) instead
     of the GPUs its ``create_resource_pool`` asks for."""
-    from verl.single_controller.ray import RayResourcePool
-    from verl.single_controller.ray.base import ResourcePoolManager
-
-    class CPUResourcePoolManager(ResourcePoolManager):
-        def create_resource_pool(self) -> None:
-            for name, process_on_nodes in self.resource_pool_spec.items():
-                self.resource_pool_dict[name] = RayResourcePool(
-                    process_on_nodes=process_on_nodes,
-                    use_gpu=False,
-                    max_colocate_count=1,
-                    name_prefix=name,
-                )
+    from cpu_verl import cpu_resource_pool_manager_class
 
     spec = {"global_pool": [config.trainer.n_gpus_per_node] * config.trainer.nnodes}
-    return CPUResourcePoolManager(resource_pool_spec=spec, mapping=mapping)
+    return cpu_resource_pool_manager_class()(resource_pool_spec=spec, mapping=mapping)
 
 
 def build_trainer(config: Any, worker_env: dict[str, str]) -> Any:
