@@ -266,9 +266,6 @@ class RecordingLoss:
         self.loss_agg_mode = mode
         self.config = config
         self.is_policy_loss = getattr(loss_fn, "func", None) is _policy_loss()
-        self.pg_loss_agg = (
-            PG_LOSS_AGG.get(policy_loss_mode(config)) if self.is_policy_loss else None
-        )
 
     def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[Any, Any]:
         loss, metrics = self.loss_fn(model_output=model_output, data=data, dp_group=dp_group)
@@ -296,13 +293,14 @@ class RecordingLoss:
 
     def _log(self, tracker: Tracker, metrics: Mapping[str, Any], data: Any, **where: Any) -> None:
         """``log_micro_batch`` with this loss's aggregation (``where``: a source's
-        ``suffix`` and ``rows``)."""
+        ``suffix`` and ``rows``). The mode is read at each call, as ``ppo_loss`` reads it."""
+        mode = policy_loss_mode(self.config) if self.is_policy_loss else None
         log_micro_batch(
             tracker,
             metrics,
             data,
             loss_agg_mode=self.loss_agg_mode,
-            pg_loss_agg=self.pg_loss_agg,
+            pg_loss_agg=PG_LOSS_AGG.get(mode) if mode else None,
             **where,
         )
 
