@@ -250,6 +250,7 @@ def run_split(variant: str, split_name: str) -> dict[str, Any]:
 
 
 def _float(value: Any) -> float:
+    """A micro-batch's metric (a ``Metric`` of one value, or a float) as a float."""
     values = getattr(value, "values", None)
     return float(values[0] if isinstance(values, list) else value)
 
