@@ -43,6 +43,7 @@ EMPTY_POLICIES = ("omit", "nan")
 NONFINITE_POLICIES = ("propagate", "skip", "error")
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_Result = TypeVar("_Result")
 _get_values = attrgetter("values")
 
 
@@ -1053,6 +1054,40 @@ class Tracker(LogTarget):
                 other call's metrics. A call with ``by=`` dropped at the fold raises
                 after the step, on its rank only.
         """
+        return self._end_step(
+            lambda reduced: reduced.results(empty=self.empty), reset, group, timeout, sync
+        )
+
+    @_locked
+    def compute_state(
+        self,
+        reset: bool = True,
+        *,
+        group: Any = None,
+        timeout: float | timedelta | None = None,
+        sync: bool = True,
+    ) -> TrackerState:
+        """End the step as ``compute()`` does, with the same sync, and return the merged
+        state instead of the values: what a driver merges further with other steps'
+        states (several updates it reports as one step). ``state.compute()`` gives the
+        dict ``compute()`` would have returned.
+
+        Args and Raises: as ``compute()``.
+        """
+        return self._end_step(
+            lambda reduced: TrackerState(reduced.states()), reset, group, timeout, sync
+        )
+
+    def _end_step(
+        self,
+        read: Callable[[ReducedStep], _Result],
+        reset: bool,
+        group: Any,
+        timeout: float | timedelta | None,
+        sync: bool,
+    ) -> _Result:
+        """The step merged over ``group`` (or this process's), read by ``read`` before
+        the reset (a ``ReducedStep`` is read within the call that built it)."""
         as_timeout(timeout)  # a bad timeout raises even where nothing syncs
         dropped = None
         if sync and should_sync(group):
@@ -1067,7 +1102,7 @@ class Tracker(LogTarget):
         else:
             self._fold()
             reduced = self._local_reduce()
-        out = reduced.results(empty=self.empty)
+        out = read(reduced)
         if reset:
             self.reset()
         if dropped is not None:
