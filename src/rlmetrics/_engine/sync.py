@@ -64,10 +64,10 @@ from rlmetrics._engine.packing import (
     with_nan_counts,
 )
 from rlmetrics._engine.plan import RecentEntries, StepPlan
+from rlmetrics._engine.record import MetricRecords
 from rlmetrics._engine.schema import KindOf, agreed_layout, schema_payload
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import SyncTimeoutError
-from rlmetrics.kinds.base import MetricRecords
 
 # Longer waits count as no timeout: gloo adds the wait to a nanosecond clock, which
 # overflows (the wait then fails at once) from about 9e9 s.
@@ -262,10 +262,10 @@ class GroupLayouts:
         own, padded = layout_sizes(layout), self.sizes
         return own.sums <= padded.sums and own.maxes <= padded.maxes
 
-    def guess(self, accumulators: Mapping[str, MetricRecords]) -> BufferLayout | None:
+    def guess(self, metric_records: Mapping[str, MetricRecords]) -> BufferLayout | None:
         """For a tracker with no layout of its own: the newest recent layout that fits
         its metrics (the peers' likely one; a wrong guess costs one agreement), or None."""
-        return next((layout for layout in self.layouts if layout.fits(accumulators)), None)
+        return next((layout for layout in self.layouts if layout.fits(metric_records)), None)
 
 
 # Above this many gathered floats per step (ranks x packed buffer length), the step
@@ -280,7 +280,7 @@ class SyncedParts(NamedTuple):
     table of states, its plan (where the per-group ``GroupSync`` is kept) and its kinds
     by name."""
 
-    accumulators: Mapping[str, MetricRecords]
+    metric_records: Mapping[str, MetricRecords]
     table: StateTable
     plan: StepPlan
     kind_of: KindOf
@@ -295,7 +295,7 @@ def agree_schema(
     Raises:
         ValueError: on every rank, when ranks disagree (``schema.agreed_layout``).
     """
-    payload = schema_payload(parts.accumulators, parts.kind_of)
+    payload = schema_payload(parts.metric_records, parts.kind_of)
     return agreed_layout(parts.kind_of, gather_bytes(payload, group, device, timeout))
 
 
@@ -306,7 +306,7 @@ class GroupSync:
     every rank), the device collectives run on, the host buffer a CPU gather writes
     into, and the packings of the recent sets of metrics.
 
-    A packing is reused by ``StepPlan``'s rule (the same accumulators, rows not
+    A packing is reused by ``StepPlan``'s rule (the same metric records, rows not
     renumbered; the recent sets' kept) while it was made for the current layout and the
     group's padded sizes are the same object.
     """
@@ -319,30 +319,32 @@ class GroupSync:
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
     packings: RecentEntries[Packing] = field(default_factory=RecentEntries)
 
-    def packing_for(self, accumulators: Mapping[str, Any], table: StateTable) -> Packing:
-        """How this rank packs this step: its accumulators in layout order, the group's
+    def packing_for(self, metric_records: Mapping[str, Any], table: StateTable) -> Packing:
+        """How this rank packs this step: its metric records in layout order, the group's
         padded sizes, and at the MAX part's end per placement whether this rank logged
         it and the tail. A step that logged a name the layout lacks packs as empty with
         "changed" set, and a tracker with no layout the group holds packs an empty one
         with "changed" set, so every rank agrees again."""
-        current = list(accumulators.values())
+        current = list(metric_records.values())
         packing, sizes = self.packings.get(current), self.agreed.sizes
         if packing is not None and packing.layout is self.layout and packing.sizes is sizes:
             return packing
         layout = self.layout
         if layout is None or not self.agreed.holds(layout):
-            layout = self.layout = self.agreed.guess(accumulators)
-        fits = layout is not None and layout.fits(accumulators)
+            layout = self.layout = self.agreed.guess(metric_records)
+        fits = layout is not None and layout.fits(metric_records)
         tail = (
             [0.0, layout.digest, -layout.digest] if fits and layout is not None else [1.0, 0.0, 0.0]
         )
         layout = layout or _NO_LAYOUT
-        accs = in_order(accumulators if fits else {}, layout)
+        metrics = in_order(metric_records if fits else {}, layout)
         end = np.zeros(sizes.maxes - layout.num_maxes)
-        end[: len(accs)] = [acc is not None for acc in accs]  # this rank logged the name
+        end[: len(metrics)] = [
+            records is not None for records in metrics
+        ]  # this rank logged the name
         end[-TAIL:] = tail
-        packing = Packing.make(layout, accs, table, sizes.sums, end)
-        packing.sizes, packing.logged_all = sizes, fits and None not in accs
+        packing = Packing.make(layout, metrics, table, sizes.sums, end)
+        packing.sizes, packing.logged_all = sizes, fits and None not in metrics
         if fits:
             self.packings.put(current, packing)
         return packing
@@ -397,10 +399,10 @@ def sync_reduce(
     pg = resolve_group(group)
     wait = as_timeout(timeout)
     sync = _group_sync(parts, pg, wait)
-    accumulators, table = parts.accumulators, parts.table
+    metric_records, table = parts.metric_records, parts.table
     parts.plan.valid_for(table)
     for _ in range(2):
-        packing = sync.packing_for(accumulators, table)
+        packing = sync.packing_for(metric_records, table)
         sums, maxes = _reduce(packing, table, sync, pg, wait)
         changed, high, neg_low = maxes[-TAIL:].tolist()
         if changed == 0 and high == -neg_low:
