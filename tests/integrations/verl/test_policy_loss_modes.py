@@ -360,3 +360,29 @@ def test_without_rlmetrics_verls_values_drift(runs: dict, variant: str) -> None:
         for key, want in truth.items()
     }
     assert max(drift.values()) > DRIFT, drift
+
+
+def test_per_source_extras_leave_the_training_rng_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the per-source extras on, ``clip_cov``'s loss is evaluated again per source,
+    and it draws with ``randperm``: the generator the training reads next is where verl
+    alone leaves it, so turning the extras on does not change the run."""
+    import dataclasses
+
+    from detail_scenarios import with_sources
+    from verl.workers.utils.losses import ppo_loss
+
+    from rlmetrics.integrations.verl.losses import RecordingLoss
+
+    monkeypatch.setenv("RLMETRICS_VERL_DETAIL", "1")
+    config = _actor_config("clip_cov")
+    wide = dataclasses.replace(config.policy_loss, clip_cov_lb=-100.0)  # candidates in each source
+    loss_fn = partial(ppo_loss, config=dataclasses.replace(config, policy_loss=wide))
+    micro = _micro_batches([with_sources(_inputs())], SPLITS["whole"])[0][0]
+    seeded = torch.manual_seed(0).get_state()
+    after = {}
+    for name, call in (("verl", loss_fn), ("rlmetrics", RecordingLoss(loss_fn, Tracker()))):
+        torch.manual_seed(0)
+        call(model_output=_model_output(micro), data=micro)
+        after[name] = torch.get_rng_state()
+    assert not torch.equal(after["verl"], seeded)  # the loss drew
+    assert torch.equal(after["rlmetrics"], after["verl"])

@@ -144,9 +144,27 @@ def log_per_source(
     for source in present:
         keep = torch.as_tensor(sources == source)
         part = restrict_to_rows(data, keep)
-        with torch.no_grad():
+        with torch.no_grad(), _training_rng_kept(model_output):
             _, metrics = loss_fn(model_output=model_output, data=part, dp_group=dp_group)
         log(tracker, metrics, part, suffix=f"/{source}", rows=int(keep.sum()))
+
+
+def _training_rng_kept(model_output: Mapping[str, Any]) -> Any:
+    """A context that restores the random generators of the host and of the devices
+    holding ``model_output`` on exit. A loss that draws at random (``clip_cov`` picks
+    its tokens with ``randperm``) then draws the same numbers in training whether or not
+    the per-source extras evaluated it again."""
+    devices = [
+        value.device
+        for value in model_output.values()
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu"
+    ]
+    if not devices:
+        return torch.random.fork_rng(devices=[])
+    kind = devices[0].type
+    module = torch.get_device_module(kind)
+    indexes = sorted({d.index if d.index is not None else module.current_device() for d in devices})
+    return torch.random.fork_rng(devices=indexes, device_type=kind)
 
 
 def log_token_quantiles(
