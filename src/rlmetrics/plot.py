@@ -233,10 +233,13 @@ class PageFigure:
         height = MARGINS["top"] + MARGINS["bottom"] + rows * PANEL_INCHES[1]
         self.fig = Figure(figsize=(width, height))
         self.fig.subplots_adjust(
-            left=MARGINS["left"] / width, right=1 - MARGINS["right"] / width,
-            bottom=MARGINS["bottom"] / height, top=1 - MARGINS["top"] / height,
-            hspace=0.45, wspace=0.3,
-        )  # fmt: skip
+            left=MARGINS["left"] / width,
+            right=1 - MARGINS["right"] / width,
+            bottom=MARGINS["bottom"] / height,
+            top=1 - MARGINS["top"] / height,
+            hspace=0.45,
+            wspace=0.3,
+        )
         self.cols = cols
         self.axes = list(self.fig.subplots(rows, cols, squeeze=False).ravel())
         self.lines = [[ax.plot([], [], linewidth=1.2)[0]] for ax in self.axes]
@@ -245,10 +248,19 @@ class PageFigure:
             ax.locator_params(nbins=5)
             ax.xaxis.set_label_coords(0.5, -0.16)
         self.notes = [
-            ax.text(0.5, 0.5, "", transform=ax.transAxes, ha="center", va="center",
-                    fontsize=8, color="tab:red", wrap=True)
+            ax.text(
+                0.5,
+                0.5,
+                "",
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="tab:red",
+                wrap=True,
+            )
             for ax in self.axes
-        ]  # fmt: skip
+        ]
         # at a fixed distance from the top edge, above the first row's titles
         self.title = self.fig.suptitle(
             "", x=0.01, y=1 - TITLE_FROM_TOP / height, ha="left", va="top", fontsize=11

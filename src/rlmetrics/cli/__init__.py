@@ -100,31 +100,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="train the reference GRPO/PPO trainer on D spawned local ranks",
+        "demo",
+        help="train the reference GRPO/PPO trainer on D spawned local ranks",
         description="Train a tiny transformer by RL on D local gloo ranks (spawned).",
-        epilog=DEMO_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    demo.add_argument("--launcher", choices=LAUNCHERS, default="spawn",
-                      help="how ranks start: spawn (local processes) or ray (D actors, "
-                      "a driver owns the loop) (default: spawn)")  # fmt: skip
-    demo.add_argument("--metrics-path", choices=METRICS_PATHS, default="collective",
-                      help="ray: compute() in the actors, or their states merged on the "
-                      "driver (default: collective)")  # fmt: skip
-    demo.add_argument("--ray-address", default=None, metavar="ADDR",
-                      help="ray: a cluster to join, e.g. auto (default: RAY_ADDRESS, "
-                      "else a local Ray)")  # fmt: skip
+        epilog=DEMO_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="spawn",
+        help="how ranks start: spawn (local processes) or ray (D actors, "
+        "a driver owns the loop) (default: spawn)",
+    )
+    demo.add_argument(
+        "--metrics-path",
+        choices=METRICS_PATHS,
+        default="collective",
+        help="ray: compute() in the actors, or their states merged on the "
+        "driver (default: collective)",
+    )
+    demo.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="ray: a cluster to join, e.g. auto (default: RAY_ADDRESS, else a local Ray)",
+    )
     add_config_arguments(demo, DEMO_DEFAULTS)
     train = sub.add_parser(
-        "train", help="one rank of a torchrun job (python -m rlmetrics.trainer)",
+        "train",
+        help="one rank of a torchrun job (python -m rlmetrics.trainer)",
         description="Join a torchrun job: RANK/WORLD_SIZE/LOCAL_RANK from the environment.",
-    )  # fmt: skip
+    )
     add_config_arguments(train)
     from rlmetrics.cli import audit
 
-    audit.add_audit_arguments(sub.add_parser(
-        "audit", help="metric spread across partitions of one training step",
-        description=audit.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    ))  # fmt: skip
+    audit.add_audit_arguments(
+        sub.add_parser(
+            "audit",
+            help="metric spread across partitions of one training step",
+            description=audit.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     _add_plot(sub)
     return parser
 
@@ -156,8 +174,10 @@ def summarize(
         lines += _exact_and_naive(history)
     if jsonl is not None:
         lines.append(f"every metric of every step: {jsonl}")
-    lines.append(f"next: {command_prefix()} audit --naive   # one step under four partitions, "
-                 "exact next to naive")  # fmt: skip
+    lines.append(
+        f"next: {command_prefix()} audit --naive   # one step under four partitions, "
+        "exact next to naive"
+    )
     return lines
 
 

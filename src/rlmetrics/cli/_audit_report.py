@@ -172,8 +172,11 @@ def table_rows(report: AuditReport) -> tuple[list[str], list[list[tuple[str, str
             else:
                 signed = (n.worst_value - n.value) / abs(n.value) if n.value else math.inf
                 style = "" if n.ok else "yellow"
-                row += [(f"{n.worst_value:.6g}", ""), (_percent(100 * signed), style),
-                        (n.worst, "")]  # fmt: skip
+                row += [
+                    (f"{n.worst_value:.6g}", ""),
+                    (_percent(100 * signed), style),
+                    (n.worst, ""),
+                ]
         rows.append(row)
     return header, rows
 
@@ -206,8 +209,12 @@ def render(report: AuditReport, console: Any = None) -> None:
         title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
     )
     for col in header:
-        table.add_column(col, justify="left" if col in ("metric", "at") else "right",
-                         no_wrap=col != "metric", overflow="fold")  # fmt: skip
+        table.add_column(
+            col,
+            justify="left" if col in ("metric", "at") else "right",
+            no_wrap=col != "metric",
+            overflow="fold",
+        )
     for row in rows:
         table.add_row(*(Text(text, style=style) for text, style in row))
     console.print(table)
@@ -230,8 +237,9 @@ def plot(report: AuditReport, path: str | Path) -> Path:
         logs = [min(math.log10(max(spreads[n].rel_diff, FLOOR)), 3.0) for n in names]
         ys = [y + (i - (len(series) - 1) / 2) * height for y in range(len(names))]
         ax.barh(ys, [v - floor for v in logs], left=floor, height=height, color=color, label=label)
-    ax.axvline(math.log10(report.tol), color="tab:red", linestyle="--",
-               label=f"tolerance {report.tol:g}")  # fmt: skip
+    ax.axvline(
+        math.log10(report.tol), color="tab:red", linestyle="--", label=f"tolerance {report.tol:g}"
+    )
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_xlim(floor, 3.0)
     ax.set_xlabel(f"log10 relative spread across partitions (0 drawn at {floor:.0f}; inf at 3)")

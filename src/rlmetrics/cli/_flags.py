@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def number_flag(kind: type, low: float = -math.inf, high: float = math.inf, *,
-                open_low: bool = False) -> Callable[[str], Any]:  # fmt: skip
+def number_flag(
+    kind: type, low: float = -math.inf, high: float = math.inf, *, open_low: bool = False
+) -> Callable[[str], Any]:
     """An argparse ``type=`` for a numeric flag: the text as ``kind`` (int or float),
     finite and in its range (``rlmetrics.trainer.config.number_need``, the check of
     every numeric config field), else a usage error naming the flag, exit 2:
@@ -33,8 +34,9 @@ def number_flag(kind: type, low: float = -math.inf, high: float = math.inf, *,
     return parse
 
 
-def number_list_flag(kind: type, low: float = -math.inf, high: float = math.inf, *,
-                     open_low: bool = False) -> Callable[[str], list[Any]]:  # fmt: skip
+def number_list_flag(
+    kind: type, low: float = -math.inf, high: float = math.inf, *, open_low: bool = False
+) -> Callable[[str], list[Any]]:
     """``number_flag`` for a comma-separated list: ``"1,2,4"`` -> ``[1, 2, 4]``, each
     item checked alike (``""`` is the empty list)."""
     item = number_flag(kind, low, high, open_low=open_low)

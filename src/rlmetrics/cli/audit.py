@@ -64,8 +64,11 @@ class Partition:
 
     def config(self, cfg: TrainConfig) -> TrainConfig:
         """``cfg`` with this partition's micro-batching and dp size."""
-        algo = replace(cfg.algo, micro_batch_size=self.micro_batch_size,
-                       max_tokens_per_micro_batch=self.max_tokens)  # fmt: skip
+        algo = replace(
+            cfg.algo,
+            micro_batch_size=self.micro_batch_size,
+            max_tokens_per_micro_batch=self.max_tokens,
+        )
         return replace(cfg, algo=algo, run=replace(cfg.run, dp=self.dp))
 
 
@@ -77,8 +80,9 @@ def parse_partitions(text: str) -> list[Partition]:
         key, _, value = rest.partition("=")
         try:
             size = int(value) if value else None
-            part = Partition(int(dp), *{"mbs": (size, None), "tokens": (None, size)}.get(
-                key, (None, None)))  # fmt: skip
+            part = Partition(
+                int(dp), *{"mbs": (size, None), "tokens": (None, size)}.get(key, (None, None))
+            )
         except ValueError as err:
             raise ValueError(f"--partitions: cannot parse {item!r} ({err})") from err
         if (
@@ -105,10 +109,16 @@ def audit_config(
     """The audited run: float64, one step, several optimizer steps (so ratios move)."""
     return TrainConfig(
         model=ModelConfig(dtype="float64"),
-        algo=AlgoConfig(algo=algo, num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
-                        mini_batches=mini_batches, epochs=epochs, warmup_steps=1),
+        algo=AlgoConfig(
+            algo=algo,
+            num_prompts=num_prompts,
+            samples_per_prompt=samples_per_prompt,
+            mini_batches=mini_batches,
+            epochs=epochs,
+            warmup_steps=1,
+        ),
         run=RunConfig(steps=1, seed=seed, loggers="", log_every=0, progress=False),
-    )  # fmt: skip
+    )
 
 
 # -- the naive (verl-style) reduction -------------------------------------------------
@@ -132,9 +142,15 @@ class RecordingTracker(Tracker):
         self._opt_steps: dict[str, int] = {}
 
     def _log(
-        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
-        by: Any = None, labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         super()._log(name, kind, value, weight, mask, by, labels)
         if by is not None or labels is not None:
             return  # its labels' parts come back through _log_shared, one call each
@@ -144,8 +160,7 @@ class RecordingTracker(Tracker):
         one.log(name, value, weight, kind=kind)
         prefix = name.split("/", 1)[0]
         rows = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() else 1
-        self.calls.append(Call(kind, self._opt_steps.get(prefix, 0), rows,
-                               one.compute(sync=False)))  # fmt: skip
+        self.calls.append(Call(kind, self._opt_steps.get(prefix, 0), rows, one.compute(sync=False)))
         if name.endswith("/grad_norm"):  # logged once per optimizer step, after its mbs
             self._opt_steps[prefix] = self._opt_steps.get(prefix, 0) + 1
 
@@ -165,8 +180,10 @@ class RecordingTracker(Tracker):
         for call in self.calls:
             for key, value in call.values.items():
                 series.setdefault(key, []).append((call, value))
-        return {key: (calls[0][0].kind, _reduce_rank(key, calls, by_tokens))
-                for key, calls in series.items()}  # fmt: skip
+        return {
+            key: (calls[0][0].kind, _reduce_rank(key, calls, by_tokens))
+            for key, calls in series.items()
+        }
 
 
 def _reduce_rank(key: str, calls: list[tuple[Call, float]], by_tokens: bool) -> float:
@@ -209,8 +226,9 @@ def _run_partition(cfg: TrainConfig, part: Partition, rank: int, group: Any) -> 
     return exact, tracker.naive(by_tokens=part.max_tokens is not None)
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: TrainConfig, parts: list[Partition],
-               out: str) -> None:  # fmt: skip
+def _rank_main(
+    rank: int, world: int, port: int, cfg: TrainConfig, parts: list[Partition], out: str
+) -> None:
     """One spawned rank: every partition it takes part in, in order; pickles its results."""
     from datetime import timedelta
 
@@ -223,8 +241,9 @@ def _rank_main(rank: int, world: int, port: int, cfg: TrainConfig, parts: list[P
     try:
         sizes = sorted({p.dp for p in parts})
         groups = {d: None if d == world else dist.new_group(list(range(d))) for d in sizes}
-        results = {p.label: _run_partition(cfg, p, rank, groups[p.dp])
-                   for p in parts if rank < p.dp}  # fmt: skip
+        results = {
+            p.label: _run_partition(cfg, p, rank, groups[p.dp]) for p in parts if rank < p.dp
+        }
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -248,18 +267,30 @@ def run_partitions(cfg: TrainConfig, parts: list[Partition]) -> dict[str, tuple[
         with tempfile.TemporaryDirectory(prefix="rlmetrics-audit-") as tmp:
             mp.spawn(_rank_main, args=(world, free_port(), cfg, parts, tmp), nprocs=world)
             per_rank = [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world)]
-    return {p.label: (per_rank[0][p.label][0],
-                      merge_ranks([per_rank[r][p.label][1] for r in range(p.dp)]))
-            for p in parts}  # fmt: skip
+    return {
+        p.label: (
+            per_rank[0][p.label][0],
+            merge_ranks([per_rank[r][p.label][1] for r in range(p.dp)]),
+        )
+        for p in parts
+    }
 
 
 # -- spreads --------------------------------------------------------------------------
-def build_report(runs: dict[str, tuple[dict, dict]], tol: float, *, naive: bool = False,
-                 include_measurements: bool = False) -> AuditReport:  # fmt: skip
+def build_report(
+    runs: dict[str, tuple[dict, dict]],
+    tol: float,
+    *,
+    naive: bool = False,
+    include_measurements: bool = False,
+) -> AuditReport:
     """The spreads of ``run_partitions``'s result."""
-    return spread_report({p: exact for p, (exact, _) in runs.items()}, tol,
-                         naive={p: v for p, (_, v) in runs.items()} if naive else None,
-                         exclude=() if include_measurements else MEASUREMENTS)  # fmt: skip
+    return spread_report(
+        {p: exact for p, (exact, _) in runs.items()},
+        tol,
+        naive={p: v for p, (_, v) in runs.items()} if naive else None,
+        exclude=() if include_measurements else MEASUREMENTS,
+    )
 
 
 # -- command line ---------------------------------------------------------------------
@@ -269,22 +300,39 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
 
     count = number_flag(int, 1)
     add = parser.add_argument
-    add("--partitions", default=DEFAULT_PARTITIONS, metavar="LIST",
+    add(
+        "--partitions",
+        default=DEFAULT_PARTITIONS,
+        metavar="LIST",
         help="comma-separated DP[:mbs=M|:tokens=T|:whole]; the first is the reference "
-             f"(default: {DEFAULT_PARTITIONS})")  # fmt: skip
+        f"(default: {DEFAULT_PARTITIONS})",
+    )
     add("--algo", choices=("grpo", "ppo"), default="grpo", help="algorithm (default: grpo)")
     add("--num-prompts", type=count, default=7, metavar="P", help="prompts (default: 7)")
     add("--samples-per-prompt", type=count, default=3, metavar="N", help="samples (default: 3)")
     add("--mini-batches", type=count, default=2, metavar="K", help="optimizer steps (default: 2)")
     add("--epochs", type=count, default=2, metavar="E", help="PPO epochs (default: 2)")
-    add("--seed", type=number_flag(int, 0, SEED_MAX), default=0, metavar="S",
-        help="seed, in [0, 2**32 - 1] (default: 0)")  # fmt: skip
-    add("--tol", type=number_flag(float, 0, open_low=True), default=1e-9, metavar="X",
+    add(
+        "--seed",
+        type=number_flag(int, 0, SEED_MAX),
+        default=0,
+        metavar="S",
+        help="seed, in [0, 2**32 - 1] (default: 0)",
+    )
+    add(
+        "--tol",
+        type=number_flag(float, 0, open_low=True),
+        default=1e-9,
+        metavar="X",
         help="a metric drifts when |Δ| > tol·max(1, |value|); a finite number > 0 (0 "
-             "would ask for identical bits, which no partition promises: sums added in "
-             "another order differ in their last bits) (default: 1e-9)")  # fmt: skip
-    add("--naive", action="store_true",
-        help="also show what a verl-style reduction would have logged")  # fmt: skip
+        "would ask for identical bits, which no partition promises: sums added in "
+        "another order differ in their last bits) (default: 1e-9)",
+    )
+    add(
+        "--naive",
+        action="store_true",
+        help="also show what a verl-style reduction would have logged",
+    )
     add("--plot", metavar="PNG", help="draw the spreads into this image")
     add(
         "--include-measurements",
@@ -297,14 +345,26 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of the trainer (--seed: the shuffled run's; the other trainer flags\n"
         "and --naive do not apply)",
     )
-    user.add_argument("--fn", metavar="MODULE:FUNCTION",
-                      help="the function, importable from the current directory")  # fmt: skip
-    user.add_argument("--batch", metavar="FILE.pt",
-                      help="a torch.save'd dict of tensors sharing their first dim")  # fmt: skip
-    user.add_argument("--ranks", metavar="LIST", type=number_list_flag(int, 1),
-                      help="simulated data-parallel sizes (default: 1,2,4)")  # fmt: skip
-    user.add_argument("--micro-batch-sizes", metavar="LIST", type=number_list_flag(int, 1),
-                      help="rows per micro-batch (default: 1,2,3 and the whole share)")  # fmt: skip
+    user.add_argument(
+        "--fn",
+        metavar="MODULE:FUNCTION",
+        help="the function, importable from the current directory",
+    )
+    user.add_argument(
+        "--batch", metavar="FILE.pt", help="a torch.save'd dict of tensors sharing their first dim"
+    )
+    user.add_argument(
+        "--ranks",
+        metavar="LIST",
+        type=number_list_flag(int, 1),
+        help="simulated data-parallel sizes (default: 1,2,4)",
+    )
+    user.add_argument(
+        "--micro-batch-sizes",
+        metavar="LIST",
+        type=number_list_flag(int, 1),
+        help="rows per micro-batch (default: 1,2,3 and the whole share)",
+    )
 
 
 def usage_error(err: Exception) -> NoReturn:
@@ -337,8 +397,12 @@ def run_audit(args: argparse.Namespace) -> int:
     except ValueError as err:
         usage_error(err)
     print(describe(cfg, parts))
-    report = build_report(run_partitions(cfg, parts), args.tol, naive=args.naive,
-                          include_measurements=args.include_measurements)  # fmt: skip
+    report = build_report(
+        run_partitions(cfg, parts),
+        args.tol,
+        naive=args.naive,
+        include_measurements=args.include_measurements,
+    )
     render(report)
     if args.plot:
         print(f"plot: {plot(report, args.plot)}")
@@ -362,15 +426,23 @@ def describe(cfg: TrainConfig, parts: list[Partition]) -> str:
     from rlmetrics.trainer.rollout import shard_indices
 
     algo = cfg.algo
-    lines = [f"auditing step 1 of {algo.algo} (float64): {algo.num_prompts} prompts x "
-             f"{algo.samples_per_prompt} samples, {algo.mini_batches} mini-batches, "
-             f"{algo.epochs} epochs"]  # fmt: skip
+    lines = [
+        f"auditing step 1 of {algo.algo} (float64): {algo.num_prompts} prompts x "
+        f"{algo.samples_per_prompt} samples, {algo.mini_batches} mini-batches, "
+        f"{algo.epochs} epochs"
+    ]
     for p in parts:
-        rows = [sum(len(x) for x in shard_indices(algo.num_seqs, algo.mini_batches, r, p.dp))
-                for r in range(p.dp)]  # fmt: skip
-        how = (f"micro-batches of {p.micro_batch_size}" if p.micro_batch_size else
-               f"micro-batches of <= {p.max_tokens} tokens" if p.max_tokens else
-               "one micro-batch per mini-batch")  # fmt: skip
+        rows = [
+            sum(len(x) for x in shard_indices(algo.num_seqs, algo.mini_batches, r, p.dp))
+            for r in range(p.dp)
+        ]
+        how = (
+            f"micro-batches of {p.micro_batch_size}"
+            if p.micro_batch_size
+            else f"micro-batches of <= {p.max_tokens} tokens"
+            if p.max_tokens
+            else "one micro-batch per mini-batch"
+        )
         lines.append(f"  {p.label}: {p.dp} rank(s), rows per rank {rows}, {how}")
     return "\n".join(lines)
 
@@ -392,11 +464,14 @@ def run_fn_audit(args: argparse.Namespace) -> int:
         usage_error(err)
     runs = partition_runs(fn, batch, ranks=ranks, micro_batch_sizes=sizes, seed=args.seed)
     rows = next(iter(batch.values())).shape[0]
-    keys = ", ".join(f"{k} {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
-                     for k, v in batch.items())  # fmt: skip
-    print(f"auditing {args.fn} on {args.batch}: {rows} rows ({keys}); {len(runs)} runs of "
-          f"rlmetrics.testing's checker (ranks {ranks}, micro-batch sizes "
-          f"{list(sizes) if sizes else 'default'}), each vs the whole batch")  # fmt: skip
+    keys = ", ".join(
+        f"{k} {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in batch.items()
+    )
+    print(
+        f"auditing {args.fn} on {args.batch}: {rows} rows ({keys}); {len(runs)} runs of "
+        f"rlmetrics.testing's checker (ranks {ranks}, micro-batch sizes "
+        f"{list(sizes) if sizes else 'default'}), each vs the whole batch"
+    )
     if any(v.is_floating_point() and v.dtype != torch.float64 for v in batch.values()):
         print(f"note: not float64: expect rounding differences (--tol {args.tol:g})")
     report = spread_report(runs, args.tol)

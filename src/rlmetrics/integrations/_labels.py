@@ -51,9 +51,15 @@ class DeclaringLabels(LogTarget):
         self.device_timers = tracker.device_timers
 
     def _log(
-        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
-        by: Any = None, labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         if by is None:
             self.tracker._log(name, kind, value, weight, mask, by, labels)
             return

@@ -32,8 +32,18 @@ if TYPE_CHECKING:
 
 FILE_NAME = "checkpoint.pt"
 VERSION = 1
-PARTS = ("version", "step", "world_size", "config", "models", "optimizers", "schedulers",
-         "tracker", "loggers", "rng")  # fmt: skip
+PARTS = (
+    "version",
+    "step",
+    "world_size",
+    "config",
+    "models",
+    "optimizers",
+    "schedulers",
+    "tracker",
+    "loggers",
+    "rng",
+)
 MUST_MATCH = ("task", "model", "algo")  # config sections a resumed run may not change
 CRASH_ENV = "RLMETRICS_TEST_CRASH_AFTER_STEP"  # test hook: see maybe_crash_for_test
 CRASH_EXIT_CODE = 86

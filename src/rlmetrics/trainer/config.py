@@ -43,8 +43,14 @@ def check(ok: bool, name: str, value: Any, need: str) -> None:
         raise ConfigError(f"{name} must be {need}, got {value!r}", name)
 
 
-def number_need(value: Any, low: float = -math.inf, high: float = math.inf, *,
-                open_low: bool = False, integer: bool = False) -> str | None:  # fmt: skip
+def number_need(
+    value: Any,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    open_low: bool = False,
+    integer: bool = False,
+) -> str | None:
     """None when ``value`` is a finite number (an int when ``integer``) in
     ``[low, high]`` (``(low, high]`` when ``open_low``), else what it needs, e.g.
     "a finite number >= 0". The one range check of every numeric config field and
@@ -68,8 +74,15 @@ def number_need(value: Any, low: float = -math.inf, high: float = math.inf, *,
     return " and ".join([f"{what} {bounds[0]}" if bounds else what, *bounds[1:]])
 
 
-def check_number(obj: Any, name: str, low: float, high: float = math.inf, *,
-                 open_low: bool = False, integer: bool = False) -> None:  # fmt: skip
+def check_number(
+    obj: Any,
+    name: str,
+    low: float,
+    high: float = math.inf,
+    *,
+    open_low: bool = False,
+    integer: bool = False,
+) -> None:
     """Raise ConfigError naming the field unless it is a finite number in its range
     (``number_need``)."""
     value = getattr(obj, name)
@@ -101,8 +114,10 @@ class TaskConfig:
         check(self.min_prompt_len >= 1, "min_prompt_len", self.min_prompt_len, ">= 1")
         check(
             self.max_prompt_len >= self.min_prompt_len,
-            "max_prompt_len", self.max_prompt_len, ">= min_prompt_len",
-        )  # fmt: skip
+            "max_prompt_len",
+            self.max_prompt_len,
+            ">= min_prompt_len",
+        )
         check_number(self, "end_bonus", 0.0, 1.0)
         check(self.source_split >= 0, "source_split", self.source_split, ">= 0")
 
@@ -234,8 +249,10 @@ class RunConfig:
         check_number(self, "seed", 0, SEED_MAX, integer=True)
         check(
             self.device is None or bool(DEVICE_FORM.fullmatch(str(self.device))),
-            "device", self.device, "cpu, cuda or cuda:N",
-        )  # fmt: skip
+            "device",
+            self.device,
+            "cpu, cuda or cuda:N",
+        )
         check(self.log_every >= 0, "log_every", self.log_every, ">= 0")
         from rlmetrics.loggers import parse_backends  # raises ValueError naming a bad one
 

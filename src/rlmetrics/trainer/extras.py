@@ -162,6 +162,7 @@ def naive_means(updates: list[rl.MetricUpdate]) -> list[rl.MetricUpdate]:
         if update.name in NAIVE:
             tokens = update.weight.sum()
             own_mean = update.value.sum() / tokens.clamp(min=1)
-            out.append(rl.MetricUpdate(f"naive/{update.name}", "mean", own_mean,
-                                       (tokens > 0).double()))  # fmt: skip
+            out.append(
+                rl.MetricUpdate(f"naive/{update.name}", "mean", own_mean, (tokens > 0).double())
+            )
     return out

@@ -38,8 +38,9 @@ def check_device(device: str | None) -> None:
         raise ValueError(f"--device {device}: CUDA is not available on this machine")
     index = torch.device(device).index
     if index is not None and index >= count:
-        raise ValueError(f"--device {device}: this machine has {count} GPU(s) (cuda:0 to "
-                         f"cuda:{count - 1})")  # fmt: skip
+        raise ValueError(
+            f"--device {device}: this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1})"
+        )
 
 
 def rank_device(device: str | None, local_rank: int) -> torch.device:
@@ -61,9 +62,12 @@ def _spawned(rank: int, cfg: TrainConfig, world_size: int, port: int, out: str) 
     torch.set_num_threads(threads_per_rank(world_size))
     device = rank_device(cfg.run.device, rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=cfg.run.timeout),
-    )  # fmt: skip
+    )
     try:
         history = train(cfg, rank, world_size, device=device)
         dist.barrier()  # leave together: a rank tearing gloo down early can abort a peer

@@ -50,8 +50,11 @@ def model_flops(model: nn.Module, seq_lens: Tensor, *, n_layer: int, n_embd: int
     embedding, as verl counts the embedding and the head), plus 6·L·d·T² per sequence
     of T tokens for the attention scores and their use. A forward pass is a third.
     """
-    dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear | nn.Embedding)
-                and m is not getattr(model, "wpe", None))  # fmt: skip
+    dense = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Linear | nn.Embedding) and m is not getattr(model, "wpe", None)
+    )
     lens = seq_lens.double()
     return float(6 * dense * lens.sum() + 6 * n_layer * n_embd * lens.square().sum())
 
@@ -81,11 +84,17 @@ def memory_updates(prefix: str, device: torch.device) -> list[MetricUpdate]:
     out = []
     if device.type == "cuda":
         out += [
-            MetricUpdate(f"{prefix}/perf/max_memory_allocated_gb", "max",
-                         torch.cuda.max_memory_allocated(device) / GIB),
-            MetricUpdate(f"{prefix}/perf/max_memory_reserved_gb", "max",
-                         torch.cuda.max_memory_reserved(device) / GIB),
-        ]  # fmt: skip
+            MetricUpdate(
+                f"{prefix}/perf/max_memory_allocated_gb",
+                "max",
+                torch.cuda.max_memory_allocated(device) / GIB,
+            ),
+            MetricUpdate(
+                f"{prefix}/perf/max_memory_reserved_gb",
+                "max",
+                torch.cuda.max_memory_reserved(device) / GIB,
+            ),
+        ]
     used = cpu_memory_used_gb()
     if used is not None:
         out.append(MetricUpdate(f"{prefix}/perf/cpu_memory_used_gb", "max", used))

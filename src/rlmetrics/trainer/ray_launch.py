@@ -65,9 +65,12 @@ class RayRank:
     def join(self, host: str, port: int) -> None:
         """Join the gloo group (blocks until every rank has joined), then build the models."""
         dist.init_process_group(
-            "gloo", init_method=f"tcp://{host}:{port}", rank=self.rank,
-            world_size=self.world_size, timeout=timedelta(seconds=self.cfg.run.timeout),
-        )  # fmt: skip
+            "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.cfg.run.timeout),
+        )
         self.r = setup(self.cfg, self.rank, self.world_size, None, "cpu")
 
     def step(self, step: int, metrics_path: str) -> tuple[dict[str, float] | None, TrackerState]:
@@ -165,9 +168,10 @@ def agreed(results: list[dict[str, float]]) -> dict[str, float]:
     first = results[0]
     for rank, other in enumerate(results[1:], start=1):
         differ = sorted(
-            key for key in first.keys() | other.keys()
+            key
+            for key in first.keys() | other.keys()
             if key != SYNC_TIME and not _same(first.get(key), other.get(key))
-        )  # fmt: skip
+        )
         if differ:
             raise RuntimeError(f"rank {rank}'s metrics differ from rank 0's: {differ[:5]}")
     return first

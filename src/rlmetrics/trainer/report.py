@@ -42,9 +42,13 @@ class Reporter:
         if run.metrics_jsonl is not None:
             options["jsonl"] = {"path": Path(run.metrics_jsonl)}
         self.loggers = build_loggers(
-            spec, run_dir=run.run_dir, config=asdict(cfg), console_every=max(1, run.log_every),
-            resume_step=resume_step, options=options,
-        )  # fmt: skip
+            spec,
+            run_dir=run.run_dir,
+            config=asdict(cfg),
+            console_every=max(1, run.log_every),
+            resume_step=resume_step,
+            options=options,
+        )
         if logger_state:
             self.loggers.load_state_dict(logger_state)
 

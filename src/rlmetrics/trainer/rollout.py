@@ -80,8 +80,16 @@ def join(prompts: Tensor, prompt_lengths: Tensor, responses: Tensor, lengths: Te
     return torch.where(cols < total[:, None], tokens, PAD)
 
 
-def rollout(actor: TinyGPT, task: Task, *, num_prompts: int, n: int, temperature: float,
-            seed: int, step: int) -> Sequences:  # fmt: skip
+def rollout(
+    actor: TinyGPT,
+    task: Task,
+    *,
+    num_prompts: int,
+    n: int,
+    temperature: float,
+    seed: int,
+    step: int,
+) -> Sequences:
     """The whole batch of ``step``: num_prompts * n sequences, n per prompt in a row.
 
     Returns a Batch with ``tokens`` (B, T) [prompt | response] right-padded,

@@ -60,8 +60,9 @@ def setup(cfg: TrainConfig, rank: int, world_size: int, group: Any, device: Any)
         critic_learner = build_learner(
             "critic", critic.to(device), cfg.algo.critic_lr, cfg.algo, steps
         )
-    return Rank(cfg, rank, world_size, group, device, task, actor_learner, ref.to(device),
-                critic_learner)  # fmt: skip
+    return Rank(
+        cfg, rank, world_size, group, device, task, actor_learner, ref.to(device), critic_learner
+    )
 
 
 def my_shard(r: Rank, batch: Sequences) -> tuple[Sequences, list[torch.Tensor]]:
@@ -89,8 +90,9 @@ def prepare(r: Rank, batch: Sequences, tracker: Tracker) -> tuple[Sequences, lis
     algo, tokens = r.cfg.algo, {"num_tokens": num_tokens(batch)}
     if algo.algo == "grpo":  # group statistics need the whole batch: every rank has it
         with stage_timer(r, tracker, "adv", **tokens):
-            batch["advantages"] = rl.grpo_advantages(batch["scores"], batch["group"],
-                                                     response_mask(batch))  # fmt: skip
+            batch["advantages"] = rl.grpo_advantages(
+                batch["scores"], batch["group"], response_mask(batch)
+            )
             batch["returns"] = batch["advantages"]  # as verl's GRPO estimator returns
     shard, minis = my_shard(r, batch)
     with stage_timer(r, tracker, "old_log_prob", **tokens):
@@ -99,10 +101,13 @@ def prepare(r: Rank, batch: Sequences, tracker: Tracker) -> tuple[Sequences, lis
         seconds = time.perf_counter() - start
     shard["old_log_probs"] = both[..., 0]
     mask = response_mask(shard)
-    rl.log_updates(tracker, [
-        rl.entropy_metric(both[..., 1], mask, algo.loss_agg),
-        perf.mfu_update("actor_infer", learner_flops(r, r.actor, shard) / 3, seconds, r.device),
-    ])  # fmt: skip
+    rl.log_updates(
+        tracker,
+        [
+            rl.entropy_metric(both[..., 1], mask, algo.loss_agg),
+            perf.mfu_update("actor_infer", learner_flops(r, r.actor, shard) / 3, seconds, r.device),
+        ],
+    )
     if r.cfg.metrics.per_source:  # actor/entropy/<source>: the same metric over its rows
         for s in sorted(set(shard["source"].tolist())):
             part = mask & (shard["source"] == s)[:, None]
@@ -136,11 +141,20 @@ def log_batch(r: Rank, shard: Sequences, tracker: Tracker) -> None:
     mean score, response length and advantage per data source too."""
     mask = response_mask(shard)
     prompt_mask = torch.arange(r.task.max_prompt_tokens)[None, :] < shard["prompt_lengths"][:, None]
-    rl.log_updates(tracker, rl.batch_metrics(
-        mask, scores=shard["scores"], rewards=shard["scores"], advantages=shard["advantages"],
-        returns=shard["returns"], values=shard.get("values"), prompt_mask=prompt_mask,
-        max_response_length=r.task.max_response_len, max_prompt_length=r.task.max_prompt_tokens,
-    ))  # fmt: skip
+    rl.log_updates(
+        tracker,
+        rl.batch_metrics(
+            mask,
+            scores=shard["scores"],
+            rewards=shard["scores"],
+            advantages=shard["advantages"],
+            returns=shard["returns"],
+            values=shard.get("values"),
+            prompt_mask=prompt_mask,
+            max_response_length=r.task.max_response_len,
+            max_prompt_length=r.task.max_prompt_tokens,
+        ),
+    )
     # per data source (``by=``: each source's rows under <name>/<source>, exact on any split)
     by, names, lengths = shard["source"], dict(enumerate(SOURCES)), shard["response_lengths"]
     tracker.mean("critic/score/mean", shard["scores"], lengths > 0, by=by, labels=names)
@@ -148,8 +162,15 @@ def log_batch(r: Rank, shard: Sequences, tracker: Tracker) -> None:
     tracker.mean("critic/advantages/mean", shard["advantages"], mask, by=by, labels=names)
 
 
-def update(r: Rank, learner: Learner, loss: Any, shard: Sequences, minis: list, tracker: Tracker,
-           total_tokens: float) -> None:  # fmt: skip
+def update(
+    r: Rank,
+    learner: Learner,
+    loss: Any,
+    shard: Sequences,
+    minis: list,
+    tracker: Tracker,
+    total_tokens: float,
+) -> None:
     """One learner's update stage, timed, with its MFU and memory metrics.
 
     With ``update_timing``, also ``<name>/update_time_s`` (rank-aware: the slowest
@@ -158,13 +179,23 @@ def update(r: Rank, learner: Learner, loss: Any, shard: Sequences, minis: list, 
     algo, name, extra = r.cfg.algo, learner.name, r.cfg.metrics
     with stage_timer(r, tracker, f"update_{name}", num_tokens=total_tokens):
         start = time.perf_counter()
-        optimize(learner, loss, shard, minis, algo, tracker, world_size=r.world_size,
-                 group=r.group, per_source=extra.per_source)  # fmt: skip
+        optimize(
+            learner,
+            loss,
+            shard,
+            minis,
+            algo,
+            tracker,
+            world_size=r.world_size,
+            group=r.group,
+            per_source=extra.per_source,
+        )
         seconds = time.perf_counter() - start
     flops = learner_flops(r, learner, shard, passes=algo.epochs)
     if extra.update_timing:
-        tracker.elapsed(f"{name}/{extras.UPDATE_TIME}", seconds, rank=r.rank,
-                        world_size=r.world_size)  # fmt: skip
+        tracker.elapsed(
+            f"{name}/{extras.UPDATE_TIME}", seconds, rank=r.rank, world_size=r.world_size
+        )
         peak = perf.peak_flops(r.device)
         mfu = extras.ideal_seconds(name, flops, peak, r.world_size)
     else:
@@ -180,9 +211,14 @@ def log_step(r: Rank, step: int, tracker: Tracker) -> None:
     algo, start = r.cfg.algo, time.perf_counter()
     with stage_timer(r, tracker, "gen") as gen:
         batch = rollout(
-            r.actor.model, r.task, num_prompts=algo.num_prompts, n=algo.samples_per_prompt,
-            temperature=algo.temperature, seed=r.cfg.run.seed, step=step,
-        )  # fmt: skip
+            r.actor.model,
+            r.task,
+            num_prompts=algo.num_prompts,
+            n=algo.samples_per_prompt,
+            temperature=algo.temperature,
+            seed=r.cfg.run.seed,
+            step=step,
+        )
         gen.num_tokens = float(batch["response_lengths"].sum())  # verl: response tokens
     total_tokens = num_tokens(batch)
     with stage_timer(r, tracker, "reward", num_tokens=total_tokens):
@@ -193,11 +229,14 @@ def log_step(r: Rank, step: int, tracker: Tracker) -> None:
         update(r, r.critic, critic_loss(r.critic.model, algo), shard, minis, tracker, total_tokens)
     actor = actor_loss(r.actor.model, algo, r.cfg.metrics)
     update(r, r.actor, actor, shard, minis, tracker, total_tokens)
-    rl.log_updates(tracker, [
-        rl.kl_coef_update(algo.kl_coef),
-        rl.MetricUpdate("training/global_step", "last", step),
-        rl.MetricUpdate("training/epoch", "last", 0),  # prompts are drawn afresh each step
-    ])  # fmt: skip
+    rl.log_updates(
+        tracker,
+        [
+            rl.kl_coef_update(algo.kl_coef),
+            rl.MetricUpdate("training/global_step", "last", step),
+            rl.MetricUpdate("training/epoch", "last", 0),  # prompts are drawn afresh each step
+        ],
+    )
     seconds, where = time.perf_counter() - start, {"rank": r.rank, "world_size": r.world_size}
     tracker.elapsed("timing_s/step", seconds, **where)
     tracker.max("perf/time_per_step", seconds)

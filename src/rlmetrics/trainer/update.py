@@ -181,20 +181,32 @@ def named(updates: list[rl.MetricUpdate], name: str) -> rl.MetricUpdate:
 
 
 def actor_objective(
-    logp: Tensor, entropy: Tensor, mb: Sequences, mask: Tensor, counts: rl.BatchCounts,
+    logp: Tensor,
+    entropy: Tensor,
+    mb: Sequences,
+    mask: Tensor,
+    counts: rl.BatchCounts,
     cfg: AlgoConfig,
-) -> tuple[Tensor, list[rl.MetricUpdate]]:  # fmt: skip
+) -> tuple[Tensor, list[rl.MetricUpdate]]:
     """The policy objective over the tokens of ``mask``: clipped PPO/GRPO + KL - entropy
     bonus, and its metric updates (``counts``: the global counts ``mask`` stands for)."""
     common: dict[str, Any] = {"counts": counts, "agg": cfg.loss_agg}
     pg = rl.ppo_policy_loss(
-        logp, mb["old_log_probs"], mb["advantages"], mask, clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, **common,
-    )  # fmt: skip
+        logp,
+        mb["old_log_probs"],
+        mb["advantages"],
+        mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        **common,
+    )
     ent = rl.entropy_loss(entropy, mask, **common)
     loss, updates = pg.loss - cfg.entropy_coef * ent.loss, pg.updates + ent.updates
-    terms = [(1.0, named(pg.updates, "actor/pg_loss")),
-             (-cfg.entropy_coef, named(ent.updates, "actor/entropy_loss"))]  # fmt: skip
+    terms = [
+        (1.0, named(pg.updates, "actor/pg_loss")),
+        (-cfg.entropy_coef, named(ent.updates, "actor/entropy_loss")),
+    ]
     if cfg.kl_coef:
         kl = rl.kl_loss(logp, mb["ref_log_probs"], mask, estimator=cfg.kl_type, **common)
         loss, updates = loss + cfg.kl_coef * kl.loss, updates + kl.updates
@@ -224,13 +236,16 @@ def actor_loss(actor: TinyGPT, cfg: AlgoConfig, extra: MetricsConfig | None = No
         if sources is not None:
             with torch.no_grad():
                 updates += extras.per_source(
-                    sources, mb, mask,
+                    sources,
+                    mb,
+                    mask,
                     lambda part, c: actor_objective(logp, entropy, mb, part, c, cfg)[1],
-                )  # fmt: skip
+                )
         if extra.token_quantiles:
             ref = mb["ref_log_probs"] if cfg.kl_coef else None
-            updates += extras.token_quantiles(logp, mb["old_log_probs"], entropy, mask, ref,
-                                              cfg.kl_type)  # fmt: skip
+            updates += extras.token_quantiles(
+                logp, mb["old_log_probs"], entropy, mask, ref, cfg.kl_type
+            )
         if extra.naive:
             updates += extras.naive_means(updates)
         return loss, updates
@@ -243,9 +258,14 @@ def critic_objective(
 ) -> tuple[Tensor, list[rl.MetricUpdate]]:
     """The clipped value loss over the tokens of ``mask``, and its metric updates."""
     out = rl.value_loss(
-        values, mb["values"], mb["returns"], mask,
-        counts=counts, cliprange_value=cfg.vf_clip, agg=cfg.loss_agg,
-    )  # fmt: skip
+        values,
+        mb["values"],
+        mb["returns"],
+        mask,
+        counts=counts,
+        cliprange_value=cfg.vf_clip,
+        agg=cfg.loss_agg,
+    )
     vf = named(out.updates, "critic/vf_loss")  # critic/loss: verl's name for it too
     return out.loss, [*out.updates, rl.MetricUpdate("critic/loss", "mean", vf.value, vf.weight)]
 
@@ -261,9 +281,11 @@ def critic_loss(critic: TinyGPT, cfg: AlgoConfig) -> LossFn:
         if sources is not None:
             with torch.no_grad():
                 updates += extras.per_source(
-                    sources, mb, mb["mask"],
+                    sources,
+                    mb,
+                    mb["mask"],
                     lambda part, c: critic_objective(values, mb, part, c, cfg)[1],
-                )  # fmt: skip
+                )
         return loss, updates
 
     return loss_fn
