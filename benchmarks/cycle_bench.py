@@ -71,7 +71,10 @@ class NewestOnly(rd.GroupLayouts):
     step packs the newest layout when it holds the step's names, else the ranks agree."""
 
     def newest_fitting(
-        self, accumulators: Mapping[str, MetricRecords], known: BufferLayout | None = None
+        self,
+        accumulators: Mapping[str, MetricRecords],
+        known: BufferLayout | None = None,
+        own: Mapping[float, BufferLayout] | None = None,
     ) -> BufferLayout | None:
         newest = self.layouts[:1]
         return next((lay for lay in newest if lay is known or lay.fits(accumulators)), None)

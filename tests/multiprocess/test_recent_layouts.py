@@ -76,6 +76,7 @@ def pair() -> dict[str, Any]:
     calls[f"cycle/{RECENT + 1}"] = (run_schedule, (cycle(RECENT + 1), None))
     calls["mixtures/None"] = (run_schedule, (MIXTURES, None))
     calls["mixtures/0"] = (run_schedule, (MIXTURES, 0))
+    calls["trackers in turn"] = (trackers_in_turn, ())
     return run_together(calls, 2, timeout=600)
 
 
@@ -173,3 +174,32 @@ def test_ranks_that_pick_different_layouts_agree_again(
     counts = check(pair[f"mixtures/{limit}"], MIXTURES)
     if limit is None:
         assert counts == [count for _, _, count in MIXTURES]
+
+
+def trackers_in_turn(rank: int, world: int) -> list[tuple[dict[str, float], int]]:
+    """Two trackers that log the same names, a ``dist`` among them, take turns over a new
+    group: (result, collectives) per step."""
+    group = dist.new_group([0, 1])
+    with pytest.MonkeyPatch.context() as patch:
+        counts = count_collectives(patch)
+        trackers, out = (Tracker(), Tracker()), []
+        for step in range(6):
+            tracker = trackers[step % 2]
+            tracker.log("d", torch.from_numpy(values(step, rank, "d")), kind="dist")
+            tracker.mean("m", torch.from_numpy(values(step, rank, "m")))
+            before = counts["n"]
+            out.append((tracker.compute(group=group, timeout=60), counts["n"] - before))
+    return out
+
+
+def test_trackers_in_turn_keep_their_own_copies_of_a_layout(pair: dict[str, Any]) -> None:
+    """Each tracker's ``dist`` is its own kind object, so the second tracker agrees once
+    on the layout the first agreed; after that each packs its own copy: one gather of
+    states and one of extras a step. Values are numpy's over both ranks."""
+    rank0, rank1 = ok_results(pair["trackers in turn"])
+    for step, ((got0, count0), (got1, count1)) in enumerate(zip(rank0, rank1, strict=True)):
+        assert got0 == got1
+        d, m = (np.concatenate([values(step, r, name) for r in (0, 1)]) for name in ("d", "m"))
+        assert got0["m"] == np.mean(m)
+        assert (got0["d/mean"], got0["d/min"], got0["d/max"]) == (d.mean(), d.min(), d.max())
+        assert count0 == count1 == [4, 5, 2, 2, 2, 2][step], step

@@ -266,7 +266,10 @@ class GroupLayouts:
             self.sizes = Sizes(max(s.sums for s in every), max(s.maxes for s in every))
 
     def newest_fitting(
-        self, accumulators: Mapping[str, MetricRecords], known: BufferLayout | None = None
+        self,
+        accumulators: Mapping[str, MetricRecords],
+        known: BufferLayout | None = None,
+        own: Mapping[float, BufferLayout] | None = None,
     ) -> BufferLayout | None:
         """The layout a step of ``accumulators`` packs: the newest recent layout that
         holds all its names (None: none does, the ranks must agree again).
@@ -274,10 +277,20 @@ class GroupLayouts:
         The choice depends only on the group's layouts (the same on every rank) and
         the step's names, so ranks that log the same set pick the same layout, whatever
         their trackers cache. Ranks that log different sets may pick different ones:
-        the step's tail tells, and every rank agrees again. ``known``: a layout already
-        known to fit (a packing's for the same accumulators), not checked again.
+        the step's tail tells, and every rank agrees again.
+
+        Args:
+            accumulators: the step's metrics.
+            known: a layout already known to fit (a packing's for the same
+                accumulators), not checked again.
+            own: by digest, the tracker's own copies of recent layouts: a layout is
+                checked (and packed) as the tracker's copy, whose kind objects are the
+                tracker's (two trackers' ``dist`` kinds are two objects, so another
+                tracker's copy of the same layout does not hold this one's names).
         """
         for layout in self.layouts:
+            if own:
+                layout = own.get(layout.digest, layout)
             if layout is known or layout.fits(accumulators):
                 return layout
         return None
@@ -348,6 +361,7 @@ class GroupSync:
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
     packings: RecentEntries[Packing] = field(default_factory=RecentEntries)
+    own: dict[float, BufferLayout] = field(default_factory=dict)  # by digest, its agreements
     following: Packing | None = None  # an empty step's buffer, in no layout
     followed: Packing | None = None  # an empty step's packing of the layout it followed
 
@@ -365,7 +379,8 @@ class GroupSync:
         sizes = agreed.sizes
         if packing is not None and packing.sizes is not sizes:
             packing = None  # made for other padding: its layout may have dropped
-        layout = agreed.newest_fitting(accumulators, None if packing is None else packing.layout)
+        known = None if packing is None else packing.layout
+        layout = agreed.newest_fitting(accumulators, known, self.own)
         if packing is not None and packing.layout is layout:
             return packing
         tail = [1.0, 0.0, 0.0] if layout is None else [0.0, layout.digest, -layout.digest]
@@ -379,6 +394,14 @@ class GroupSync:
         if fits:
             self.packings.put(current, packing)
         return packing
+
+    def agreed_on(self, layout: BufferLayout) -> None:
+        """Record a layout every rank just agreed on (the union this tracker computed,
+        with its kind objects): the group's newest, and this tracker's copy of it."""
+        self.agreed.use(layout)
+        recent = {known.digest for known in self.agreed.layouts}
+        self.own = {d: mine for d, mine in self.own.items() if d in recent}
+        self.own[layout.digest] = layout
 
     def _follower(self, table: StateTable) -> Packing:
         """An empty step's packing: every slot its merge's identity (0 in the SUM part,
@@ -398,7 +421,7 @@ class GroupSync:
     def follow(self, digest: float, table: StateTable) -> Packing:
         """What an empty step unpacks with: a packing of the layout the peers reduced
         the step in (the one with ``digest``), with nothing logged here."""
-        layout = self.agreed.with_digest(digest)
+        layout = self.own.get(digest) or self.agreed.with_digest(digest)
         packing = self.followed
         if packing is None or packing.layout is not layout:
             none: list[MetricRecords | None] = [None] * len(layout.names)
@@ -436,11 +459,14 @@ def _group_sync(parts: SyncedParts, group: Any, wait: timedelta | None) -> Group
         return sync
     device = comm_device(group)
     agreed = _GROUP_LAYOUTS.get(group)
+    first = None
     if agreed is None:  # no tracker synced over this group yet, on any rank
         agreed = _GROUP_LAYOUTS[group] = GroupLayouts()
-        agreed.use(agree_schema(parts, group, device, wait))
+        first = agree_schema(parts, group, device, wait)
     # else the step itself tells whether every rank picked the same recent layout
     sync = cache[group] = GroupSync(agreed, device, dist.get_world_size(group))
+    if first is not None:
+        sync.agreed_on(first)
     return sync
 
 
@@ -475,7 +501,7 @@ def sync_reduce(
             sums, maxes = sums[: layout.num_sums], maxes[:size]
             gather = partial(_gather_extras, group=pg, device=sync.device, wait=wait)
             return unpack(packing, table, sums, maxes, sync.device, logged, gather)
-        sync.agreed.use(agree_schema(parts, pg, sync.device, wait))  # the newest: it fits
+        sync.agreed_on(agree_schema(parts, pg, sync.device, wait))  # the newest: it fits
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
