@@ -43,7 +43,6 @@ import argparse
 import gc
 import math
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,7 +55,7 @@ from rlmetrics import Tracker
 from rlmetrics._engine import sync as rd
 from rlmetrics._engine.layout import BufferLayout
 from rlmetrics.kinds.base import MetricRecords
-from spawn_ranks import spawn_ranks
+from spawn_ranks import serve_rank, spawn_ranks
 
 from results_md import load, machine, write_section
 from sync_contenders import KINDS, MICRO_BATCHES, Values
@@ -71,10 +70,7 @@ class NewestOnly(rd.GroupLayouts):
     step packs the newest layout when it holds the step's names, else the ranks agree."""
 
     def newest_fitting(
-        self,
-        accumulators: Mapping[str, MetricRecords],
-        known: BufferLayout | None = None,
-        own: Mapping[float, BufferLayout] | None = None,
+        self, accumulators: Mapping[str, MetricRecords], known: Any = None, *_: Any
     ) -> BufferLayout | None:
         newest = self.layouts[:1]
         return next((lay for lay in newest if lay is known or lay.fits(accumulators)), None)
@@ -226,23 +222,17 @@ def bench_cycle(rank: int, sets: int, args: argparse.Namespace) -> dict[str, lis
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     """One rank: every cycle length in turn; rank 0 sends the per-step max over ranks."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
+
+    def every_cycle() -> dict[int, dict[str, list[int]]]:
         results = {}
         for sets in args.cycles:
             mine = bench_cycle(rank, sets, args)
             every: list[Any] = [None] * world
             dist.all_gather_object(every, mine)
             results[sets] = {k: np.max([r[k] for r in every], axis=0).tolist() for k in mine}
-        if rank == 0:
-            queue.put(results)
-    except BaseException as error:
-        queue.put(f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+        return results
+
+    serve_rank(rank, world, port, queue, every_cycle)
 
 
 def table(results: dict[int, dict[str, list[int]]]) -> list[str]:
