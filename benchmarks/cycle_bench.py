@@ -54,7 +54,7 @@ import torch.distributed.distributed_c10d as c10d
 from rlmetrics import Tracker
 from rlmetrics._engine import sync as rd
 from rlmetrics._engine.layout import BufferLayout
-from rlmetrics.kinds.base import MetricRecords
+from rlmetrics._engine.record import MetricRecords
 from spawn_ranks import serve_rank, spawn_ranks
 
 from results_md import load, machine, write_section
@@ -70,10 +70,10 @@ class NewestOnly(rd.GroupLayouts):
     step packs the newest layout when it holds the step's names, else the ranks agree."""
 
     def newest_fitting(
-        self, accumulators: Mapping[str, MetricRecords], known: Any = None, *_: Any
+        self, metric_records: Mapping[str, MetricRecords], known: Any = None, *_: Any
     ) -> BufferLayout | None:
         newest = self.layouts[:1]
-        return next((lay for lay in newest if lay is known or lay.fits(accumulators)), None)
+        return next((lay for lay in newest if lay is known or lay.fits(metric_records)), None)
 
 
 class Contender:

@@ -20,7 +20,7 @@ from rlmetrics.kinds import (
     unregister_kind,
 )
 from rlmetrics.state import TrackerState
-from rlmetrics.tracker import PrefixedTracker, Tracker
+from rlmetrics.tracker import Loggable, LogTarget, PrefixedTracker, Tracker
 from rlmetrics.window import Window
 
 __version__ = "0.1.0"
@@ -28,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ExtraKind",
     "Kind",
+    "LogTarget",
+    "Loggable",
     "MalformedStateError",
     "MetricState",
     "ModifiedInputError",

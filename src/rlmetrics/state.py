@@ -16,10 +16,9 @@ from rlmetrics.kinds.dist import as_array
 from rlmetrics.kinds.extra import ExtraKind
 
 STATE_VERSION = 2
-"""The ``to_dict`` format: 2 writes a user kind's extra with its python types (a list,
-a dict, a set, a numpy array inside it), which version 1 rewrote; version 1 dicts
-(every built-in kind's extra is written alike in both) are still read."""
-READABLE_VERSIONS = (1, 2)
+"""The ``to_dict`` format, the one ``from_dict`` reads. A user kind's extra keeps its
+python types (a list, a dict, a set, a numpy array inside it). Version 1, which
+rewrote them, was never released."""
 _STATE_KEYS = frozenset({"version", "metrics"})
 _REQUIRED_METRIC_KEYS = ("kind", "sums", "maxes")
 _METRIC_KEYS = frozenset({*_REQUIRED_METRIC_KEYS, "extra", "num_nonfinite", "fingerprint"})
@@ -125,7 +124,7 @@ class TrackerState:
         """Inverse of ``to_dict``: every key and value is checked first.
 
         Args:
-            data: a ``to_dict()`` (version 1 or 2).
+            data: a ``to_dict()``.
             where: what ``data`` is called in error messages.
 
         Raises:
@@ -134,10 +133,10 @@ class TrackerState:
         """
         _expect(isinstance(data, Mapping), where, f"expected a dict, got {_type(data)}")
         version = data.get("version")
-        if type(version) is not int or version not in READABLE_VERSIONS:
+        if type(version) is not int or version != STATE_VERSION:
             raise MalformedStateError(
                 f"malformed {where}['version']: unsupported TrackerState version "
-                f"{version!r} (expected {STATE_VERSION}; version 1 is read too)"
+                f"{version!r} (expected {STATE_VERSION})"
             )
         _no_unknown_keys(data, _STATE_KEYS, where)
         raw = data.get("metrics")
@@ -175,7 +174,7 @@ class TrackerState:
                 kind,
                 _numbers(m["sums"], f"{at}['sums']"),
                 _numbers(m["maxes"], f"{at}['maxes']"),
-                _extra_from_plain(kind, m.get("extra"), version, f"{at}['extra']"),
+                _extra_from_plain(kind, m.get("extra"), f"{at}['extra']"),
                 float(nonfinite),
                 fingerprint,
             )
@@ -345,8 +344,8 @@ def _to_plain(value: Any) -> Any:
     return value  # None, numbers, strings; other objects as they are
 
 
-def _extra_from_plain(kind: str, data: Any, version: int, where: str) -> Any:
-    if type(data) is dict and "array" in data and (kind == "dist" or version == 1):
+def _extra_from_plain(kind: str, data: Any, where: str) -> Any:
+    if type(data) is dict and "array" in data and kind == "dist":
         _expect(set(data) == {"array"}, where, f"unknown keys besides 'array': {sorted(data)}")
         try:
             values = np.asarray(data["array"], dtype=np.float64)
@@ -354,8 +353,6 @@ def _extra_from_plain(kind: str, data: Any, version: int, where: str) -> Any:
             raise MalformedStateError(f"malformed {where}['array']: {error}") from None
         _expect(values.ndim == 1, f"{where}['array']", "expected a flat list of numbers")
         return [values] if values.size else []
-    if version == 1:  # written by version 1: a tuple as a list, anything else as it was
-        return tuple(data) if isinstance(data, list) else data
     if kind == "dist":
         raise MalformedStateError(
             f"malformed {where}: a 'dist' extra is {{'array': [numbers]}}, got {data!r:.200}"

@@ -29,16 +29,28 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics._engine.sync import comm_device, gather_bytes, is_initialized, resolve_group
-from rlmetrics.distributed import all_reduce_max, rank_in, world_size
+from rlmetrics.distributed import (
+    gather_bytes,
+    is_initialized,
+    process_group,
+    rank_in,
+    world_size,
+)
 from rlmetrics.rl.counts import BatchCounts, local_counts
 from rlmetrics.tracker import Tracker
 
 MASK_KEYS = ("response_mask", "mask")
 OPTIONS = (
-    "mask_key", "token_budgets", "epochs", "empty_pieces", "shuffle", "seed", "tracker",
-    "group", "real_ranks",
-)  # fmt: skip
+    "mask_key",
+    "token_budgets",
+    "epochs",
+    "empty_pieces",
+    "shuffle",
+    "seed",
+    "tracker",
+    "group",
+    "real_ranks",
+)
 REAL = "real "  # the label prefix of runs across real ranks
 Split = list[list[np.ndarray]]  # per rank, per micro-batch: row indices
 
@@ -164,9 +176,18 @@ def assert_partition_invariant(
         error = err  # raised after the real-rank runs, which every rank must join
     if group is not None:
         error = _check_real_ranks(
-            fn, batch, group, mask, expected, drifts, error, micro_batch_sizes, rtol, atol,
+            fn,
+            batch,
+            group,
+            mask,
+            expected,
+            drifts,
+            error,
+            micro_batch_sizes,
+            rtol,
+            atol,
             options,
-        )  # fmt: skip
+        )
     if error is not None:
         raise error
     if drifts:
@@ -197,8 +218,9 @@ def partition_runs(
         raise TypeError(f"partition_runs: unknown options {unknown}; known {sorted(known)}")
     _batch_size(batch)
     runs: dict[str, dict[str, float]] = {}
-    for label, got in _iter_runs(fn, batch, ranks, micro_batch_sizes, _mask(batch, options),
-                                 options):  # fmt: skip
+    for label, got in _iter_runs(
+        fn, batch, ranks, micro_batch_sizes, _mask(batch, options), options
+    ):
         runs.setdefault(label, got)  # repeated ranks or budgets: the same split again
     return runs
 
@@ -210,9 +232,13 @@ def _mask(batch: Mapping[str, Tensor], options: Mapping[str, Any]) -> Tensor | N
 
 
 def _iter_runs(
-    fn: Callable, batch: Mapping[str, Tensor], ranks: Sequence[int],
-    sizes: Sequence[int] | None, mask: Tensor | None, options: Mapping[str, Any],
-) -> Iterator[tuple[str, dict[str, float]]]:  # fmt: skip
+    fn: Callable,
+    batch: Mapping[str, Tensor],
+    ranks: Sequence[int],
+    sizes: Sequence[int] | None,
+    mask: Tensor | None,
+    options: Mapping[str, Any],
+) -> Iterator[tuple[str, dict[str, float]]]:
     """(label, metrics) of the whole batch, then of every simulated split and epochs."""
     size = _batch_size(batch)
     tracker_options = dict(options.get("tracker", {}))
@@ -239,18 +265,25 @@ def _real_group(options: Mapping[str, Any]) -> Any:
                 "needs torch.distributed to be initialised"
             )
         return None
-    pg = resolve_group(group)
+    pg = process_group(group)
     if rank_in(pg) < 0:
         raise ValueError("assert_partition_invariant: this process is not in group")
     return pg
 
 
 def _check_real_ranks(
-    fn: Callable, batch: Mapping[str, Tensor], group: Any, mask: Tensor | None,
-    expected: Mapping[str, float] | None, drifts: dict[str, list[tuple]],
-    error: BaseException | None, sizes: Sequence[int] | None, rtol: float, atol: float,
+    fn: Callable,
+    batch: Mapping[str, Tensor],
+    group: Any,
+    mask: Tensor | None,
+    expected: Mapping[str, float] | None,
+    drifts: dict[str, list[tuple]],
+    error: BaseException | None,
+    sizes: Sequence[int] | None,
+    rtol: float,
+    atol: float,
     options: Mapping[str, Any],
-) -> BaseException | None:  # fmt: skip
+) -> BaseException | None:
     """Run every rank's shard, merge over ``group``, compare with the whole batch.
 
     Adds the drifts to ``drifts``; returns the exception to raise (``error``, the first
@@ -258,14 +291,13 @@ def _check_real_ranks(
     rank issues the same collectives whatever fails, so none is left waiting.
     """
     rank, world = rank_in(group), world_size(group)
-    device = comm_device(group)
     size = _batch_size(batch)
     runs = [
         (REAL + (label if epochs == 1 else f"{label} epochs={epochs}"), split[rank], epochs)
         for label, split in _splits(size, mask, (world,), sizes, options)
         for epochs in options.get("epochs", (1,))
     ]
-    _check_same_call(batch, runs, group, device)
+    _check_same_call(batch, runs, group)
     counts = None
     if mask is not None:
         total = local_counts(mask)
@@ -297,7 +329,7 @@ def _check_real_ranks(
         report = f"E{type(error).__name__}: {error}\n{trace}"
     else:
         report = "D" + _table(drifts) if drifts else "P"
-    reports = [r.decode() for r in gather_bytes(report.encode(), group, device, None)]
+    reports = [r.decode() for r in gather_bytes(report.encode(), group)]
     failed = [r for r, text in enumerate(reports) if text != "P"]
     if error is not None or not failed:
         return error
@@ -313,9 +345,7 @@ def _check_real_ranks(
     return AssertionError(f"metrics depend on the partition on rank(s) {failed}:\n{texts}")
 
 
-def _check_same_call(
-    batch: Mapping[str, Tensor], runs: list, group: Any, device: torch.device
-) -> None:
+def _check_same_call(batch: Mapping[str, Tensor], runs: list, group: Any) -> None:
     """Raise ValueError on every rank unless all ranks passed the same batch and runs."""
     digest = hashlib.blake2b(digest_size=8)
     for key in sorted(batch):
@@ -323,10 +353,7 @@ def _check_same_call(
         digest.update(f"{key}|{value.dtype}|{tuple(value.shape)}|".encode())
         digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
     digest.update(repr([(label, epochs) for label, _, epochs in runs]).encode())
-    mark = float(int.from_bytes(digest.digest(), "little") >> 12)  # 52 bits: exact
-    both = torch.tensor([mark, -mark], dtype=torch.float64, device=device)
-    all_reduce_max(both, group)
-    if both[0].item() != -both[1].item():
+    if len(set(gather_bytes(digest.digest(), group))) > 1:
         raise ValueError(
             "assert_partition_invariant: ranks passed different batches or options; every "
             "rank of the group must pass the same whole batch"
@@ -352,9 +379,14 @@ def _batch_size(batch: Mapping[str, Tensor]) -> int:
 
 
 def _run(
-    fn: Callable, batch: Mapping, split: Split, label: str, mask: Tensor | None, epochs: int,
+    fn: Callable,
+    batch: Mapping,
+    split: Split,
+    label: str,
+    mask: Tensor | None,
+    epochs: int,
     tracker_options: dict,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Run ``fn`` over one split; merge the ranks' states; compute (no process group)."""
     counts = None
     if mask is not None:
@@ -379,9 +411,12 @@ def _run(
 
 
 def _splits(
-    size: int, mask: Tensor | None, ranks: Sequence[int], sizes: Sequence[int] | None,
+    size: int,
+    mask: Tensor | None,
+    ranks: Sequence[int],
+    sizes: Sequence[int] | None,
     options: Mapping[str, Any],
-) -> Iterator[tuple[str, Split]]:  # fmt: skip
+) -> Iterator[tuple[str, Split]]:
     """Every (label, split) to run."""
     rows = np.arange(size)
     sizes = sorted({s for s in (sizes or (1, 2, 3, size)) if 1 <= s <= max(size, 1)})
@@ -457,9 +492,16 @@ def _table(drifts: Mapping[str, list[tuple]]) -> str:
         runs = drifts[name]
         label, want, have, diff, rel = max(runs, key=lambda r: (_key(r[4]), _key(r[3])))
         rows.append(
-            (name, str(len(runs)), label, _fmt(want, "absent"), _fmt(have, "missing"),
-             f"{diff:.3g}", f"{rel:.3g}")
-        )  # fmt: skip
+            (
+                name,
+                str(len(runs)),
+                label,
+                _fmt(want, "absent"),
+                _fmt(have, "missing"),
+                f"{diff:.3g}",
+                f"{rel:.3g}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -472,3 +514,6 @@ def _key(x: float) -> float:
 
 def _fmt(value: float | None, absent: str) -> str:
     return absent if value is None else f"{value:.12g}"
+
+
+__all__ = ["Piece", "PieceInfo", "assert_partition_invariant", "partition_runs"]

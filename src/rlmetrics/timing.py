@@ -39,11 +39,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from rlmetrics._engine.inputs import check_name
-from rlmetrics._engine.sync import resolve_group
+from rlmetrics._engine.sync import is_initialized, resolve_group
+from rlmetrics.distributed import rank_in
+from rlmetrics.distributed import world_size as group_size
 from rlmetrics.errors import TokenCountError
 from rlmetrics.kinds.batch import to_device
 
@@ -60,10 +61,7 @@ class Timed(Protocol):
     @property
     def device_timers(self) -> DeviceTimers: ...
 
-    def log(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None, *, kind: str,
-    ) -> None: ...  # fmt: skip
+    def log(self, name: str, value: Any, weight: Any = None, *, kind: str) -> None: ...
 
 
 def rank_and_size(name: str, rank: Any, world_size: Any, group: Any) -> tuple[int, int]:
@@ -74,19 +72,22 @@ def rank_and_size(name: str, rank: Any, world_size: Any, group: Any) -> tuple[in
         TypeError, ValueError: naming the metric and the argument.
     """
     if (rank is None) != (world_size is None):
-        raise TypeError(f"metric {name!r}: pass rank= and world_size= together (or neither), "
-                        f"got rank={rank!r}, world_size={world_size!r}")  # fmt: skip
+        raise TypeError(
+            f"metric {name!r}: pass rank= and world_size= together (or neither), "
+            f"got rank={rank!r}, world_size={world_size!r}"
+        )
     if rank is None:
-        if group is None and not (dist.is_available() and dist.is_initialized()):
+        if group is None and not is_initialized():
             return 0, 1
         pg = resolve_group(group)
-        rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
+        rank, world_size = rank_in(pg), group_size(pg)
     for arg, number in (("rank", rank), ("world_size", world_size)):
         if isinstance(number, bool) or not isinstance(number, numbers.Integral):
             raise TypeError(f"metric {name!r}: {arg} must be an int, got {number!r}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"metric {name!r}: rank must be in [0, world_size={world_size}), "
-                         f"got {rank!r}")  # fmt: skip
+        raise ValueError(
+            f"metric {name!r}: rank must be in [0, world_size={world_size}), got {rank!r}"
+        )
     return int(rank), int(world_size)
 
 
@@ -96,8 +97,10 @@ def check_seconds(
     """An elapsed time (or, ``what="num_tokens"``, a token count) as a python float:
     finite and >= 0 (> 0 with ``positive``)."""
     if isinstance(seconds, bool | Tensor) or not isinstance(seconds, numbers.Real):
-        raise TypeError(f"metric {name!r}: {what} must be a python or numpy number, got "
-                        f"{type(seconds).__name__}")  # fmt: skip
+        raise TypeError(
+            f"metric {name!r}: {what} must be a python or numpy number, got "
+            f"{type(seconds).__name__}"
+        )
     try:
         value = float(seconds)
     except OverflowError as error:  # a python int beyond float64's range, as a log call
@@ -158,11 +161,15 @@ def check_count_tensor(name: str, num_tokens: Tensor) -> Tensor:
     a later in-place change of the caller's tensor leaves the logged count as it was).
     A bool or complex tensor is refused, as a python bool or complex is."""
     if num_tokens.dtype == torch.bool or num_tokens.is_complex():
-        raise TypeError(f"metric {name!r}: num_tokens must be a real number, got a tensor "
-                        f"of dtype {num_tokens.dtype}")  # fmt: skip
+        raise TypeError(
+            f"metric {name!r}: num_tokens must be a real number, got a tensor "
+            f"of dtype {num_tokens.dtype}"
+        )
     if num_tokens.numel() != 1:
-        raise ValueError(f"metric {name!r}: num_tokens must hold one number, got a tensor "
-                         f"of shape {tuple(num_tokens.shape)}")  # fmt: skip
+        raise ValueError(
+            f"metric {name!r}: num_tokens must hold one number, got a tensor "
+            f"of shape {tuple(num_tokens.shape)}"
+        )
     return num_tokens.detach().reshape(()).to(torch.float64, copy=True)
 
 
@@ -185,8 +192,7 @@ def log_throughput(
         return
     seconds = check_seconds(name, seconds, positive=True)
     tokens = check_count_tensor(name, num_tokens)
-    rank, size = rank_and_size(name, where.get("rank"), where.get("world_size"),
-                               where.get("group"))  # fmt: skip
+    rank, size = rank_and_size(name, where.get("rank"), where.get("world_size"), where.get("group"))
     check_name(name)
     tracker.device_timers.add(DeviceCount(tracker, name, tokens, seconds, rank, size))
 
@@ -252,8 +258,10 @@ def timer(
     stream = None
     if events is None:
         if not torch.cuda.is_available():
-            raise RuntimeError(f"metric {name!r}: device={device!r} timing needs CUDA, and "
-                               "torch sees no CUDA device")  # fmt: skip
+            raise RuntimeError(
+                f"metric {name!r}: device={device!r} timing needs CUDA, and "
+                "torch sees no CUDA device"
+            )
         stream = torch.cuda.current_stream(device)
         events = _cuda_events
     begin, end = events(), events()
@@ -315,8 +323,10 @@ class DeviceTimers:
                 kind = f"rank_throughput@{entry.world_size}"
                 logged = self.logged_kind(full)
                 if logged is not None and logged != kind:
-                    raise ValueError(f"metric {full!r} is already logged as kind {logged!r}; "
-                                     f"cannot log it as kind {kind!r}")  # fmt: skip
+                    raise ValueError(
+                        f"metric {full!r} is already logged as kind {logged!r}; "
+                        f"cannot log it as kind {kind!r}"
+                    )
             self.pending.append(entry)
 
     def clear(self) -> None:
@@ -345,8 +355,9 @@ class DeviceTimers:
                 continue
             timer_.end.synchronize()
             seconds = timer_.start.elapsed_time(timer_.end) / 1000.0
-            log_elapsed(timer_.view, timer_.name, seconds, rank=timer_.rank,
-                        world_size=timer_.world_size)  # fmt: skip
+            log_elapsed(
+                timer_.view, timer_.name, seconds, rank=timer_.rank, world_size=timer_.world_size
+            )
         self.pending[:0] = unread
         if counts:
             _log_counts(counts)

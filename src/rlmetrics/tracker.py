@@ -10,6 +10,7 @@ from datetime import timedelta
 from operator import attrgetter
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,6 +21,7 @@ from rlmetrics._engine.plan import StepPlan
 from rlmetrics._engine.record import (
     TENSOR_WEIGHTS,
     CheckedWeight,
+    MetricRecords,
     NumberRecords,
     Prepared,
     prepare,
@@ -29,10 +31,10 @@ from rlmetrics._engine.record import (
 )
 from rlmetrics._engine.sync import SyncedParts, as_timeout, should_sync, sync_reduce
 from rlmetrics._engine.table import UNMERGED, StateTable
+from rlmetrics._groups import Groups, LabelledPart, check_kinds
 from rlmetrics.errors import RejectedInputError
-from rlmetrics.groups import Groups, LabelledPart, check_kinds
-from rlmetrics.kinds import KINDS, Dist, Kind, MetricRecords, QuantileSketch, get_kind
-from rlmetrics.kinds.base import NUM_COUNTS, REJECTED_SLOT, carries_extra
+from rlmetrics.kinds import KINDS, Dist, Kind, QuantileSketch, get_kind
+from rlmetrics.kinds.base import REJECTED_SLOT, carries_extra
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES
 from rlmetrics.state import TrackerState, check_metric, checked_load, merged_extra
 from rlmetrics.timing import DeviceTimers, log_elapsed, log_throughput, timer
@@ -41,6 +43,7 @@ EMPTY_POLICIES = ("omit", "nan")
 NONFINITE_POLICIES = ("propagate", "skip", "error")
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_Result = TypeVar("_Result")
 _get_values = attrgetter("values")
 
 
@@ -57,47 +60,70 @@ def _locked(method: _Method) -> _Method:
 
 
 def _alias(name: str, weight: Any, mask: Any) -> Any:
-    """``mask=`` is ``weight=`` by its older name; both at once is an error."""
+    """``mask=`` is ``weight=`` under the name that reads better for a selection; both at
+    once is an error."""
     if weight is not None:
         raise TypeError(f"metric {name!r}: pass weight= or mask= (an alias), not both")
     return mask
 
 
-class LogMethods:
-    """The logging calls shared by ``Tracker`` and its prefixed views.
+Loggable = float | Tensor | np.ndarray | np.generic | Sequence[Any]
+"""What a log call takes as a value or a weight: a python number (an int or a bool is
+a float to a type checker), a tensor, a numpy array or scalar, or a sequence of numbers
+(nested for more dimensions)."""
+
+Labels = Tensor | np.ndarray | Sequence[Any] | str | int
+"""What ``by=`` takes: a label per element, per row, or one for the call."""
+
+
+class LogTarget:
+    """Something you can log into: a ``Tracker``, or a prefixed view of one.
+
+    Annotate a function that logs with it, and pass it either. Its log calls are the
+    same on both: each goes to ``_log``, the one path. A Tracker records the call; a
+    prefixed view adds its prefix and hands the call to its tracker.
 
     Every call takes ``weight=``: None (1 per element), a python number, or an array or
-    tensor of the value's shape (a bool mask counts as 0/1). Its meaning is the kind's:
-    a multiplier for ``mean``, ``std`` and ``sum``, a selector (weight > 0) for ``max``,
-    ``min``, ``dist`` and ``last``; a bool mask means the same everywhere. An element
-    with weight 0 contributes nothing, whatever its value. ``mask=`` is an alias of
-    ``weight=``, kept for code written when ``sum``, ``max``, ``min`` and ``dist`` took
-    a mask only (pass it by keyword).
+    tensor of the value's shape (a bool mask counts as 0/1). Its meaning is the kind's.
+    It is a multiplier for ``mean``, ``std`` and ``sum``, and a selector (weight > 0)
+    for ``max``, ``min``, ``dist``, ``quantile`` and ``last``. A bool mask means the same
+    everywhere. An element with weight 0 contributes nothing, whatever its value.
+    ``mask=`` is ``weight=`` under the name that reads better for a selection (by
+    keyword; not both).
 
-    Every call but ``last`` also takes ``by=``: a label per element (or per row, or one
-    for the call): a python sequence or numpy array of strings or integers, or an integer
-    tensor. Each label's elements are then logged under ``name/<label>``, exactly as if
-    logged alone; ``labels=`` maps labels to the names used (``{0: "gsm8k"}``). Tensor
-    labels are read at the fold (``compute()``), not at the call. See docs/groups.md and
-    ``rlmetrics.groups``.
-
-    Each log call goes to ``_log``, the one path: the Tracker's records the call, a
-    prefixed view's adds its prefix and hands the call to its tracker's.
+    Every call but ``last`` also takes ``by=``: a label per element, per row, or one for
+    the call. Labels are strings or integers, in a python sequence or numpy array, or an
+    integer tensor. Each label's elements are then logged under ``name/<label>``, exactly
+    as if logged alone. ``labels=`` maps labels to the names used (``{0: "gsm8k"}``).
+    Tensor labels are read at the fold (``compute()``), not at the call. See
+    docs/groups.md.
     """
 
     device_timers: DeviceTimers
     """The tracker's device timers and tensor token counts not read yet (``timing``)."""
 
     def _log(
-        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
-        by: Any = None, labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         raise NotImplementedError
 
     def mean(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Weighted mean: Σ value·weight / Σ weight.
 
         Args:
@@ -107,7 +133,8 @@ class LogMethods:
             weight: a multiplier per element: None (1 each), a number, or an array or
                 tensor of ``value``'s shape (a bool mask counts as 0/1). A token
                 mean takes the response mask here.
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -115,9 +142,15 @@ class LogMethods:
         self._log(name, "mean", value, weight, mask, by, labels)
 
     def sum(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Weighted sum Σ value·weight (a bool mask: the sum of the selected elements).
 
         Args:
@@ -126,7 +159,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: a multiplier per element: None (1 each), a number, or an array or
                 tensor of ``value``'s shape (a bool mask counts as 0/1).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -134,9 +168,15 @@ class LogMethods:
         self._log(name, "sum", value, weight, mask, by, labels)
 
     def max(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Largest element (of those with weight > 0).
 
         Args:
@@ -145,7 +185,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: selects the elements with weight > 0: None (all), a number, or an
                 array or tensor of ``value``'s shape (a bool mask).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -153,9 +194,15 @@ class LogMethods:
         self._log(name, "max", value, weight, mask, by, labels)
 
     def min(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Smallest element (of those with weight > 0).
 
         Args:
@@ -164,7 +211,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: selects the elements with weight > 0: None (all), a number, or an
                 array or tensor of ``value``'s shape (a bool mask).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -172,9 +220,15 @@ class LogMethods:
         self._log(name, "min", value, weight, mask, by, labels)
 
     def std(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Weighted population standard deviation (ddof=0), exact when |mean| >> std.
 
         Args:
@@ -183,7 +237,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: a multiplier per element (a frequency): None (1 each), a number, or
                 an array or tensor of ``value``'s shape (a bool mask counts as 0/1).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -191,9 +246,15 @@ class LogMethods:
         self._log(name, "std", value, weight, mask, by, labels)
 
     def last(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """A replicated scalar (lr, kl_coef): the latest on this rank; ranks must agree.
         A weight of 0 (or False) leaves the previous value in place.
 
@@ -202,15 +263,22 @@ class LogMethods:
             value: one number: a python number or a one-element array or tensor.
             weight: 0 (or False) leaves the previous value in place; None or > 0 takes
                 ``value``.
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by, labels: not taken by ``last`` (a replicated value has no groups).
         """
         self._log(name, "last", value, weight, mask, by, labels)
 
     def dist(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Every element with weight > 0: name/mean, /std, /min, /max, /pXX.
 
         Args:
@@ -219,7 +287,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: selects the elements with weight > 0: None (all), a number, or an
                 array or tensor of ``value``'s shape (a bool mask).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -227,9 +296,15 @@ class LogMethods:
         self._log(name, "dist", value, weight, mask, by, labels)
 
     def quantile(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+    ) -> None:
         """Every element with weight > 0 into a fixed-size sketch: the keys ``dist``
         reports, quantiles within a relative error (see docs/quantiles.md).
 
@@ -239,7 +314,8 @@ class LogMethods:
                 shape (device tensors are read at ``compute()``).
             weight: selects the elements with weight > 0: None (all), a number, or an
                 array or tensor of ``value``'s shape (a bool mask).
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -247,9 +323,16 @@ class LogMethods:
         self._log(name, "quantile", value, weight, mask, by, labels)
 
     def log(
-        self, name: str, value: Any, weight: Any = None, mask: Any = None, by: Any = None,
-        labels: Any = None, *, kind: str,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
+        kind: str,
+    ) -> None:
         """Log into any registered kind (built-in or user-defined) by its name.
 
         Args:
@@ -257,9 +340,10 @@ class LogMethods:
             value: a python number, a sequence, a numpy array or a tensor, any
                 shape (device tensors are read at ``compute()``).
             weight: as the kind defines it (a multiplier or a selector; see
-                ``LogMethods``): None (1 each), a number, or an array or tensor of
+                ``LogTarget``): None (1 each), a number, or an array or tensor of
                 ``value``'s shape.
-            mask: ``weight`` by its older name (by keyword; not both).
+            mask: ``weight`` under the name that reads better where it selects (a bool
+                mask); not both.
             by: a label per element, per row or one for the call: each label's
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
@@ -288,7 +372,9 @@ class LogMethods:
         ``timer`` does (``where``: ``rank=``, ``world_size=``, ``group=``)."""
         log_elapsed(self, name, seconds, **where)
 
-    def throughput(self, name: str, num_tokens: Any, seconds: float, **where: Any) -> None:
+    def throughput(
+        self, name: str, num_tokens: float | Tensor, seconds: float, **where: Any
+    ) -> None:
         """Log ``num_tokens`` (a number or a one-element tensor) this rank processed in
         ``seconds``: ``name`` = Σ tokens / (slowest rank's seconds × ranks), per rank as
         verl's ``perf/throughput``; ``name/total`` = Σ tokens / slowest rank's seconds."""
@@ -297,11 +383,12 @@ class LogMethods:
     def log_shared(
         self,
         metrics: Sequence[tuple[str, str]],
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
+        value: Loggable,
+        weight: Loggable | None = None,
+        *,
+        mask: Loggable | None = None,
+        by: Labels | None = None,
+        labels: Mapping[Any, str] | None = None,
     ) -> None:
         """Log one value (and weight) into several metrics, given as (name, kind) pairs,
         converting and checking the input once: the same as one ``log`` call per metric,
@@ -332,9 +419,14 @@ class LogMethods:
         raise NotImplementedError
 
     def _grouped(
-        self, metrics: list[tuple[str, str]], value: Any, weight: Any, mask: Any, by: Any,
+        self,
+        metrics: list[tuple[str, str]],
+        value: Any,
+        weight: Any,
+        mask: Any,
+        by: Any,
         labels: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A call with ``by=`` (or, wrongly, ``labels=`` alone)."""
         name = metrics[0][0]
         if mask is not None:
@@ -353,7 +445,7 @@ class LogMethods:
         raise NotImplementedError
 
 
-class PrefixedTracker(LogMethods):
+class PrefixedTracker(LogTarget):
     """A view of a Tracker that prepends a prefix to every name it logs."""
 
     def __init__(self, tracker: Tracker, prefix: str) -> None:
@@ -364,9 +456,15 @@ class PrefixedTracker(LogMethods):
         self.device_timers = tracker.device_timers
 
     def _log(
-        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
-        by: Any = None, labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         self.tracker._log(self.prefix + check_name(name), kind, value, weight, mask, by, labels)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
@@ -386,7 +484,7 @@ class PrefixedTracker(LogMethods):
         return PrefixedTracker(self.tracker, self.prefix + prefix)
 
 
-class Tracker(LogMethods):
+class Tracker(LogTarget):
     """Named metrics of one step, each reduced by its kind, merged exactly.
 
     A log call records its value and weight (python numbers, arrays, tensors as they
@@ -447,10 +545,10 @@ class Tracker(LogMethods):
             "dist": Dist(quantiles),
             "quantile": QuantileSketch(quantiles=quantiles),
         }
-        self._accumulators: dict[str, MetricRecords] = {}
-        # every name's accumulator, kept across steps and cleared on reuse: no
-        # allocation per name per step, and the sync code can recognise a step's
-        # accumulators as the last one's (see rlmetrics._engine.plan)
+        self._metric_records: dict[str, MetricRecords] = {}  # this step's metrics
+        # Every name's MetricRecords, kept across steps and cleared on reuse. No step
+        # allocates per name, and the caches recognise a step's metrics as the last
+        # one's (see rlmetrics._engine.plan).
         self._pool: dict[str, MetricRecords] = {}
         self._table = StateTable()  # every pooled metric's folded state, a row each
         self._plan = StepPlan()  # every cache kept between steps
@@ -498,13 +596,19 @@ class Tracker(LogMethods):
         return self._own_kinds.get(kind_name) or KINDS.get(kind_name) or get_kind(kind_name)
 
     def _log(
-        self, name: str, kind: str, value: Any, weight: Any = None, mask: Any = None,
-        by: Any = None, labels: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        kind: str,
+        value: Any,
+        weight: Any = None,
+        mask: Any = None,
+        by: Any = None,
+        labels: Any = None,
+    ) -> None:
         """Every log call of this tracker and its views (the kind methods, ``log``): under
         the tracker's lock, the metric found (or made: a failed first call leaves none),
         then the value recorded; a plain float and a plain tensor by the shortest way.
-        A call with ``by=`` goes to ``rlmetrics.groups``, which hands back one call per
+        A call with ``by=`` goes to ``rlmetrics._groups``, which hands back one call per
         label (``_log_shared``), at once or at the fold.
 
         A subclass that overrides ``_log`` sees every log call, as made
@@ -523,12 +627,13 @@ class Tracker(LogMethods):
         lock.acquire()
         try:
             try:
-                acc = self._accumulators.get(name)
+                records = self._metric_records.get(name)
             except TypeError:  # an unhashable name
                 check_name(name)
                 raise
-            if acc is None or acc.kind_name != kind:  # the step's first call (or a kind
-                acc = self._accumulator(name, self.kind(kind))  # conflict, which raises)
+            if records is None or records.kind_name != kind:
+                # the step's first call, or a kind conflict, which raises
+                records = self._add_metric(name, self.kind(kind))
                 new = True
             else:
                 new = False
@@ -536,17 +641,17 @@ class Tracker(LogMethods):
                 if (
                     (value_type := type(value)) is float
                     and weight is None
-                    and acc.in_number_records
+                    and records.in_number_records
                     and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
                 ):  # record_number's work for a plain float, written out
                     numbers = self._numbers
                     numbers.values.append(value)
-                    numbers.rows.append(acc.row)
-                    acc.accepted_a_call = True
+                    numbers.rows.append(records.row)
+                    records.accepted_a_call = True
                     self._recorded += 1
                 elif value_type is Tensor and (weight is None or type(weight) in TENSOR_WEIGHTS):
                     self._recorded += 1 + record_tensor(
-                        acc,
+                        records,
                         name,
                         value,
                         weight,
@@ -556,17 +661,17 @@ class Tracker(LogMethods):
                         self.nonfinite,
                     )
                 else:
-                    self._log_value(acc, name, value, weight)
+                    self._log_value(records, name, value, weight)
             except BaseException:
                 if new:
-                    del self._accumulators[name]  # a failed first call leaves no empty metric
+                    del self._metric_records[name]  # a failed first call leaves no empty metric
                 raise
             if self._recorded > self.record_limit:
                 self._fold_early()
         finally:
             lock.release()
 
-    def _log_value(self, acc: MetricRecords, name: str, value: Any, weight: Any) -> None:
+    def _log_value(self, records: MetricRecords, name: str, value: Any, weight: Any) -> None:
         """Record a value ``_log`` does not record itself: python numbers, prepared values
         (``log_shared``), tensors, arrays and the rest."""
         value_type = type(value)
@@ -580,7 +685,7 @@ class Tracker(LogMethods):
                 as_number(name, value)
                 as_number(name, weight, "weight")
                 raise
-            record_number(acc, name, number, weight, self.nonfinite, self._numbers)
+            record_number(records, name, number, weight, self.nonfinite, self._numbers)
             self._recorded += 1
             return
         if value_type is not Prepared:
@@ -592,7 +697,7 @@ class Tracker(LogMethods):
                 copy=self.copy_cpu_tensors,
                 checked=self._checked_weight,
             )
-        self._recorded += 1 + record_prepared(acc, name, value, self.nonfinite, self._numbers)
+        self._recorded += 1 + record_prepared(records, name, value, self.nonfinite, self._numbers)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
@@ -633,14 +738,14 @@ class Tracker(LogMethods):
     def _log_parts(self, parts: list[LabelledPart]) -> None:
         """Log a grouped call's parts, one ``_log_shared`` call per label, after checking
         that none names a metric of another kind (a call that fails logs nothing)."""
-        check_kinds(self._accumulators, parts)
+        check_kinds(self._metric_records, parts)
         for metrics, value, weight in parts:
             self._log_shared(metrics, value, weight)
 
     def _fold(self, wait: bool = True) -> None:
         """Reduce every record into the states (see ``rlmetrics._engine.fold``), after logging
         the device timers (all, waiting for them; the finished ones without ``wait``)
-        and splitting the calls with ``by=`` that wait for it (``rlmetrics.groups``).
+        and splitting the calls with ``by=`` that wait for it (``rlmetrics._groups``).
         Raises the fold's errors, those of the step's early folds included."""
         errors, self._fold_errors = self._fold_errors, []
         if self.device_timers.pending:
@@ -658,9 +763,9 @@ class Tracker(LogMethods):
                         self._groups.resolve(self._log_parts)
                 finally:
                     self._recorded = 0
-                    accs = list(self._accumulators.values())
+                    metrics = list(self._metric_records.values())
                     fold(
-                        accs,
+                        metrics,
                         self._numbers,
                         self._table,
                         self._plan,
@@ -681,52 +786,57 @@ class Tracker(LogMethods):
         except ValueError as error:
             self._fold_errors.append(error)
 
-    def _accumulator(self, name: str, kind: Kind) -> MetricRecords:
-        acc = self._accumulators.get(name)
-        if acc is not None:
+    def _add_metric(self, name: str, kind: Kind) -> MetricRecords:
+        """A new metric of this step: its pooled MetricRecords, cleared, or new ones.
+
+        Raises:
+            ValueError: ``name`` is logged as another kind this step.
+        """
+        records = self._metric_records.get(name)
+        if records is not None:
             raise ValueError(
-                f"metric {name!r} is already logged as kind {acc.kind.name!r}; "
+                f"metric {name!r} is already logged as kind {records.kind.name!r}; "
                 f"cannot log it as kind {kind.name!r}"
             )
-        acc = self._pool.get(name)
-        if acc is not None and acc.kind is kind:
-            acc.clear()
+        records = self._pool.get(name)
+        if records is not None and records.kind is kind:
+            records.clear()
         else:
             check_name(name)
-            acc = self._pool[name] = MetricRecords(
+            records = self._pool[name] = MetricRecords(
                 kind, self._table, self._table.add_row(kind), name
             )
-        self._accumulators[name] = acc
-        return acc
+        self._metric_records[name] = records
+        return records
 
     def _logged_kind(self, name: str) -> str | None:
         """The kind name ``name`` is logged as this step, or None."""
-        acc = self._accumulators.get(name)
-        return None if acc is None else acc.kind.name
+        records = self._metric_records.get(name)
+        return None if records is None else records.kind.name
 
     def prefixed(self, prefix: str) -> PrefixedTracker:
         return PrefixedTracker(self, prefix)
 
     # -- state --------------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
-        return name in self._accumulators
+        return name in self._metric_records
 
     def __len__(self) -> int:
-        return len(self._accumulators)
+        return len(self._metric_records)
 
     def __iter__(self) -> Iterator[str]:
         with self._lock:  # a snapshot: another thread may log a new name meanwhile
-            return iter(list(self._accumulators))
+            return iter(list(self._metric_records))
 
     @_locked
     def schema(self) -> dict[str, str]:
         """The names logged since the last reset, with their kind names."""
-        return {name: acc.kind.name for name, acc in self._accumulators.items()}
+        return {name: records.kind.name for name, records in self._metric_records.items()}
 
     def _synced_step(self, group: Any, timeout: float | timedelta | None) -> ReducedStep:
         """This step's folded states merged over ``group`` (``Window`` syncs its
         reporter's through it too)."""
-        parts = SyncedParts(self._accumulators, self._table, self._plan, self.kind)
+        parts = SyncedParts(self._metric_records, self._table, self._plan, self.kind)
         return sync_reduce(parts, group=group, timeout=timeout)
 
     @_locked
@@ -777,7 +887,7 @@ class Tracker(LogMethods):
         self._fold()
         table = self._table
         try:
-            return local_reduce(self._plan.local_packing(self._accumulators, table), table)
+            return local_reduce(self._plan.local_packing(self._metric_records, table), table)
         except RejectedInputError:
             self._forget_rejected()
             raise
@@ -787,17 +897,17 @@ class Tracker(LogMethods):
         rejected calls created (as a python call that raises creates none). Reads the
         counts of those candidates only, on this error path."""
         table = self._table
-        for name, acc in list(self._accumulators.items()):
-            if acc.num_deferred_checks and not acc.accepted_a_call:
+        for name, records in list(self._metric_records.items()):
+            if records.num_deferred_checks and not records.accepted_a_call:
                 # python numbers are checked at once, never rejected later: they are
                 # recognised by their effect on the host state, not marked on the fast path
-                if table.rejected(acc.row) >= acc.num_deferred_checks and table.is_empty(
-                    acc.row, acc.kind
+                if table.rejected(records.row) >= records.num_deferred_checks and table.is_empty(
+                    records.row, records.kind
                 ):
-                    del self._accumulators[name]
-                    table.clear_row(acc.row, acc.kind)
+                    del self._metric_records[name]
+                    table.clear_row(records.row, records.kind)
                     continue
-                acc.accepted_a_call = True  # a checked call was taken
+                records.accepted_a_call = True  # a checked call was taken
         table.forget_rejected()
 
     def merge(self, other: Tracker | TrackerState) -> Tracker:
@@ -816,7 +926,7 @@ class Tracker(LogMethods):
             raise TypeError(f"merge expects a Tracker or TrackerState, got {type(other).__name__}")
         with self._lock:
             self._fold()  # this tracker's own calls come first: a merged state is another source
-            kinds = self._checked_kinds(state, self._accumulators)
+            kinds = self._checked_kinds(state, self._metric_records)
             self._merge_checked(state, kinds, self._merged_extras(state, kinds))
         return self
 
@@ -824,19 +934,19 @@ class Tracker(LogMethods):
         self, state: TrackerState, current: Mapping[str, MetricRecords]
     ) -> dict[str, Kind]:
         """The kind each of ``state``'s metrics merges into, all checked against the
-        ``current`` accumulators before anything changes."""
+        ``current`` metric records before anything changes."""
         kinds = {}
         for name, metric in state.metrics.items():
             check_name(name)
-            acc = current.get(name)
+            records = current.get(name)
             kind_name = getattr(metric, "kind", None)
-            if acc is not None and acc.kind.name != kind_name:
+            if records is not None and records.kind.name != kind_name:
                 raise ValueError(
-                    f"metric {name!r} is kind {acc.kind.name!r} here but {kind_name!r} in the "
+                    f"metric {name!r} is kind {records.kind.name!r} here but {kind_name!r} in the "
                     "merged state"
                 )
             # str: a metric without a kind (not a MetricState) is then an unknown kind
-            kind = acc.kind if acc is not None else self.kind(str(kind_name))
+            kind = records.kind if records is not None else self.kind(str(kind_name))
             check_metric(name, metric, kind)
             kinds[name] = kind
         return kinds
@@ -852,8 +962,8 @@ class Tracker(LogMethods):
         for name, metric in state.metrics.items():
             kind = kinds[name]
             if carries_extra(kind):
-                acc = self._accumulators.get(name)
-                extra = kind.empty_extra() if acc is None else self._table.extras[acc.row]
+                records = self._metric_records.get(name)
+                extra = kind.empty_extra() if records is None else self._table.extras[records.row]
                 extras[name] = merged_extra(name, extra, metric.extra, kind)
         return extras
 
@@ -865,10 +975,10 @@ class Tracker(LogMethods):
     ) -> None:
         """Load ``state``'s checked metrics (``extras``: their extras merged already)."""
         for name, metric in state.metrics.items():
-            acc = self._accumulators.get(name) or self._accumulator(name, kinds[name])
-            acc.accepted_a_call = True
+            records = self._metric_records.get(name) or self._add_metric(name, kinds[name])
+            records.accepted_a_call = True
             extra = UNMERGED if extras is None else extras.get(name, UNMERGED)
-            self._table.load(acc.row, metric, acc.kind, extra)
+            self._table.load(records.row, metric, records.kind, extra)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the caches (``StepPlan``) and the lock."""
@@ -876,7 +986,7 @@ class Tracker(LogMethods):
             self._fold()
             state = dict(self.__dict__)
             del state["_lock"], state["_plan"]
-            return {**state, "_pool": dict(self._accumulators)}
+            return {**state, "_pool": dict(self._metric_records)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle with a new lock, and each metric on this process's kind object (a
@@ -884,13 +994,13 @@ class Tracker(LogMethods):
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._plan = StepPlan()
-        for acc in self._accumulators.values():
+        for records in self._metric_records.values():
             try:
-                kind = self.kind(acc.kind.name)
+                kind = self.kind(records.kind.name)
             except ValueError:  # a user kind not registered in this process: keep the copy
                 continue
-            if kind is not acc.kind and kind.settings() == acc.kind.settings():
-                acc.kind = kind
+            if kind is not records.kind and kind.settings() == records.kind.settings():
+                records.kind = kind
 
     @_locked
     def reset(self) -> None:
@@ -904,16 +1014,16 @@ class Tracker(LogMethods):
         self._checked_weight.clear()
         self._fold_errors = []
         # records are left only by calls since the last fold (a fold clears every one)
-        if self._recorded and any(map(_get_values, self._accumulators.values())):
-            for acc in self._accumulators.values():
-                acc.clear()  # drops the records (the tensors they keep alive) now
+        if self._recorded and any(map(_get_values, self._metric_records.values())):
+            for records in self._metric_records.values():
+                records.clear()  # drops the records (the tensors they keep alive) now
         self._recorded = 0
-        if len(self._pool) > 2 * len(self._accumulators) + 256:  # names that come and go
-            self._pool = dict(self._accumulators)
+        if len(self._pool) > 2 * len(self._metric_records) + 256:  # names that come and go
+            self._pool = dict(self._metric_records)
             self._table = self._table.compacted(list(self._pool.values()))
         else:
             self._table.clear()
-        self._accumulators = {}
+        self._metric_records = {}
 
     @_locked
     def compute(
@@ -944,6 +1054,40 @@ class Tracker(LogMethods):
                 other call's metrics. A call with ``by=`` dropped at the fold raises
                 after the step, on its rank only.
         """
+        return self._end_step(
+            lambda reduced: reduced.results(empty=self.empty), reset, group, timeout, sync
+        )
+
+    @_locked
+    def compute_state(
+        self,
+        reset: bool = True,
+        *,
+        group: Any = None,
+        timeout: float | timedelta | None = None,
+        sync: bool = True,
+    ) -> TrackerState:
+        """End the step as ``compute()`` does, with the same sync, and return the merged
+        state instead of the values: what a driver merges further with other steps'
+        states (several updates it reports as one step). ``state.compute()`` gives the
+        dict ``compute()`` would have returned.
+
+        Args and Raises: as ``compute()``.
+        """
+        return self._end_step(
+            lambda reduced: TrackerState(reduced.states()), reset, group, timeout, sync
+        )
+
+    def _end_step(
+        self,
+        read: Callable[[ReducedStep], _Result],
+        reset: bool,
+        group: Any,
+        timeout: float | timedelta | None,
+        sync: bool,
+    ) -> _Result:
+        """The step merged over ``group`` (or this process's), read by ``read`` before
+        the reset (a ``ReducedStep`` is read within the call that built it)."""
         as_timeout(timeout)  # a bad timeout raises even where nothing syncs
         dropped = None
         if sync and should_sync(group):
@@ -958,7 +1102,7 @@ class Tracker(LogMethods):
         else:
             self._fold()
             reduced = self._local_reduce()
-        out = reduced.results(empty=self.empty)
+        out = read(reduced)
         if reset:
             self.reset()
         if dropped is not None:
@@ -976,9 +1120,9 @@ class Tracker(LogMethods):
         except ValueError as error:  # ModifiedInputError; calls with by= dropped
             calls = getattr(error, "calls", {})
             for name, count in calls.items():
-                acc = self._accumulators.get(name)
-                if acc is not None:
-                    acc.count(REJECTED_SLOT, float(count))
+                records = self._metric_records.get(name)
+                if records is not None:
+                    records.count(REJECTED_SLOT, float(count))
             return error
         return None
 
@@ -1009,4 +1153,4 @@ class Tracker(LogMethods):
         self._merge_checked(state, kinds)
 
 
-__all__ = ["NUM_COUNTS", "LogMethods", "PrefixedTracker", "Tracker"]
+__all__ = ["Labels", "LogTarget", "Loggable", "PrefixedTracker", "Tracker"]

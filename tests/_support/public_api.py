@@ -2,9 +2,8 @@
 
 The public surface is: every module of the package that declares ``__all__`` and has no
 private part in its dotted name (``rlmetrics._engine`` and ``_window_keys`` are left
-out), each with the names of its ``__all__``; ``rlmetrics.testing``'s top-level names
-(it declares no ``__all__``); the entry points of ``pyproject.toml``; and the command
-line's subcommands with their options. A function is written with its
+out), each with the names of its ``__all__``; the entry points of ``pyproject.toml``;
+and the command line's subcommands with their options. A function is written with its
 ``inspect.signature``; a class with its bases, its constructor's signature and every
 public method, property and attribute that rlmetrics defines on it or on a base (methods
 a class takes from torch, TRL or the standard library are theirs, not ours); a constant
@@ -37,9 +36,6 @@ SRC = ROOT / "src" / "rlmetrics"
 SNAPSHOT = ROOT / "tests" / "unit" / "public_api.txt"
 UPDATE_ENV = "RLMETRICS_UPDATE_API"
 
-MODULES_WITHOUT_ALL = ("rlmetrics.testing",)
-"""Public modules that declare no ``__all__``: their public top-level names count."""
-
 FRAMEWORK_MODULES = {
     "rlmetrics.integrations.verl": "verl",
     "rlmetrics.integrations.verl.dataproto": "verl",
@@ -64,9 +60,8 @@ _LITERALS = (str, int, float, bool, type(None))
 
 def public_modules() -> list[str]:
     """Every module under src/rlmetrics that declares ``__all__`` and has no private part
-    in its name, found by reading the source (nothing is imported), plus
-    ``MODULES_WITHOUT_ALL``."""
-    names = set(MODULES_WITHOUT_ALL)
+    in its name, found by reading the source (nothing is imported)."""
+    names: set[str] = set()
     for path in sorted(SRC.rglob("*.py")):
         parts = ("rlmetrics", *path.relative_to(SRC).with_suffix("").parts)
         if parts[-1] == "__init__":
@@ -85,21 +80,6 @@ def _declares_all(path: Path) -> bool:
         and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
         for node in tree.body
     )
-
-
-def _top_level_names(module: Any) -> list[str]:
-    """The public names a module without ``__all__`` defines itself (functions, classes,
-    assignments at its top level), read from its source."""
-    tree = ast.parse(inspect.getsource(module))
-    names: list[str] = []
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names.append(node.name)
-        elif isinstance(node, ast.Assign):
-            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.append(node.target.id)
-    return sorted(name for name in set(names) if not name.startswith("_"))
 
 
 def _clean(text: str) -> str:
@@ -186,11 +166,8 @@ def describe(name: str, obj: Any) -> list[str]:
 def module_section(module_name: str) -> list[str]:
     """One module's lines: each public name, sorted, with its signature."""
     module = importlib.import_module(module_name)
-    names = getattr(module, "__all__", None)
-    if names is None or module_name in MODULES_WITHOUT_ALL:
-        names = _top_level_names(module)
     lines: list[str] = []
-    for name in sorted(names):
+    for name in sorted(module.__all__):
         lines += describe(name, getattr(module, name))
     return lines
 

@@ -72,9 +72,9 @@ def test_the_sync_guard_sees_every_way_into_a_log_call_and_puts_them_back(
     """A call of the tracker, of a prefixed view, with by=, by kind name and a timer's:
     each counted once; afterwards the classes are what they were."""
     from rlmetrics import Tracker
-    from rlmetrics.tracker import LogMethods, PrefixedTracker
+    from rlmetrics.tracker import LogTarget, PrefixedTracker
 
-    before = (dict(vars(LogMethods)), dict(vars(Tracker)), dict(vars(PrefixedTracker)))
+    before = (dict(vars(LogTarget)), dict(vars(Tracker)), dict(vars(PrefixedTracker)))
     with gpu_check.SyncGuard(torch.device("cpu")) as guard:
         t = Tracker()
         t.mean("a", torch.ones(3), weight=torch.tensor([True, False, True]))
@@ -85,7 +85,7 @@ def test_the_sync_guard_sees_every_way_into_a_log_call_and_puts_them_back(
             pass
     assert guard.calls == 5 and guard.device_calls == 0 and not guard.armed
     assert {"a", "p/b", "c/0", "c/1", "q/d", "e"} <= set(t.compute())
-    assert (dict(vars(LogMethods)), dict(vars(Tracker)), dict(vars(PrefixedTracker))) == before
+    assert (dict(vars(LogTarget)), dict(vars(Tracker)), dict(vars(PrefixedTracker))) == before
 
 
 def test_a_failing_part_is_recorded_and_the_exit_code_says_so(

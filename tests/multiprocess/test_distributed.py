@@ -533,7 +533,7 @@ def changing_steps(rank: int, world: int) -> list[dict]:
 
 def test_steps_that_reuse_reorder_and_change_their_metrics(two_ranks: Session) -> None:
     """Each step equals one process logging every rank's calls: a step whose
-    accumulators are the last step's (the cached plan) and every kind of change."""
+    metric records are the last step's (the cached plan) and every kind of change."""
     per_rank = ok_results(two_ranks["changing_steps"])
     assert per_rank[0] == per_rank[1]
     for got, step in zip(per_rank[0], STEPS, strict=True):

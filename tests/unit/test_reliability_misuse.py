@@ -108,8 +108,8 @@ def test_an_unpickled_tracker_logs_into_this_process_kinds() -> None:
     tracker.mean("m", 1.0)
     tracker.dist("d", [1.0, 2.0])
     copy = pickle.loads(pickle.dumps(tracker))
-    assert copy._accumulators["m"].kind is get_kind("mean")
-    assert copy._accumulators["d"].kind is copy.kind("dist")
+    assert copy._metric_records["m"].kind is get_kind("mean")
+    assert copy._metric_records["d"].kind is copy.kind("dist")
     assert copy._lock is not tracker._lock
     copy.mean("m", 3.0)
     assert copy.compute()["m"] == 2.0

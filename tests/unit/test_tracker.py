@@ -21,7 +21,7 @@ from rlmetrics import (
 )
 from rlmetrics.kinds import last
 from rlmetrics.kinds.dist import DEFAULT_QUANTILES, quantile_suffix
-from rlmetrics.tracker import LogMethods, PrefixedTracker
+from rlmetrics.tracker import LogTarget, PrefixedTracker
 
 from helpers import SyncTrap, log_every_kind, no_host_copies, reference, trap
 
@@ -526,10 +526,10 @@ def test_cpu_and_array_data_reduce_on_the_host_device_tensors_do_not() -> None:
     t.mean("array", np.ones(3))
     t.reduce_host_data_with_numpy = False
     t.mean("tensor_path", torch.ones(3))
-    devices = {name: acc.record_device for name, acc in t._accumulators.items()}
+    devices = {name: records.record_device for name, records in t._metric_records.items()}
     assert devices == {"cpu": None, "array": None, "tensor_path": torch.device("cpu")}
     t.device()  # folds the records into the states
-    table, rows = t._table, {name: acc.row for name, acc in t._accumulators.items()}
+    table, rows = t._table, {name: records.row for name, records in t._metric_records.items()}
     host = {name: table.sums[table.sum_at[row]] for name, row in rows.items()}
     device = {name: float(table.device_part.sums[table.sum_at[row]]) for name, row in rows.items()}
     assert host == {"cpu": 3.0, "array": 3.0, "tensor_path": 0.0}
@@ -585,7 +585,7 @@ def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
     """Every log call goes through ``_log``: a subclass that overrides it (as
     ``rlmetrics.cli.audit.RecordingTracker`` does) sees every call, made on the tracker or
     a prefixed view, by kind method or kind name, with or without a mask; each kind's
-    method is written once, in ``LogMethods``."""
+    method is written once, in ``LogTarget``."""
 
     class Seeing(Tracker):
         def __init__(self) -> None:
@@ -611,7 +611,7 @@ def test_a_subclass_that_overrides_log_sees_every_log_call() -> None:
     assert t.seen == [*expected, ("e", "std"), ("p/f", "last")]
     assert t.compute() == {"a": 1.0, "b": 1.0, "e": 0.5, "p/c": 2.0, "p/f": 4.0, "p/q/d": 3.0}
     kinds = ("mean", "sum", "max", "min", "std", "last", "dist", "quantile", "log")
-    assert all(getattr(cls, kind) is getattr(LogMethods, kind)
+    assert all(getattr(cls, kind) is getattr(LogTarget, kind)
                for cls in (Tracker, Seeing, PrefixedTracker) for kind in kinds)  # fmt: skip
 
 
@@ -835,25 +835,25 @@ def test_vectorised_results_equal_per_metric_results(empty: str, seed: int) -> N
         assert fast[key] == value or (math.isnan(fast[key]) and math.isnan(value)), key
 
 
-def test_a_reused_accumulator_starts_empty() -> None:
-    """A name's accumulator is kept across steps and cleared on reuse: nothing of the
+def test_reused_metric_records_start_empty() -> None:
+    """A name's MetricRecords are kept across steps and cleared on reuse: nothing of the
     last step (values, counts, device parts, extras, kind) leaks into the next."""
 
     def second_step(t: Tracker) -> None:
         t.mean("x", 4.0)
         t.dist("d", [7.0])
-        t.max("k", -1.0)  # "k" was a mean: another kind, another accumulator
+        t.max("k", -1.0)  # "k" was a mean: another kind, other records
 
     t = Tracker(nonfinite="skip")
     t.reduce_host_data_with_numpy = False
     t.mean("x", torch.tensor([1.0, math.nan]))  # device part and a non-finite count
     t.dist("d", [1.0, 2.0, 3.0])
     t.mean("k", 5.0)
-    kept = t._accumulators["x"]
+    kept = t._metric_records["x"]
     first = t.compute()
     assert first["x"] == 1.0 and first["x/nonfinite_count"] == 1.0 and first["d/max"] == 3.0
     second_step(t)
-    assert t._accumulators["x"] is kept
+    assert t._metric_records["x"] is kept
     fresh = Tracker(nonfinite="skip")
     fresh.reduce_host_data_with_numpy = False
     second_step(fresh)

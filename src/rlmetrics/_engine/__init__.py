@@ -1,8 +1,9 @@
 """The engine: private, organised by the stages a logged value passes through.
 
     record   record.py (inputs.py)       a log call's checks; the step's records
-    fold     fold.py                     records -> one batch per device -> each kind's
-                                         reduce -> one state row per metric
+    fold     fold.py (assemble.py)       records -> one batch per device -> each kind's
+                                         reduce -> one state row per metric; assemble
+                                         joins the records into flat arrays
     table    table.py                    the rows: host (numpy) and device halves
     pack     packing.py (layout.py)      the table into one SUM and one MAX buffer; the
                                          reduced buffers back into results

@@ -58,9 +58,11 @@ def as_number(name: str, value: object, what: str = "value") -> float | None:
 
 
 def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
-    """``value`` (numpy array, list, tuple) as a new contiguous numpy array (a copy: a
-    record must not change when the caller's array does): float64, or bool for a bool
-    array (a mask copies in an eighth of the bytes; the fold reads it as 0 and 1)."""
+    """``value`` (numpy array, list, tuple) as a new contiguous numpy array.
+
+    It is a copy: a record must not change when the caller's array does. It is float64,
+    or bool for a bool array: a mask copies in an eighth of the bytes, and the fold reads
+    it as 0 and 1."""
     if not isinstance(value, _ARRAY_TYPES):
         raise TypeError(
             f"metric {name!r}: {what} must be a number, numpy array or tensor, "
@@ -85,14 +87,15 @@ def numeric_array(name: str, value: object, what: str = "value") -> np.ndarray:
 
 
 def host_copy(tensor: Tensor) -> Tensor | np.ndarray:
-    """A CPU tensor's values now, for a tensor that passed ``check_tensor``'s checks:
-    torch counts no write made through memory the tensor shares with numpy
-    (``torch.from_numpy``, ``tensor.numpy()``) or through ``tensor.data`` in its version
-    counter, so only a copy keeps the values it had when logged. A 0-d tensor becomes a
-    0-d float64 array (``tolist`` reads it without a torch operation); any other a
-    plain tensor of its own (``clone``, one torch operation; ``Tensor.numpy()`` would
-    mark the caller's storage as not resizable), detached, and never an inference
-    tensor, so that its version counter can be read like any record's."""
+    """A CPU tensor's values now, for a tensor that passed ``check_tensor``'s checks.
+
+    Its version counter counts no write made through memory it shares with numpy
+    (``torch.from_numpy``, ``tensor.numpy()``), nor through ``tensor.data``. So only a
+    copy keeps the values it had when logged. A 0-d tensor becomes a 0-d float64 array:
+    ``tolist`` reads it without a torch operation. Any other becomes a plain tensor of
+    its own (``clone``, one torch operation), detached and never an inference tensor, so
+    that its version counter can be read like any record's. ``Tensor.numpy()`` would
+    mark the caller's storage as not resizable."""
     if not tensor.dim():
         return np.array(tensor.tolist(), dtype=np.float64)
     return plain_clone(tensor)
@@ -143,9 +146,11 @@ def unmask(name: str, value: Any, weight: Any) -> tuple[Any, Any]:
 
 
 def check_tensor(name: str, tensor: Tensor, what: str = "value") -> Tensor:
-    """A tensor must be real, dense (strided), not nested, hold data (not meta) and not
-    be a subclass with a dispatch of its own (``own_dispatch``); returned detached when
-    it requires grad (a view: the record must not keep the autograd graph alive)."""
+    """``tensor`` checked: real, dense (strided), not nested, with data (not meta), and not
+    a subclass with a dispatch of its own (``own_dispatch``).
+
+    It is returned detached when it requires grad: a view, so that the record does not
+    keep the autograd graph alive."""
     if (
         tensor.dtype in REAL_DTYPES
         and tensor.layout is STRIDED
@@ -170,10 +175,11 @@ _PLAIN_DISPATCH = Tensor.__torch_dispatch__
 
 
 def tracked(tensor: Tensor) -> Tensor:
-    """``tensor``, or a copy of it (an ordinary tensor) when it is an inference tensor:
-    torch keeps no version counter for those (reading it raises) and lets them change in
-    place under ``torch.inference_mode()`` unnoticed, so, as with a numpy array, only a
-    copy keeps the values they had when logged."""
+    """``tensor``, or a copy of it (an ordinary tensor) when it is an inference tensor.
+
+    Torch keeps no version counter for an inference tensor: reading it raises. Under
+    ``torch.inference_mode()`` it may change in place unnoticed. So, as with a numpy
+    array, only a copy keeps the values it had when logged."""
     if not tensor.is_inference():
         return tensor
     with torch.inference_mode(False), torch.no_grad():

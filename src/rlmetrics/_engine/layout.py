@@ -1,8 +1,8 @@
 """Where each metric of an agreed schema lives in the packed buffers.
 
-A ``BufferLayout`` fixes, for a set of (name, kind) pairs, each metric's additive slots and
-framework counts in the SUM buffer, its max slots in the MAX buffer and (for kinds with
-an extra payload) its piece of the gather buffer.
+A ``BufferLayout`` fixes where each metric of a set of (name, kind) pairs lives. Its
+additive slots and framework counts go in the SUM buffer, and its max slots in the MAX
+buffer. A kind with an extra payload also gets a piece of the gather buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 
-from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricRecords
+from rlmetrics._engine.record import MetricRecords
+from rlmetrics.kinds.base import NUM_COUNTS, Kind
 
 _get_kind = attrgetter("kind")
 
@@ -34,9 +35,11 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class KindGroup:
-    """The metrics of one kind object, side by side in both buffers: their states are
-    a ``sum_shape`` block of the SUM part and a ``max_shape`` block of the MAX part (per
-    metric the kind's max slots, and an extra kind's extra size), read as views."""
+    """The metrics of one kind object, side by side in both buffers.
+
+    Their states are a ``sum_shape`` block of the SUM part and a ``max_shape`` block of
+    the MAX part, read as views. Per metric, the MAX block holds the kind's max slots and
+    an extra kind's extra size."""
 
     kind: Kind
     names: list[str]
@@ -49,16 +52,16 @@ class KindGroup:
 class BufferLayout:
     """The packed positions of a schema.
 
-    Metrics are ordered by name (``names``, ``slots``: results are reported in that
-    order). In the buffers they are grouped by kind object (``groups``), so that each
-    kind reads its metrics' states as one block: the SUM part is [every group's kind
-    sums | two framework counts per metric, in name order]; the MAX part holds the
-    groups' max slots (and each extra kind's extra size).
+    Metrics are ordered by name (``names``, ``slots``); results are reported in that
+    order. In the buffers they are grouped by kind object (``groups``), so that each kind
+    reads its metrics' states as one block. The SUM part is [every group's kind sums |
+    two framework counts per metric, in name order]. The MAX part holds the groups' max
+    slots and each extra kind's extra size.
 
     Ranks with equal ``signature``s (names, kinds and their ``settings()``) have equal
-    positions and report alike: a layout agreed over a group
-    (``distributed.agree_schema``) holds one kind object per kind name, so its grouping
-    follows the kind names, which the signature holds.
+    positions and report alike. A layout agreed over a group
+    (``rlmetrics._engine.sync.agree_schema``) holds one kind object per kind name. So its
+    grouping follows the kind names, which the signature holds.
     """
 
     def __init__(self, schema: Sequence[tuple[str, Kind]]) -> None:
@@ -101,12 +104,12 @@ class BufferLayout:
             (place.name, place.kind.name, settings[id(place.kind)]) for place in self.placements
         )
 
-    def fits(self, accumulators: Mapping[str, MetricRecords]) -> bool:
-        """Whether every name of ``accumulators`` is here, with the same kind object."""
-        if not accumulators.keys() <= self.index.keys():
+    def fits(self, metric_records: Mapping[str, MetricRecords]) -> bool:
+        """Whether every name of ``metric_records`` is here, with the same kind object."""
+        if not metric_records.keys() <= self.index.keys():
             return False
-        kinds = map(self.kinds.__getitem__, map(self.index.__getitem__, accumulators))
-        return all(map(is_, map(_get_kind, accumulators.values()), kinds))
+        kinds = map(self.kinds.__getitem__, map(self.index.__getitem__, metric_records))
+        return all(map(is_, map(_get_kind, metric_records.values()), kinds))
 
     @cached_property
     def digest(self) -> float:

@@ -23,9 +23,10 @@ import torch
 from torch import Tensor
 
 from rlmetrics._engine.layout import BufferLayout
+from rlmetrics._engine.record import MetricRecords
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import RejectedInputError
-from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricRecords, MetricState
+from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.kinds.extra import ExtraKind
 
@@ -33,7 +34,7 @@ from rlmetrics.kinds.extra import ExtraKind
 @dataclass(eq=False)
 class Packing:
     """Where a table's slots go in one layout's buffer ``[SUM | pad | MAX | end]``, for
-    the metrics logged in a step (``make``'s ``accs``: per placement, its accumulator or
+    the metrics logged in a step (``make``'s ``metrics``: per placement, its MetricRecords or
     None). The SUM part is ``sum_part`` floats (padded to a group's size at sync); the
     end (the logged marks, padding and tail at sync, see ``rlmetrics._engine.sync``)
     follows the MAX slots.
@@ -41,7 +42,7 @@ class Packing:
     Built once per set of metrics (a tracker's ``StepPlan`` keeps it): packing a
     step is then one indexed assignment per array into ``host`` (made empty, with
     its end), plus one indexed add per array for a device half. Slots of rows outside
-    ``accs`` (names not logged this step, always empty) go to a scratch slot past the
+    ``metrics`` (names not logged this step, always empty) go to a scratch slot past the
     end. The host buffer (and ``tensor`` over it) is reused: each step packs into it,
     and what is read from it is read before the next step packs.
     """
@@ -52,7 +53,7 @@ class Packing:
     sum_map: np.ndarray  # per table SUM slot, its position
     count_map: np.ndarray  # per table count (rows x NUM_COUNTS, row-major)
     max_map: np.ndarray  # per table MAX slot
-    extra_rows: list[tuple[int, MetricRecords | None]]  # (size slot, accumulator)
+    extra_rows: list[tuple[int, MetricRecords | None]]  # (size slot, its MetricRecords)
     device_maps: dict[Any, tuple[Tensor, ...]] = field(default_factory=dict)
     sizes: Any = None  # the group's padded sizes it was made for (sync only)
     logged_all: bool = True  # this rank logged every name of the layout
@@ -64,7 +65,7 @@ class Packing:
     def make(
         cls,
         layout: BufferLayout,
-        accs: list[MetricRecords | None],
+        metrics: list[MetricRecords | None],
         table: StateTable,
         sum_part: int | None = None,
         end: Sequence[float] | np.ndarray = (),
@@ -79,13 +80,13 @@ class Packing:
         max_map = np.full(table.num_maxes, length, dtype=np.int64)
         count_map = np.full(table.num_rows * NUM_COUNTS, length, dtype=np.int64)
         extra_rows = []
-        for place, acc in zip(layout.placements, accs, strict=True):
+        for place, records in zip(layout.placements, metrics, strict=True):
             num_maxes, max_at = place.kind.num_maxes, sum_part + place.max_offset
             if place.kind.has_extra:
-                extra_rows.append((max_at + num_maxes, acc))
-            if acc is None:
+                extra_rows.append((max_at + num_maxes, records))
+            if records is None:
                 continue
-            row = acc.row
+            row = records.row
             start, num_sums = table.sum_at[row], place.kind.num_sums
             sum_map[start : start + num_sums] = np.arange(num_sums) + place.sum_offset
             start = table.max_at[row]
@@ -119,12 +120,12 @@ class Packing:
         rows = len(self.count_map) // NUM_COUNTS  # rows added since are not logged here
         host[self.count_map] = table.counts[:rows].reshape(-1)
         host[self.max_map] = table.maxes[: len(self.max_map)]
-        for position, acc in self.extra_rows:
-            if acc is not None:
+        for position, records in self.extra_rows:
+            if records is not None:
                 part = table.device_part
-                dev_extra = None if part is None else part.extras.get(acc.row)
-                host[position] = cast(ExtraKind, acc.kind).extra_size(
-                    table.extras[acc.row], dev_extra
+                dev_extra = None if part is None else part.extras.get(records.row)
+                host[position] = cast(ExtraKind, records.kind).extra_size(
+                    table.extras[records.row], dev_extra
                 )
         return host
 
@@ -148,11 +149,11 @@ def with_nan_counts(packed: Tensor, sum_part: int) -> Tensor:
 
 
 def in_order(
-    accumulators: Mapping[str, MetricRecords], layout: BufferLayout
+    metric_records: Mapping[str, MetricRecords], layout: BufferLayout
 ) -> list[MetricRecords | None]:
-    """The accumulators in layout order (their names must be in it), None where this
+    """The metric records in layout order (their names must be in it), None where this
     process logged nothing."""
-    return list(map(accumulators.get, layout.names))
+    return list(map(metric_records.get, layout.names))
 
 
 def restore_nans(counts: np.ndarray, maxes: np.ndarray) -> np.ndarray:
@@ -180,17 +181,17 @@ def pack_extras(
     objects: dict[str, object] = {}
     part = table.device_part
     layout = packing.layout
-    extra_accs = [acc for (_, acc) in packing.extra_rows]
-    for place, acc, size in zip(layout.extra_placements, extra_accs, sizes, strict=True):
+    extra_accs = [records for (_, records) in packing.extra_rows]
+    for place, records, size in zip(layout.extra_placements, extra_accs, sizes, strict=True):
         kind = cast(ExtraKind, place.kind)  # an extra placement's
         extra, dev_extra = kind.empty_extra(), None
-        if acc is not None:
-            extra = table.extras[acc.row]
-            dev_extra = None if part is None else part.extras.get(acc.row)
+        if records is not None:
+            extra = table.extras[records.row]
+            dev_extra = None if part is None else part.extras.get(records.row)
         vector = kind.extra_vector(extra, dev_extra, device, size)
         if vector is None:
             objects[place.name] = (
-                kind.empty_extra() if acc is None else table.whole_extra(acc.row, kind)
+                kind.empty_extra() if records is None else table.whole_extra(records.row, kind)
             )
         else:
             vectors.append(vector)

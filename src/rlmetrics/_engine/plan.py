@@ -11,12 +11,12 @@ and logs rewards, then steps that reuse its samples and do not). Each tracker ho
 ``StepPlan`` (a tracker's ``_plan``); pickling or copying a tracker gives the copy a new,
 empty one.
 
-The one invalidation rule: an entry is reused while the step's accumulators are the
+The one invalidation rule: an entry is reused while the step's metric records are the
 same objects, in the same order, as those it was made for (``same_metrics``), and the
 table's rows keep their numbering (``StateTable.version``); a new version drops every entry
-made from rows. Identity is enough because a tracker keeps each name's accumulator
+made from rows. Identity is enough because a tracker keeps each name's MetricRecords
 across steps while its kind stays and never files one object under two names
-(``Tracker._accumulator``), so the same objects mean the same names, kinds and rows.
+(``Tracker._add_metric``), so the same objects mean the same names, kinds and rows.
 
 A ``FoldPlan`` orders the metrics of one fold (the host's or one device's) kind by kind;
 each kind's metrics reduce as one slice of the batch. An ``ElementOrder`` puts the
@@ -41,12 +41,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlmetrics._engine.host_batch import BatchRows
 from rlmetrics._engine.layout import BufferLayout
 from rlmetrics._engine.packing import Packing, in_order
-from rlmetrics._engine.record import NumberRecords
+from rlmetrics._engine.record import MetricRecords, NumberRecords
 from rlmetrics._engine.table import StateTable
-from rlmetrics.kinds.base import MetricRecords
-from rlmetrics.kinds.batch import BatchRows, to_device
+from rlmetrics.kinds.batch import to_device
 
 RECENT_ENTRIES = 4
 """Entries each cache keeps, one per set of metrics, newest first."""
@@ -64,36 +64,36 @@ class GroupPacking(Protocol):
         """Drop what was made from the table's rows; keep what names metrics only."""
 
 
-def same_metrics(made_for: list[MetricRecords], accs: list[MetricRecords]) -> bool:
-    """Whether an entry made for the accumulators ``made_for`` serves ``accs``: the
+def same_metrics(made_for: list[MetricRecords], metrics: list[MetricRecords]) -> bool:
+    """Whether an entry made for the metric records ``made_for`` serves ``metrics``: the
     same objects in the same order (see the module's invalidation rule)."""
-    return len(made_for) == len(accs) and all(map(is_, made_for, accs))
+    return len(made_for) == len(metrics) and all(map(is_, made_for, metrics))
 
 
 Entry = TypeVar("Entry")
 
 
 class RecentEntries(Generic[Entry]):
-    """The entries made for the last ``RECENT_ENTRIES`` sets of accumulators, newest
-    first, each with the accumulators it was made for."""
+    """The entries made for the last ``RECENT_ENTRIES`` sets of metric records, newest
+    first, each with the metric records it was made for."""
 
     __slots__ = ("entries",)
 
     def __init__(self) -> None:
         self.entries: list[tuple[list[MetricRecords], Entry]] = []
 
-    def get(self, accs: list[MetricRecords]) -> Entry | None:
-        """The entry made for ``accs`` (``same_metrics``), or None."""
+    def get(self, metrics: list[MetricRecords]) -> Entry | None:
+        """The entry made for ``metrics`` (``same_metrics``), or None."""
         for made_for, entry in self.entries:
-            if same_metrics(made_for, accs):
+            if same_metrics(made_for, metrics):
                 return entry
         return None
 
-    def put(self, accs: list[MetricRecords], entry: Entry) -> None:
-        """Keep ``entry`` for ``accs`` first (in place of an older one for them); the
+    def put(self, metrics: list[MetricRecords], entry: Entry) -> None:
+        """Keep ``entry`` for ``metrics`` first (in place of an older one for them); the
         oldest beyond ``RECENT_ENTRIES`` drops."""
-        others = [kept for kept in self.entries if not same_metrics(kept[0], accs)]
-        self.entries = [(accs, entry), *others][:RECENT_ENTRIES]
+        others = [kept for kept in self.entries if not same_metrics(kept[0], metrics)]
+        self.entries = [(metrics, entry), *others][:RECENT_ENTRIES]
 
     def clear(self) -> None:
         self.entries = []
@@ -132,32 +132,34 @@ class StepPlan:
                 sync.forget_packing()
 
     def fold_plan(
-        self, table: StateTable, device: torch.device | None, accs: list[MetricRecords]
+        self, table: StateTable, device: torch.device | None, metrics: list[MetricRecords]
     ) -> FoldPlan:
-        """The plan of ``accs`` folding on ``device`` (None: the host); the recent ones
+        """The plan of ``metrics`` folding on ``device`` (None: the host); the recent ones
         per device are kept."""
         self.valid_for(table)
         recent = self._folds.get(device)
         if recent is None:
             recent = self._folds[device] = RecentEntries()
-        plan = recent.get(accs)
+        plan = recent.get(metrics)
         if plan is None:
-            plan = FoldPlan(accs, table)
-            recent.put(accs, plan)
+            plan = FoldPlan(metrics, table)
+            recent.put(metrics, plan)
         return plan
 
     def local_packing(
-        self, accumulators: Mapping[str, MetricRecords], table: StateTable
+        self, metric_records: Mapping[str, MetricRecords], table: StateTable
     ) -> Packing:
         """The packing of this process's step alone (``compute(sync=False)``,
-        ``state()``), its layout the accumulators' order."""
+        ``state()``), its layout the metrics' order."""
         self.valid_for(table)
-        accs = list(accumulators.values())
-        packing = self._local.get(accs)
+        metrics = list(metric_records.values())
+        packing = self._local.get(metrics)
         if packing is None:
-            layout = BufferLayout([(name, acc.kind) for name, acc in accumulators.items()])
-            packing = Packing.make(layout, in_order(accumulators, layout), table)
-            self._local.put(accs, packing)
+            layout = BufferLayout(
+                [(name, records.kind) for name, records in metric_records.items()]
+            )
+            packing = Packing.make(layout, in_order(metric_records, layout), table)
+            self._local.put(metrics, packing)
         return packing
 
     def index_on(self, positions: np.ndarray, device: torch.device) -> Tensor:
@@ -275,12 +277,12 @@ class FoldPlan:
     """The metrics of one fold grouped by kind (``members`` in that order), and where
     each table row's metric is in that order (``index``: -1 for a row not in it)."""
 
-    def __init__(self, accs: list[MetricRecords], table: StateTable) -> None:
+    def __init__(self, metrics: list[MetricRecords], table: StateTable) -> None:
         by_kind: dict[int, list[MetricRecords]] = {}
-        for acc in accs:
-            by_kind.setdefault(id(acc.kind), []).append(acc)
+        for records in metrics:
+            by_kind.setdefault(id(records.kind), []).append(records)
         self.groups = [Group(members) for members in by_kind.values()]
-        self.members = [acc for group in self.groups for acc in group.members]
+        self.members = [records for group in self.groups for records in group.members]
         self.bounds = list(accumulate((len(group.members) for group in self.groups), initial=0))
         self.rows = np.fromiter(map(_get_row, self.members), np.int64, len(self.members))
         self.index = np.full(table.num_rows, -1, dtype=np.int64)

@@ -1,26 +1,33 @@
 """One log call: the checks that need no data, then the value and weight recorded.
 
-A log call computes nothing: python numbers, host arrays and tensors are appended to
-the metric's records as they are, or as copies (below) (``MetricRecords.values`` and
-``weights``), to be reduced once per step by ``rlmetrics._engine.fold``. What needs no data is
-checked here and raises at once, naming the metric: types, shapes, dtypes, python
-numbers (a negative weight; a non-finite value under ``nonfinite="error"``). What
-needs data (negative or non-finite weights in an array, non-finite values under
-``nonfinite="error"``) is checked at the fold, which rejects and counts the call.
+A log call computes nothing. It appends python numbers, host arrays and tensors to the
+metric's ``MetricRecords`` as they are, or as copies (below). ``rlmetrics._engine.fold``
+reduces them once per step. What needs no data is checked here and raises at once,
+naming the metric: types, shapes, dtypes, and python numbers (a negative weight; a
+non-finite value under ``nonfinite="error"``). What needs data is checked at the fold,
+which rejects and counts the call: negative or non-finite weights in an array, and
+non-finite values under ``nonfinite="error"``.
 
-Records keep references, so nothing logged may change before the step ends: a numpy
-array or list is copied here (numpy has no way to notice a later write), as is a CPU
-tensor (``inputs.host_copy``, unless ``Tracker.copy_cpu_tensors`` is False: torch counts
-no write made through memory it shares with numpy, nor through ``tensor.data``) and an
-inference tensor (torch keeps it no version counter); a tensor recorded by reference (a
-device tensor) has its version counter recorded, so an in-place change before the fold
-raises there (docs/concepts.md lists the changes torch counts). A tensor that requires
-grad is detached (one view), so the record does not keep its autograd graph alive.
+Records keep references, so nothing logged may change before the step ends:
+
+* A numpy array or list is copied here: numpy cannot notice a later write.
+* A CPU tensor is copied too (``inputs.host_copy``), unless ``Tracker.copy_cpu_tensors``
+  is False. Torch counts no write made through memory it shares with numpy, nor
+  through ``tensor.data``.
+* An inference tensor is copied: torch keeps it no version counter.
+* A tensor recorded by reference (a device tensor) has its version counter recorded.
+  An in-place change before the fold raises there (docs/concepts.md lists the changes
+  torch counts).
+
+A tensor that requires grad is detached (one view), so the record does not keep its
+autograd graph alive. Both paths, ``record_tensor`` and ``record_prepared``, end in
+``_append``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -41,8 +48,7 @@ from rlmetrics._engine.inputs import (
     tracked,
     unmask,
 )
-from rlmetrics.kinds import MetricRecords
-from rlmetrics.kinds.base import NONFINITE_SLOT
+from rlmetrics.kinds.base import NONFINITE_SLOT, Kind
 from rlmetrics.kinds.mean import Mean
 
 BOOL = torch.bool
@@ -51,14 +57,15 @@ CPU = torch.device("cpu")
 
 
 class NumberRecords:
-    """A tracker's python-number log calls, flat and in call order: the value and
-    metric row of each, and the weight of each whose weight is not 1 (its position and
-    weight), in lists, so that a plain log call appends two numbers and the fold turns
+    """A tracker's python-number log calls, flat and in call order.
+
+    Lists hold the value and metric row of each call, and the position and weight of
+    each call whose weight is not 1. A plain log call appends two numbers. The fold turns
     each list into one array, however many metrics there were.
 
     A metric's numbers go here until its first array or tensor record of the step
-    (``MetricRecords.in_number_records``); later ones go to its own records, after that one, so each
-    metric's calls keep their order.
+    (``MetricRecords.in_number_records``). Later ones go to its own records, after that
+    one, so each metric's calls keep their order.
     """
 
     __slots__ = ("rows", "values", "weight_at", "weights")
@@ -88,8 +95,70 @@ class NumberRecords:
         return self.value_array(), weights
 
 
+@dataclass(slots=True, eq=False)
+class MetricRecords:
+    """One metric in a Tracker: its kind, its row of the state table and this step's records.
+
+    A log call appends its value and weight as logged: no arithmetic. Python numbers go
+    to the tracker's flat ``NumberRecords`` while ``in_number_records`` holds; anything
+    else goes to ``values`` and ``weights``. At step end, or when the records pass
+    their memory bound, ``rlmetrics._engine.fold`` reduces them into the metric's row
+    of the ``StateTable``. Host data folds into the host half of the table. A metric
+    with a tensor record folds on that tensor's device, with no host sync.
+    """
+
+    kind: Kind
+    table: Any  # the tracker's rlmetrics._engine.table.StateTable
+    row: int
+    name: str = ""
+    # Calls whose data checks run at the fold, where they may be rejected.
+    num_deferred_checks: int = 0
+    # Whether any other call (or a merge) was taken. A metric that only rejected calls
+    # made is dropped once they are reported: a python call that raises makes no metric.
+    accepted_a_call: bool = False
+    # The records since the last fold, in call order.
+    values: list[Any] = field(default_factory=list)
+    weights: list[Any] = field(default_factory=list)
+    record_device: torch.device | None = None  # where the fold runs: a tensor record's device
+    arrays: bool = False  # whether any record is not a python number
+    # Each tensor recorded by reference, then its version at its log call. Flat, so that
+    # a log call extends it once.
+    versions: list[Any] = field(default_factory=list)
+    # Whether python numbers go to the tracker's flat records: until the step's first
+    # array record, and only for a kind that takes single numbers (parts == 1).
+    in_number_records: bool = False
+    # The kind's name, and whether it limits a call's size (parts, keeps_latest). Every
+    # log call reads them, so they are copied from the kind (architecture.md, "Performance").
+    kind_name: str = field(default="", init=False)
+    checks_call_size: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.in_number_records = self.kind.parts == 1
+        self.kind_name = self.kind.name
+        self.checks_call_size = self.kind.parts != 1 or self.kind.keeps_latest
+
+    def clear(self) -> None:
+        """A new step: no records, no calls counted."""
+        self.clear_records()
+        self.num_deferred_checks = 0
+        self.accepted_a_call = False
+
+    def clear_records(self) -> None:
+        """Drop the records (folded, or a new step)."""
+        self.values.clear()
+        self.weights.clear()
+        self.versions.clear()
+        self.record_device = None
+        self.arrays = False
+        self.in_number_records = self.kind.parts == 1
+
+    def count(self, slot: int, amount: float = 1.0) -> None:
+        """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
+        self.table.count(self.row, slot, amount)
+
+
 def record_number(
-    acc: MetricRecords,
+    records: MetricRecords,
     name: str,
     value: float,
     weight: float,
@@ -101,31 +170,31 @@ def record_number(
     if weight != 1.0:
         check_weight_number(name, weight)
         if weight == 0.0:  # contributes nothing, NaN or not, under every policy
-            acc.accepted_a_call = True  # but the metric exists (see Tracker._forget_rejected)
+            records.accepted_a_call = True  # but the metric exists (see Tracker._forget_rejected)
             return
-    if acc.checks_call_size:
-        _check_size(acc, name, 1, ())
+    if records.checks_call_size:
+        _check_size(records, name, 1, ())
     if nonfinite != "propagate" and not math.isfinite(value):
         if nonfinite == "error":
             raise ValueError(f"metric {name!r}: non-finite value {value!r} (nonfinite='error')")
-        acc.count(NONFINITE_SLOT)
+        records.count(NONFINITE_SLOT)
         return
-    acc.accepted_a_call = True
-    if acc.in_number_records:
+    records.accepted_a_call = True
+    if records.in_number_records:
         if weight != 1.0:
             numbers.weight_at.append(len(numbers.values))
             numbers.weights.append(weight)
         numbers.values.append(value)
-        numbers.rows.append(acc.row)
+        numbers.rows.append(records.row)
     else:
-        acc.values.append(value)
-        acc.weights.append(weight)
+        records.values.append(value)
+        records.weights.append(weight)
 
 
-def _check_size(acc: MetricRecords, name: str, size: int, shape: tuple[int, ...]) -> None:
+def _check_size(records: MetricRecords, name: str, size: int, shape: tuple[int, ...]) -> None:
     """A call's size against its kind's rule (``MetricRecords.checks_call_size``): a multiple of its
     ``parts``, one element for a kind that ``keeps_latest``."""
-    kind = acc.kind
+    kind = records.kind
     if size % kind.parts:
         raise TypeError(
             f"metric {name!r} (kind {kind.name!r}) splits each call into {kind.parts} equal "
@@ -275,16 +344,17 @@ def _on_host(value: Any) -> bool:
 class CheckedWeight:
     """The last tensor weight a tracker's log calls checked, and what the checks found.
 
-    RL losses pass one response mask to many metrics of a micro-batch; a weight logged
+    RL losses pass one response mask to many metrics of a micro-batch. A weight logged
     again unchanged needs none of its checks again, only the comparison of its shape
-    with the value's. Unchanged is the same object at the same version with the same
-    dtype and shape: every in-place operation on a tensor, metadata ones such as
-    ``resize_`` and ``set_`` included, bumps its version, but ``weight.data = other``
-    gives it another dtype, shape and data without one (the dtype and shape are all the
-    checks read; its data is read at the fold). ``last`` holds (the weight as logged,
-    its version, dtype and shape, its size, its device when not the CPU, whether its
-    data is checked at the fold), or ``NOT_CHECKED``; it keeps the weight alive until
-    the tracker's next fold or reset.
+    with the value's. Unchanged is the same object at the same version, dtype and shape.
+    Every in-place operation bumps a tensor's version, metadata ones such as ``resize_``
+    and ``set_`` included. But ``weight.data = other`` gives it another dtype, shape and
+    data without one. The dtype and shape are all the checks read; the data is read at
+    the fold.
+
+    ``last`` holds the weight as logged, its version, dtype, shape and size, its device
+    (None on the CPU) and whether its data is checked at the fold; or ``NOT_CHECKED``.
+    It keeps the weight alive until the tracker's next fold or reset.
     """
 
     NOT_CHECKED = (None, -1, None, None, 0, None, False)
@@ -299,7 +369,7 @@ class CheckedWeight:
 
 
 def record_tensor(
-    acc: MetricRecords,
+    records: MetricRecords,
     name: str,
     value: Tensor,
     weight: Tensor | float | int | None,
@@ -308,84 +378,26 @@ def record_tensor(
     checked: CheckedWeight,
     nonfinite: str,
 ) -> int:
-    """Check and record a plain tensor value with no weight, a plain tensor weight or a
-    python float or int weight into ``acc`` (the metric called ``name``): every tensor
-    log call goes here, ``prepare``'s too (into a scratch record store). Returns the
-    elements recorded. ``host``: CPU tensors go down the host path; ``copy``: CPU tensors
-    are recorded as copies (``Tracker.copy_cpu_tensors``); ``checked``: the tracker's
-    last checked tensor weight.
+    """Check and record a plain tensor into ``records`` (the metric called ``name``).
 
-    The checks of ``inputs.check_tensor``, each tensor attribute read once and only when
-    needed: the shape, read for the size and the weight's check, also tells a strided
-    nested tensor (torch gives it none; a jagged one has a layout of its own), so
-    ``is_nested`` is read only then; a CPU tensor is not a meta one, so ``is_meta`` is
-    read only off the CPU; a plain tensor has no dispatch of its own; a tensor weight is
-    checked once while it is logged again unchanged (``CheckedWeight``; a CPU weight is
-    still copied at each call). Any refused tensor gets ``tensor_error``'s message. A
-    copied 0-d tensor is recorded as a python float (``tolist`` reads it without a torch
-    operation), with a python weight. Nothing is recorded when a check fails.
+    Every tensor log call comes here, ``prepare``'s too (into a scratch
+    ``MetricRecords``). The weight is None, a plain tensor or a python float or int.
+    Returns the elements recorded. Nothing is recorded when a check fails.
+
+    Args:
+        host: CPU tensors take the host path.
+        copy: CPU tensors are recorded as copies (``Tracker.copy_cpu_tensors``).
+        checked: the tracker's last checked tensor weight.
+        nonfinite: the tracker's policy; "error" checks the values at the fold.
     """
-    if value.dtype not in REAL_DTYPES or value.layout is not STRIDED:
-        raise tensor_error(name, value)
-    try:
-        shape = value.shape  # a strided nested tensor has none: this read checks that too
-    except RuntimeError:
-        if not value.is_nested:
-            raise
-        raise tensor_error(name, value) from None
-    cpu = value.is_cpu
+    shape, cpu = _tensor_shape(name, value, "value")
     on_host = host and cpu  # else the fold runs on the value's device
-    if not cpu and value.is_meta:
-        raise tensor_error(name, value)
+    device: torch.device | Tensor | None = None
     if type(weight) is Tensor:
-        try:
-            version = weight._version
-        except RuntimeError:  # an inference tensor: recorded as a copy, new each call,
-            # so its check is never reused
-            weight = tracked(weight)
-            version = weight._version
-        last = checked.last
-        if (
-            weight is last[0]
-            and version == last[1]
-            and weight.dtype is last[2]
-            and weight.shape == last[3]
-        ):
-            _, _, _, weight_shape, size, device, check_data = last
-        else:
-            dtype = weight.dtype
-            if dtype not in REAL_DTYPES or weight.layout is not STRIDED:
-                raise tensor_error(name, weight, "weight")
-            try:
-                weight_shape = weight.shape
-            except RuntimeError:
-                if not weight.is_nested:
-                    raise
-                raise tensor_error(name, weight, "weight") from None
-            device = None
-            if not weight.is_cpu:
-                if weight.is_meta:
-                    raise tensor_error(name, weight, "weight")
-                device = weight.device
-            check_data = dtype is not BOOL  # a mask's data needs no check
-            size = weight_shape.numel()
-            checked.last = (weight, version, dtype, weight_shape, size, device, check_data)
-        if check_data and weight.requires_grad:  # a view: the graph is not kept alive
-            weight = weight.detach()
-        if weight_shape != shape:
-            raise ValueError(
-                f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
-                f"value shape {tuple(shape)}"
-            )
+        weight, version, size, device, check_data = _check_weight(name, weight, shape, checked)
         if device is None:
             if copy:  # its values now (its checks may be kept: they read no data)
-                if shape:  # a clone (detached: the recorded weight is), which nothing
-                    # else holds: no version to check; never an inference tensor
-                    weight = plain_clone(weight) if INFERENCE_MODE() else weight.clone()
-                else:
-                    # a 0-d tensor's tolist() is its number (torch types it as a list)
-                    weight = float(weight.tolist())  # type: ignore[arg-type]
-                version = None
+                weight, version = _weight_copy(weight, shape), None
         elif on_host:  # a CPU value with a device weight: the fold runs there
             on_host = False
         else:
@@ -394,49 +406,153 @@ def record_tensor(
         version = None
         if weight is not None:  # a python float or int
             weight = _weight_number(name, weight)
-        check_data, device = False, None
+        check_data = False
         size = shape.numel()
     if not on_host and device is None:
         device = value
-    if cpu and copy and not shape and type(weight) is not Tensor:  # a 0-d tensor's value
-        value, value_version = float(value.tolist()), None  # type: ignore[arg-type]
-        if weight is None:
-            weight = 1.0
-    elif cpu and copy and not shape:  # a 0-d one with a device weight: an array
-        value, value_version = host_copy(value), None
+    value, value_version, weight = _capture_value(value, weight, shape, cpu and copy)
+    # each tensor recorded by reference, then its version (one extend a call)
+    if version is None:
+        versions: tuple[Any, ...] = () if value_version is None else (value, value_version)
+    elif value_version is None:
+        versions = (weight, version)
     else:
-        if value.requires_grad:
-            value = value.detach()  # a view: the record must not keep the graph alive
-        if cpu and copy:  # its values now: a clone, which nothing else holds: no
-            # version to check; never an inference tensor (as host_copy)
-            value = plain_clone(value) if INFERENCE_MODE() else value.clone()
-            value_version = None
-        else:
-            try:
-                value_version = value._version
-            except RuntimeError:  # an inference tensor: recorded as a copy
-                value = tracked(value)
-                value_version = None
-    if acc.checks_call_size:
-        _check_size(acc, name, size, shape)
-    if check_data or nonfinite == "error":
-        acc.num_deferred_checks += 1  # may be rejected: compute() tells
-    else:
-        acc.accepted_a_call = True
-    if version is not None:  # flat: each tensor, then its version (one extend a call)
-        if value_version is not None:
-            acc.versions += (weight, version, value, value_version)
-        else:
-            acc.versions += (weight, version)
-    elif value_version is not None:
-        acc.versions += (value, value_version)
-    if device is not None and acc.record_device is None:
-        acc.record_device = device.device if isinstance(device, Tensor) else device
-    acc.arrays = True
-    acc.in_number_records = False  # the metric's later numbers follow this record
-    acc.values.append(value)
-    acc.weights.append(weight)
+        versions = (weight, version, value, value_version)
+    deferred = check_data or nonfinite == "error"
+    _append(records, name, value, weight, size, shape, deferred, versions, device)
     return size
+
+
+def _tensor_shape(name: str, tensor: Tensor, what: str) -> tuple[torch.Size, bool]:
+    """A tensor's shape, and whether it is on the CPU, after ``inputs.check_tensor``'s checks.
+
+    Each attribute is read once and only when needed. A strided nested tensor has no
+    shape: reading it tells one (a jagged one has a layout of its own). A CPU tensor is
+    not a meta one. A plain tensor has no dispatch of its own. A refused tensor gets
+    ``tensor_error``'s message.
+    """
+    if tensor.dtype not in REAL_DTYPES or tensor.layout is not STRIDED:
+        raise tensor_error(name, tensor, what)
+    try:
+        shape = tensor.shape
+    except RuntimeError:
+        if not tensor.is_nested:
+            raise
+        raise tensor_error(name, tensor, what) from None
+    cpu = tensor.is_cpu
+    if not cpu and tensor.is_meta:
+        raise tensor_error(name, tensor, what)
+    return shape, cpu
+
+
+def _check_weight(
+    name: str, weight: Tensor, shape: torch.Size, checked: CheckedWeight
+) -> tuple[Tensor, int, int, torch.device | None, bool]:
+    """A tensor weight's checks, kept while it is logged again unchanged (``checked``).
+
+    Returns the weight to record (detached where its data is checked), its version, its
+    size, its device (None on the CPU) and whether its data is checked at the fold (a
+    bool mask's is not). An inference tensor is recorded as a copy, new each call, so
+    its checks are never reused.
+    """
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor
+        weight = tracked(weight)
+        version = weight._version
+    last = checked.last
+    if (
+        weight is last[0]
+        and version == last[1]
+        and weight.dtype is last[2]
+        and weight.shape == last[3]
+    ):
+        _, _, _, weight_shape, size, device, check_data = last
+    else:
+        weight_shape, cpu = _tensor_shape(name, weight, "weight")
+        device = None if cpu else weight.device
+        dtype = weight.dtype
+        check_data = dtype is not BOOL  # a mask's data needs no check
+        size = weight_shape.numel()
+        checked.last = (weight, version, dtype, weight_shape, size, device, check_data)
+    if check_data and weight.requires_grad:  # a view: the graph is not kept alive
+        weight = weight.detach()
+    if weight_shape != shape:
+        raise ValueError(
+            f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
+            f"value shape {tuple(shape)}"
+        )
+    return weight, version, size, device, check_data
+
+
+def _weight_copy(weight: Tensor, shape: torch.Size) -> Tensor | float:
+    """A CPU tensor weight's values now: a clone, which nothing else holds (no version to
+    check; detached, as the recorded weight is; never an inference tensor), or for a
+    0-d one, its number."""
+    if shape:
+        return plain_clone(weight) if INFERENCE_MODE() else weight.clone()
+    return float(weight.tolist())  # type: ignore[arg-type]  # a 0-d tensor's is a number
+
+
+def _capture_value(
+    value: Tensor, weight: Any, shape: torch.Size, copy: bool
+) -> tuple[Any, int | None, Any]:
+    """A tensor value as recorded, its version (None for a copy) and its weight.
+
+    ``copy`` (a CPU tensor, ``Tracker.copy_cpu_tensors``): its values now. A copied 0-d
+    tensor becomes a python float (``tolist`` reads it without a torch operation) with
+    a python weight; with a tensor weight, a 0-d array. Any other copy is a clone,
+    which nothing else holds. A value recorded by reference is detached (a view: the
+    record must not keep the graph alive); an inference tensor is copied (torch keeps
+    it no version counter).
+    """
+    if copy and not shape:
+        if type(weight) is Tensor:  # a device weight: the value is an array
+            return host_copy(value), None, weight
+        number = float(value.tolist())  # type: ignore[arg-type]
+        return number, None, 1.0 if weight is None else weight
+    if value.requires_grad:
+        value = value.detach()
+    if copy:  # never an inference tensor (as host_copy)
+        return (plain_clone(value) if INFERENCE_MODE() else value.clone()), None, weight
+    try:
+        return value, value._version, weight
+    except RuntimeError:  # an inference tensor
+        return tracked(value), None, weight
+
+
+def _append(
+    records: MetricRecords,
+    name: str,
+    value: Any,
+    weight: Any,
+    size: int,
+    shape: tuple[int, ...],
+    deferred: bool,
+    versions: tuple[Any, ...],
+    device: torch.device | Tensor | None,
+) -> None:
+    """The end of every log call that records an array or a tensor.
+
+    Checks the call's size against its kind's rule, then appends the value and weight.
+    ``deferred``: the call's data is checked at the fold, which may reject it.
+    ``versions``: each tensor recorded by reference, then its version. ``device``: where
+    the fold runs (a tensor on it), or None for the host.
+    """
+    if records.checks_call_size:
+        _check_size(records, name, size, shape)
+    if deferred:
+        records.num_deferred_checks += 1  # may be rejected: compute() tells
+    else:
+        records.accepted_a_call = True
+    if versions:
+        records.versions += versions
+    if device is not None and records.record_device is None:
+        records.record_device = device.device if isinstance(device, Tensor) else device
+    records.arrays = True
+    records.in_number_records = False  # the metric's later numbers follow this record
+    records.values.append(value)
+    records.weights.append(weight)
 
 
 def _weight_number(name: str, weight: Tensor | float | int) -> float:
@@ -451,31 +567,19 @@ def _weight_number(name: str, weight: Tensor | float | int) -> float:
 
 
 def record_prepared(
-    acc: MetricRecords,
+    records: MetricRecords,
     name: str,
     prepared: Prepared,
     nonfinite: str,
     numbers: NumberRecords,
 ) -> int:
-    """Record a prepared call (a ``Prepared``) into ``acc`` (the metric called ``name``);
+    """Record a prepared call (a ``Prepared``) into ``records`` (the metric called ``name``);
     returns the elements recorded (0 for a python number, which ``numbers`` takes while
     the metric has no array record this step)."""
     number, weight_number, value, weight, size, shape, check_weights, device, versions = prepared
     if value is None:  # a python number and weight
-        record_number(acc, name, cast(float, number), weight_number, nonfinite, numbers)
+        record_number(records, name, cast(float, number), weight_number, nonfinite, numbers)
         return 0
-    if acc.checks_call_size:
-        _check_size(acc, name, size, shape)
-    if check_weights or nonfinite == "error":
-        acc.num_deferred_checks += 1  # may be rejected: compute() tells
-    else:
-        acc.accepted_a_call = True
-    if versions:
-        acc.versions.extend(versions)
-    if device is not None and acc.record_device is None:
-        acc.record_device = device.device if isinstance(device, Tensor) else device
-    acc.arrays = True
-    acc.in_number_records = False  # the metric's later numbers follow this record in its own
-    acc.values.append(value)
-    acc.weights.append(weight)
+    deferred = check_weights or nonfinite == "error"
+    _append(records, name, value, weight, size, shape, deferred, versions, device)
     return size

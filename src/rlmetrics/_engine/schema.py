@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlmetrics._engine.layout import BufferLayout
+from rlmetrics._engine.record import MetricRecords
 from rlmetrics.kinds import kind_names
-from rlmetrics.kinds.base import Kind, MetricRecords
+from rlmetrics.kinds.base import Kind
 from rlmetrics.kinds.rank_time import family_kind
 
 KindOf = Callable[[str], Kind]
@@ -53,13 +54,16 @@ def read_schema(rank: int, data: bytes) -> dict[str, Any]:
     return schema
 
 
-def schema_payload(accumulators: Mapping[str, MetricRecords], kind_of: KindOf) -> bytes:
+def schema_payload(metric_records: Mapping[str, MetricRecords], kind_of: KindOf) -> bytes:
     """What this rank sends to agree on a schema: JSON of its metrics' (name, kind name,
     ``Kind.settings()``) and the settings of every kind it would report with (its own
     ``dist`` and ``quantile``, and each registered kind), so that a rank which did not
     log a name still reports it alike."""
     kinds = {name: kind_of(name).settings() for name in kind_names()}
-    local = sorted((name, acc.kind.name, acc.kind.settings()) for name, acc in accumulators.items())
+    local = sorted(
+        (name, records.kind.name, records.kind.settings())
+        for name, records in metric_records.items()
+    )
     return json.dumps({"metrics": local, "kinds": kinds}).encode()
 
 

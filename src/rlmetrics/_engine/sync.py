@@ -72,10 +72,10 @@ from rlmetrics._engine.packing import (
     with_nan_counts,
 )
 from rlmetrics._engine.plan import RecentEntries, StepPlan
+from rlmetrics._engine.record import MetricRecords
 from rlmetrics._engine.schema import KindOf, agreed_layout, schema_payload
 from rlmetrics._engine.table import StateTable
 from rlmetrics.errors import SyncTimeoutError
-from rlmetrics.kinds.base import MetricRecords
 
 # Longer waits count as no timeout: gloo adds the wait to a nanosecond clock, which
 # overflows (the wait then fails at once) from about 9e9 s.
@@ -267,11 +267,11 @@ class GroupLayouts:
 
     def newest_fitting(
         self,
-        accumulators: Mapping[str, MetricRecords],
+        metric_records: Mapping[str, MetricRecords],
         known: BufferLayout | None = None,
         own: Mapping[float, BufferLayout] | None = None,
     ) -> BufferLayout | None:
-        """The layout a step of ``accumulators`` packs: the newest recent layout that
+        """The layout a step of ``metric_records`` packs: the newest recent layout that
         holds all its names (None: none does, the ranks must agree again).
 
         The choice depends only on the group's layouts (the same on every rank) and
@@ -280,9 +280,9 @@ class GroupLayouts:
         the step's tail tells, and every rank agrees again.
 
         Args:
-            accumulators: the step's metrics.
+            metric_records: the step's metrics.
             known: a layout already known to fit (a packing's for the same
-                accumulators), not checked again.
+                metric records), not checked again.
             own: by digest, the tracker's own copies of recent layouts: a layout is
                 checked (and packed) as the tracker's copy, whose kind objects are the
                 tracker's (two trackers' ``dist`` kinds are two objects, so another
@@ -291,7 +291,7 @@ class GroupLayouts:
         for layout in self.layouts:
             if own:
                 layout = own.get(layout.digest, layout)
-            if layout is known or layout.fits(accumulators):
+            if layout is known or layout.fits(metric_records):
                 return layout
         return None
 
@@ -323,7 +323,7 @@ class SyncedParts(NamedTuple):
     table of states, its plan (where the per-group ``GroupSync`` is kept) and its kinds
     by name."""
 
-    accumulators: Mapping[str, MetricRecords]
+    metric_records: Mapping[str, MetricRecords]
     table: StateTable
     plan: StepPlan
     kind_of: KindOf
@@ -338,7 +338,7 @@ def agree_schema(
     Raises:
         ValueError: on every rank, when ranks disagree (``schema.agreed_layout``).
     """
-    payload = schema_payload(parts.accumulators, parts.kind_of)
+    payload = schema_payload(parts.metric_records, parts.kind_of)
     return agreed_layout(parts.kind_of, gather_bytes(payload, group, device, timeout))
 
 
@@ -349,7 +349,7 @@ class GroupSync:
     the host buffer a CPU gather writes into, and the packings of the recent sets of
     metrics.
 
-    A packing is reused by ``StepPlan``'s rule (the same accumulators, rows not
+    A packing is reused by ``StepPlan``'s rule (the same metric records, rows not
     renumbered; the recent sets' kept) while its layout is still the one the step
     picks (``GroupLayouts.newest_fitting``) and the group's padded sizes are the same
     object.
@@ -365,32 +365,33 @@ class GroupSync:
     following: Packing | None = None  # an empty step's buffer, in no layout
     followed: Packing | None = None  # an empty step's packing of the layout it followed
 
-    def packing_for(self, accumulators: Mapping[str, Any], table: StateTable) -> Packing:
-        """How this rank packs this step: its accumulators in the newest recent layout
+    def packing_for(self, metric_records: Mapping[str, Any], table: StateTable) -> Packing:
+        """How this rank packs this step: its metric records in the newest recent layout
         that holds their names, the group's padded sizes, and at the MAX part's end per
         placement whether this rank logged it and the tail (that layout's digest). A
         step whose names no recent layout holds packs an empty buffer with "changed"
         set, so every rank agrees again. A step that logged nothing packs
         ``following``'s buffer, which fits any layout its peers pick."""
-        if not accumulators:
+        if not metric_records:
             return self._follower(table)
-        current = list(accumulators.values())
+        current = list(metric_records.values())
         packing, agreed = self.packings.get(current), self.agreed
         sizes = agreed.sizes
         if packing is not None and packing.sizes is not sizes:
             packing = None  # made for other padding: its layout may have dropped
         known = None if packing is None else packing.layout
-        layout = agreed.newest_fitting(accumulators, known, self.own)
+        layout = agreed.newest_fitting(metric_records, known, self.own)
         if packing is not None and packing.layout is layout:
             return packing
         tail = [1.0, 0.0, 0.0] if layout is None else [0.0, layout.digest, -layout.digest]
         fits, layout = layout is not None, layout or _NO_LAYOUT
-        accs = in_order(accumulators if fits else {}, layout)
+        metrics = in_order(metric_records if fits else {}, layout)
         end = np.zeros(sizes.maxes - layout.num_maxes)
-        end[: len(accs)] = [acc is not None for acc in accs]  # this rank logged the name
+        # per placement, whether this rank logged the name
+        end[: len(metrics)] = [records is not None for records in metrics]
         end[-TAIL:] = tail
-        packing = Packing.make(layout, accs, table, sizes.sums, end)
-        packing.sizes, packing.logged_all = sizes, fits and None not in accs
+        packing = Packing.make(layout, metrics, table, sizes.sums, end)
+        packing.sizes, packing.logged_all = sizes, fits and None not in metrics
         if fits:
             self.packings.put(current, packing)
         return packing
@@ -482,10 +483,10 @@ def sync_reduce(
     pg = resolve_group(group)
     wait = as_timeout(timeout)
     sync = _group_sync(parts, pg, wait)
-    accumulators, table = parts.accumulators, parts.table
+    metric_records, table = parts.metric_records, parts.table
     parts.plan.valid_for(table)
     for _ in range(2):
-        packing = sync.packing_for(accumulators, table)
+        packing = sync.packing_for(metric_records, table)
         sums, maxes = _reduce(packing, table, sync, pg, wait)
         changed, high, neg_low = maxes[-TAIL:].tolist()
         if high == -math.inf:  # every rank's step was empty

@@ -1,13 +1,14 @@
 """A tracker's folded state: one row per metric, every row in a few flat arrays.
 
-The fold (``rlmetrics._engine.fold``) reduces a step's records into rows here, a whole kind at
-a time (one indexed add per array, however many metrics), and packing copies the
-arrays into the collective's buffer with one indexed assignment each. Nothing here
-loops over metrics in python except for kinds with an extra payload.
+The fold (``rlmetrics._engine.fold``) reduces a step's records into rows here, a whole
+kind at a time: one indexed add per array, however many metrics. Packing copies the
+arrays into the collective's buffer with one indexed assignment each. Nothing here loops
+over metrics in python, except for kinds with an extra payload.
 
-A row's state lives in two halves that meet only when packed: the host half (numpy,
-what host data folds into) and the device half (tensors on the first device a tensor
-record folded on, without a host sync). Sums add across the halves, maxes take the max.
+A row's state lives in two halves that meet only when packed. The host half (numpy)
+holds what host data folds into. The device half holds tensors on the first device a
+tensor record folded on, without a host sync. Sums add across the halves; maxes take the
+max.
 """
 
 from __future__ import annotations
@@ -103,14 +104,14 @@ class StateTable:
         self.extras = {row: kind.empty_extra() for row, kind in self.extra_kinds.items()}
         self.device_part = None
 
-    def compacted(self, accs: list[Any]) -> StateTable:
-        """A new empty table with a row for each of ``accs`` only, which it renumbers
+    def compacted(self, metrics: list[Any]) -> StateTable:
+        """A new empty table with a row for each of ``metrics`` only, which it renumbers
         (names that came and went drop out)."""
         table = StateTable()
         table.version = self.version + 1
-        for acc in accs:
-            acc.row = table.add_row(acc.kind)
-            acc.table = table
+        for records in metrics:
+            records.row = table.add_row(records.kind)
+            records.table = table
         return table
 
     def clear_row(self, row: int, kind: Kind) -> None:

@@ -22,13 +22,13 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from rlmetrics.tracker import LogMethods, Tracker
+from rlmetrics.tracker import LogTarget, Tracker
 
 NO_ELEMENTS: list[float] = []
 """The value of a declaring call: no element, so nothing is recorded but the name."""
 
 
-def declare(log: LogMethods, metrics: Iterable[tuple[str, str]], labels: Sequence[str]) -> None:
+def declare(log: LogTarget, metrics: Iterable[tuple[str, str]], labels: Sequence[str]) -> None:
     """Log ``name/<label>`` for every (name, kind) of ``metrics`` and every label, with
     no element (one ``log_shared`` call)."""
     named = [(f"{name}/{label}", kind) for name, kind in metrics for label in labels]
@@ -36,7 +36,7 @@ def declare(log: LogMethods, metrics: Iterable[tuple[str, str]], labels: Sequenc
         log.log_shared(named, NO_ELEMENTS)
 
 
-class DeclaringLabels(LogMethods):
+class DeclaringLabels(LogTarget):
     """A view of a tracker whose calls with ``by=`` also declare every label of
     ``labels`` (``declare``): the names such a call makes are then the same on every
     rank, whichever labels its data holds. Other calls pass through unchanged.

@@ -62,7 +62,7 @@ from rlmetrics.integrations.trl_rollout import (
     zero_std_groups,
     zero_std_normalized_sum,
 )
-from rlmetrics.tracker import LogMethods, Tracker
+from rlmetrics.tracker import LogTarget, Tracker
 
 try:
     import trl
@@ -336,7 +336,7 @@ class ExactGRPOTrainer(GRPOTrainer):
             warnings.warn(split_dependence, stacklevel=2)
         self.extra_metrics = extra_metrics or ExtraMetrics()
         self.exact_trackers = {"train": Tracker(), "eval": Tracker()}
-        self._labelled_logs: dict[str, LogMethods] = dict(self.exact_trackers)
+        self._labelled_logs: dict[str, LogTarget] = dict(self.exact_trackers)
         column = self.extra_metrics.by_column
         if column is not None:
             datasets = (self.train_dataset, self.eval_dataset)
@@ -356,7 +356,7 @@ class ExactGRPOTrainer(GRPOTrainer):
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
-    def _labelled_log(self, mode: str) -> LogMethods:
+    def _labelled_log(self, mode: str) -> LogTarget:
         """Where the metrics logged per value of ``by_column`` go: the mode's tracker,
         through a view that names every value of the datasets' column at every call
         (``rlmetrics.integrations._labels``) when those values are known."""

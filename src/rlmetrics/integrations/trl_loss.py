@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlmetrics.tracker import LogMethods
+from rlmetrics.tracker import LogTarget
 
 # the loss types whose loss this module computes (and TRL 1.16 computes the same way)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -188,7 +188,7 @@ def _policy_term(
 
 
 def aggregate_loss(
-    per_token_loss: Tensor, mask: Tensor, config: LossConfig, scale: Normalizer, log: LogMethods
+    per_token_loss: Tensor, mask: Tensor, config: LossConfig, scale: Normalizer, log: LogTarget
 ) -> Tensor:
     """The micro-batch's loss for backward; logs its value as ``policy_loss`` with its
     meaning's weights."""
@@ -217,7 +217,7 @@ def aggregate_loss(
 
 
 def log_extra_loss_terms(
-    log: LogMethods, *, entropy_bonus: Tensor | None, aux_loss: Tensor | None
+    log: LogTarget, *, entropy_bonus: Tensor | None, aux_loss: Tensor | None
 ) -> None:
     """Log the terms TRL adds to one micro-batch's loss, one value per micro-batch (the
     weight each has in the objective): the entropy bonus, its coefficient applied
@@ -248,7 +248,7 @@ def finish_loss(results: dict[str, float], *, aux_loss_coef: float) -> dict[str,
 
 
 def log_policy_metrics(
-    log: LogMethods,
+    log: LogTarget,
     *,
     mask: Tensor,
     entropies: Tensor,
@@ -283,7 +283,7 @@ def log_policy_metrics(
 
 
 def _log_clip_ratios(
-    log: LogMethods,
+    log: LogTarget,
     mask: Tensor,
     ratio: Tensor,
     advantages: Tensor,
@@ -321,7 +321,7 @@ TOKEN_QUANTILE_STATS = ("p50", "p90", "p99", "max")
 
 
 def log_token_quantiles(
-    log: LogMethods,
+    log: LogTarget,
     *,
     mask: Tensor,
     entropies: Tensor,

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from rlmetrics.tracker import LogMethods
+from rlmetrics.tracker import LogTarget
 
 # a std metric's hidden companions: the mean of squares and the number of values
 SQUARES_SUFFIX = "/_mean_of_squares"
@@ -106,7 +106,7 @@ def _nan_sample_std(rows: Tensor) -> Tensor:
 
 
 def log_rewards(
-    log: LogMethods,
+    log: LogTarget,
     *,
     rewards_per_func: Tensor,
     reward_weights: Tensor,
@@ -128,7 +128,7 @@ def log_rewards(
 
 
 def _log_mean_and_std(
-    log: LogMethods,
+    log: LogTarget,
     prefix: str,
     values: Tensor,
     *,
@@ -146,7 +146,7 @@ def _log_mean_and_std(
 
 
 def log_completions(
-    log: LogMethods,
+    log: LogTarget,
     *,
     completion_ids: Sequence[Sequence[int]],
     tool_mask: Sequence[Sequence[int]] | None,

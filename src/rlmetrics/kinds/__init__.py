@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics.kinds.base import Kind, MetricRecords, MetricState
+from rlmetrics.kinds.base import Kind, MetricState
 from rlmetrics.kinds.batch import COLUMNS, Batch, DeviceBatch
 from rlmetrics.kinds.dist import Dist
 from rlmetrics.kinds.extra import ExtraKind
@@ -188,7 +188,6 @@ __all__ = [
     "Last",
     "Max",
     "Mean",
-    "MetricRecords",
     "MetricState",
     "Min",
     "QuantileSketch",

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
-import torch
 
 from rlmetrics.kinds.batch import Array, Batch
 
@@ -46,9 +45,10 @@ class MetricState:
         maxes: max-merged slots.
         extra: the kind's extra payload (host objects), or None.
         num_nonfinite: non-finite elements dropped under ``nonfinite="skip"``.
-        fingerprint: the kind's ``fingerprint()`` where the state was made (its slot
-            layout and configuration, e.g. a histogram's edges); "" when unknown (states
-            saved before it was recorded), which skips the check.
+        fingerprint: the kind's ``fingerprint()`` where the state was made: its slot
+            layout and configuration, e.g. a histogram's edges. "" for a state made by
+            hand (``MetricState(...)``, a state dict without the key), which skips the
+            check.
     """
 
     kind: str
@@ -102,22 +102,23 @@ def nan_max(a: float, b: float) -> float:
 class Kind:
     """Base class of aggregation kinds; subclass it to define your own.
 
-    A kind declares its state (``num_sums`` additive slots, ``num_maxes`` max slots)
-    and implements ``reduce`` (a step's records of all its metrics, to one state row per
-    metric, in one vectorised pass: see ``rlmetrics.kinds.batch``) and ``result``. The
-    merge follows from the declaration: sums add, maxes take the max. A kind whose new
-    value replaces the rank's state (``last``) sets ``keeps_latest``.
+    A kind declares its state: ``num_sums`` additive slots and ``num_maxes`` max slots.
+    It implements ``reduce`` and ``result``. ``reduce`` turns a step's records of all the
+    kind's metrics into one state row per metric, in one vectorised pass (see
+    ``rlmetrics.kinds.batch``). The merge follows from the declaration: sums add, maxes
+    take the max. A kind whose new value replaces the rank's state (``last``) sets
+    ``keeps_latest``.
 
-    A kind whose every slot is a sum or a max of a per-element column (``COLUMNS`` in
-    ``rlmetrics.kinds.batch``: mean's Σ value·weight and Σ weight) declares them
-    instead (``sum_columns``, ``max_columns``; the slot counts follow) and needs no
-    ``reduce``: the fold then reduces all such kinds together, one sum per column and
-    one max per column, however many kinds and metrics logged. A replacing kind's
-    declared slots are its columns at each metric's last selected element (``last``).
+    A kind whose every slot is a sum or a max of a per-element column may declare the
+    columns instead of writing ``reduce`` (``sum_columns``, ``max_columns``; the slot
+    counts follow). Mean's are Σ value·weight and Σ weight (``COLUMNS`` in
+    ``rlmetrics.kinds.batch``). The default ``reduce`` then takes one sum or one max per
+    column over all the kind's metrics, however many were logged. A replacing kind's
+    declared slots are its columns at each metric's last selected element.
 
     Extension: a kind with a payload that is neither additive nor a max (std's moments,
-    dist's values) subclasses ``rlmetrics.kinds.extra.ExtraKind`` instead; its payload
-    is gathered at sync.
+    dist's values) subclasses ``rlmetrics.kinds.extra.ExtraKind`` instead. Its payload is
+    gathered at sync.
     """
 
     name: str = ""
@@ -252,66 +253,3 @@ def result_of(kind: Kind, state: MetricState, name: str = "") -> dict[str, float
     if not present[0]:
         return None
     return {suffix: float(column[0]) for suffix, column in columns.items()}
-
-
-@dataclass(slots=True, eq=False)
-class MetricRecords:
-    """One metric in a Tracker: this step's records, and where its state is.
-
-    A log call appends its value and weight as logged (python floats, host arrays,
-    tensors), no arithmetic: python numbers to the tracker's flat ``NumberRecords``
-    while ``in_number_records`` holds, everything else to ``values`` and ``weights``.
-    ``rlmetrics._engine.fold`` reduces
-    the records into the metric's row of the tracker's ``StateTable`` at step end (or when
-    the tracker's records pass their memory bound): host data into the host half, a
-    metric with a tensor record on its device into the device half (no host sync).
-    """
-
-    kind: Kind
-    table: Any  # the tracker's rlmetrics._engine.table.StateTable
-    row: int
-    name: str = ""
-    # calls whose data checks run at step end (they may turn out rejected), and whether
-    # any other call (or merge) was taken: a metric all of whose calls were rejected is
-    # dropped when they are reported, as a python call that raises creates no metric
-    num_deferred_checks: int = 0
-    accepted_a_call: bool = False
-    # the records since the last fold, in call order (see rlmetrics._engine.record)
-    values: list[Any] = field(default_factory=list)
-    weights: list[Any] = field(default_factory=list)
-    record_device: torch.device | None = None  # a tensor record's device: the fold's
-    arrays: bool = False  # whether any record is not a python number
-    # the tensors recorded by reference, each followed by its version counter at its log
-    # call (flat, so that a log call extends it once)
-    versions: list[Any] = field(default_factory=list)
-    # python numbers go to the tracker's flat records (until an array record, and only
-    # for a kind that takes a single number)
-    in_number_records: bool = False
-    # the kind's name, and whether it limits a call's size (parts, keeps_latest): read by
-    # every log call, so copied from the kind (docs/architecture.md, "Performance")
-    kind_name: str = field(default="", init=False)
-    checks_call_size: bool = field(default=False, init=False)
-
-    def __post_init__(self) -> None:
-        self.in_number_records = self.kind.parts == 1
-        self.kind_name = self.kind.name
-        self.checks_call_size = self.kind.parts != 1 or self.kind.keeps_latest
-
-    def clear(self) -> None:
-        """A new step: no records, no calls counted."""
-        self.clear_records()
-        self.num_deferred_checks = 0
-        self.accepted_a_call = False
-
-    def clear_records(self) -> None:
-        """Drop the records (folded, or a new step)."""
-        self.values.clear()
-        self.weights.clear()
-        self.versions.clear()
-        self.record_device = None
-        self.arrays = False
-        self.in_number_records = self.kind.parts == 1
-
-    def count(self, slot: int, amount: float = 1.0) -> None:
-        """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
-        self.table.count(self.row, slot, amount)

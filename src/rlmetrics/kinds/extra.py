@@ -34,7 +34,7 @@ class ExtraKind(Kind):
         return None
 
     def merge_dev_extra(self, acc_extra: Any, batch: Any) -> Any:
-        """Fold a batch extra into an accumulator's batch extras (None when empty); the
+        """Fold a batch extra into a metric's batch extras (None when empty); the
         default keeps them in a list."""
         return [*(acc_extra or []), batch]
 

@@ -40,8 +40,9 @@ class PerRank(Kind):
 
     def __init__(self, world_size: int) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"{type(self).__name__}: world_size must be an int >= 1, got "
-                             f"{world_size!r}")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__}: world_size must be an int >= 1, got {world_size!r}"
+            )
         self.world_size = world_size
         self.name = f"{self.family}@{world_size}"
         self.parts = world_size + self.extra_parts

@@ -1,8 +1,9 @@
 """The Logger protocol and the failure policy every backend shares.
 
 A logger receives one ``dict[str, float]`` per step. Writing must never stop training:
-a backend that fails to write warns once per kind of failure (with the exception in the
-message) and carries on. Missing optional libraries are different: they raise
+a backend that fails to write warns once per kind of failure, with the exception in the
+message, and carries on. It counts the failures it does not report one by one, and says
+how many at ``close()``. Missing optional libraries are different: they raise
 ``ImportError`` at construction, naming the extra to install.
 """
 
@@ -67,11 +68,15 @@ def missing_extra(backend: str, module: str, extra: str, error: ImportError) -> 
 
 
 class FailureReporter:
-    """Warns once per (operation, exception type): the policy "never stop training"."""
+    """Warns once per (operation, exception type): the policy "never stop training".
+
+    The failures after the first of each kind are counted; ``report_dropped`` (each
+    backend's ``close()``) says how many there were.
+    """
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
-        self._seen: set[tuple[str, type[BaseException]]] = set()
+        self._failures: dict[tuple[str, type[BaseException]], int] = {}  # per kind
 
     @contextmanager
     def guard(self, operation: str) -> Iterator[None]:
@@ -82,17 +87,37 @@ class FailureReporter:
             self.report(operation, exc)
 
     def report(self, operation: str, exc: Exception) -> None:
-        """Warn about ``exc`` unless this kind of failure was already reported."""
+        """Warn about ``exc`` unless this kind of failure was already reported; count it."""
         key = (operation, type(exc))
-        if key in self._seen:
+        count = self._failures.get(key, 0)
+        self._failures[key] = count + 1
+        if count:
             return
-        self._seen.add(key)
         cause = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         warnings.warn(
             f"rlmetrics: the {self.backend} logger failed to {operation}: {cause}. "
-            "Training continues; further failures of this kind are not reported.",
+            "Training continues; further failures of this kind are counted, and their "
+            "number is reported when the logger closes.",
             LoggerWarning,
             stacklevel=4,
+        )
+
+    def report_dropped(self) -> None:
+        """Warn how many failures were not reported one by one, if any (once each)."""
+        dropped = [(key, count - 1) for key, count in self._failures.items() if count > 1]
+        if not dropped:
+            return
+        for key, _ in dropped:
+            self._failures[key] = 1
+        counts = ", ".join(
+            f"{count} more to {operation} ({error.__name__})"
+            for (operation, error), count in dropped
+        )
+        warnings.warn(
+            f"rlmetrics: the {self.backend} logger failed {counts} after the first failure "
+            "of each kind, which was reported.",
+            LoggerWarning,
+            stacklevel=3,
         )
 
 

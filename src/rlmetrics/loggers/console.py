@@ -112,4 +112,5 @@ class ConsoleLogger:
             return repr(value)
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Nothing to release; the failures not reported one by one are counted."""
+        self._failures.report_dropped()

@@ -188,7 +188,8 @@ class JsonlLogger:
         self._open(-1 if last is None else int(last))
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file; the failures not reported one by one are counted."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._failures.report_dropped()

@@ -309,8 +309,8 @@ class MlflowLogger:
         self.run_id = state["run_id"]
 
     def close(self) -> None:
-        """Mark the run finished."""
-        if self.run_id is None:
-            return
-        with self._failures.guard("finish"):
-            self.client.set_terminated(self.run_id)
+        """Mark the run finished; the failures not reported one by one are counted."""
+        if self.run_id is not None:
+            with self._failures.guard("finish"):
+                self.client.set_terminated(self.run_id)
+        self._failures.report_dropped()

@@ -39,8 +39,10 @@ class MultiLogger:
         self._each("log", lambda logger: logger.log(step, metrics))
 
     def close(self) -> None:
-        """Close every logger."""
+        """Close every logger; the failures not reported one by one are counted."""
         self._each("close", lambda logger: logger.close())
+        for failures in self._failures.values():
+            failures.report_dropped()
 
     def state_dict(self) -> dict[str, Any]:
         """The states of the loggers that have one, by name."""

@@ -49,9 +49,11 @@ class TensorBoardLogger:
                 self.writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event file."""
+        """Flush and close the event file; the failures not reported one by one are
+        counted."""
         with self._failures.guard("close"):
             self.writer.close()
+        self._failures.report_dropped()
 
     def __repr__(self) -> str:
         return f"TensorBoardLogger(log_dir={self.log_dir!r})"

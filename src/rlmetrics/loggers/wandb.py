@@ -74,9 +74,11 @@ class WandbLogger:
             )
 
     def close(self) -> None:
-        """Finish the run (writes the offline run's last records)."""
+        """Finish the run (writes the offline run's last records); the failures not
+        reported one by one are counted."""
         with self._failures.guard("finish"):
             self.run.finish()
+        self._failures.report_dropped()
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -99,9 +99,13 @@ def ppo_policy_loss(
     """
     check_agg(agg, norm_constant)
     losses, clipped, lower = ppo_token_losses(
-        log_probs, old_log_probs, advantages,
-        clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c,
-    )  # fmt: skip
+        log_probs,
+        old_log_probs,
+        advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_ratio_c=clip_ratio_c,
+    )
     if rollout_is_weights is not None:
         losses = losses * rollout_is_weights.detach()
     mask = bool_mask(mask)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from rlmetrics.rl.updates import MetricUpdate
 from rlmetrics.timing import rank_and_size, throughput_record
-from rlmetrics.tracker import LogMethods
+from rlmetrics.tracker import LogTarget
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Stage:
 
 @contextmanager
 def timer(
-    tracker: LogMethods,
+    tracker: LogTarget,
     stage: str,
     *,
     num_tokens: float | None = None,
@@ -57,8 +57,7 @@ def timer(
         with tracker.timer(name, **where):
             yield info
         return
-    rank, size = rank_and_size(name, where.get("rank"), where.get("world_size"),
-                               where.get("group"))  # fmt: skip
+    rank, size = rank_and_size(name, where.get("rank"), where.get("world_size"), where.get("group"))
     start = clock()
     try:
         yield info

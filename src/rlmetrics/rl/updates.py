@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlmetrics.tracker import LogMethods
+from rlmetrics.tracker import LogTarget
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class MetricUpdate:
     weight: Any = None
 
 
-def log_updates(tracker: LogMethods, updates: Iterable[MetricUpdate]) -> None:
+def log_updates(tracker: LogTarget, updates: Iterable[MetricUpdate]) -> None:
     """Apply ``updates`` to ``tracker`` (a Tracker or a prefixed view); no host sync.
 
     Consecutive updates of the same value and weight objects (``extremes``' mean, max
@@ -51,7 +51,7 @@ def log_updates(tracker: LogMethods, updates: Iterable[MetricUpdate]) -> None:
             _log_group(tracker, group)
 
 
-def _log_group(tracker: LogMethods, group: list[MetricUpdate]) -> None:
+def _log_group(tracker: LogTarget, group: list[MetricUpdate]) -> None:
     first = group[0]
     if len(group) == 1:
         tracker.log(first.name, first.value, first.weight, kind=first.kind)

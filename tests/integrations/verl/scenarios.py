@@ -41,6 +41,10 @@ SINGLE_STEP_ONLY = ("actor/grad_norm", "critic/grad_norm")
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 """fp32 compute everywhere, so splits differ only by float32 rounding."""
 
+STRATEGIES = ("fsdp2", "fsdp")
+"""verl's FSDP engines: FSDP2, and FSDP1 (``strategy: fsdp``, verl 0.9.1's default).
+Both are ``FSDPEngineWithLMHead`` (and its value-head subclass), wrapped differently."""
+
 ACTOR_METRICS = (
     "actor/pg_clipfrac",
     "actor/ppo_kl",
@@ -76,8 +80,9 @@ def make_models(path: str) -> None:
     Qwen2ForTokenClassification(config).save_pretrained(os.path.join(path, "critic"))
 
 
-def trainer_config(model_path: str, lr: float = 0.0) -> Any:
-    """verl's generated PPO trainer config, set up for a CPU run of ``model_path``."""
+def trainer_config(model_path: str, lr: float = 0.0, strategy: str = "fsdp2") -> Any:
+    """verl's generated PPO trainer config, set up for a CPU run of ``model_path`` with
+    the FSDP ``strategy`` (the actor's, which the reference policy follows)."""
     from importlib.resources import files
 
     from omegaconf import OmegaConf, open_dict
@@ -92,13 +97,15 @@ def trainer_config(model_path: str, lr: float = 0.0) -> Any:
         ref.model.override_config = {"attn_implementation": "eager"}
         ref.model.load_tokenizer = False
         actor = ref.actor
-        actor.strategy = "fsdp2"
-        actor.use_torch_compile = False
-        actor.fsdp_config.use_torch_compile = False
-        actor.fsdp_config.strategy = "fsdp2"
-        actor.fsdp_config.dtype = "float32"
-        actor.fsdp_config.model_dtype = "fp32"
-        actor.fsdp_config.mixed_precision = FP32
+        for part in (actor, ref.ref):  # the trained policy and the reference policy
+            part.strategy = strategy
+            part.use_torch_compile = False
+            part.fsdp_config.use_torch_compile = False
+            part.fsdp_config.strategy = strategy
+            part.fsdp_config.dtype = "float32"
+            part.fsdp_config.model_dtype = "fp32"
+            part.fsdp_config.mixed_precision = FP32
+        ref.ref.log_prob_micro_batch_size_per_gpu = BATCH
         actor.optim.lr = lr
         actor.ppo_micro_batch_size_per_gpu = BATCH
         ref.rollout.log_prob_micro_batch_size_per_gpu = BATCH
@@ -186,29 +193,29 @@ def driver_reduce(output: Any, prefix: str) -> dict[str, float]:
     return {k: float(v) for k, v in reduce_metrics(metrics).items()}
 
 
-def build_actor(model_path: str, lr: float = 0.0) -> Any:
+def build_actor(model_path: str, lr: float = 0.0, strategy: str = "fsdp2") -> Any:
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    config = trainer_config(model_path, lr)
+    config = trainer_config(model_path, lr, strategy)
     worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="actor")
     worker.init_model()
     return worker
 
 
-def set_critic(config: Any, model_path: str) -> None:
+def set_critic(config: Any, model_path: str, strategy: str = "fsdp2") -> None:
     """Point verl's trainer config's critic at the value model in ``model_path``, set up
-    for the CPU as the actor is (``trainer_config``)."""
+    for the CPU as the actor is (``trainer_config``), with the FSDP ``strategy``."""
     from omegaconf import open_dict
 
     critic = config.critic
     with open_dict(config):
-        critic.strategy = "fsdp2"
+        critic.strategy = strategy
         critic.model.path = model_path
         critic.model.use_remove_padding = False
         critic.model.enable_gradient_checkpointing = False
         critic.model.override_config = {"attn_implementation": "eager"}
         critic.model.load_tokenizer = False
-        critic.fsdp.strategy = "fsdp2"
+        critic.fsdp.strategy = strategy
         critic.fsdp.use_torch_compile = False
         critic.fsdp.dtype = "float32"
         critic.fsdp.model_dtype = "fp32"
@@ -237,14 +244,14 @@ def critic_worker_config(config: Any) -> tuple[Any, Any]:
     return worker_config, critic_config
 
 
-def build_critic(model_path: str) -> Any:
+def build_critic(model_path: str, strategy: str = "fsdp2") -> Any:
     """verl's critic as its trainer builds it: the TrainingWorker class looked up at
     build time in ``verl.workers.engine_workers``, given ``value_loss``."""
     from verl.workers import engine_workers
     from verl.workers.utils.losses import value_loss
 
-    config = trainer_config(model_path)
-    set_critic(config, model_path)
+    config = trainer_config(model_path, strategy=strategy)
+    set_critic(config, model_path, strategy)
     worker_config, critic_config = critic_worker_config(config)
     worker = engine_workers.TrainingWorker(config=worker_config)
     worker.reset()
@@ -252,18 +259,21 @@ def build_critic(model_path: str) -> Any:
     return worker
 
 
-def run_splits(model_path: str, rank: int, world_size: int, exact: bool) -> dict[str, Any]:
-    """Actor and critic metrics for every split, with the integration on or off."""
+def run_splits(
+    model_path: str, rank: int, world_size: int, exact: bool, strategy: str = "fsdp2"
+) -> dict[str, Any]:
+    """Actor and critic metrics for every split, with the integration on or off, on
+    the FSDP ``strategy``."""
     import rlmetrics.integrations.verl as integration
 
     integration.enable() if exact else integration.disable()
     batch = rank_slice(make_batch(), rank, world_size)
     out: dict[str, Any] = {"actor": {}, "critic": {}}
-    actor = build_actor(os.path.join(model_path, "actor"))
+    actor = build_actor(os.path.join(model_path, "actor"), strategy=strategy)
     for name, split in SPLITS.items():
         output = actor.update_actor(update_input(batch, split, world_size))
         out["actor"][name] = driver_reduce(output, "actor/")
-    critic = build_critic(os.path.join(model_path, "critic"))
+    critic = build_critic(os.path.join(model_path, "critic"), strategy)
     for name, split in SPLITS.items():
         output = critic.train_mini_batch(update_input(batch, split, world_size))
         out["critic"][name] = driver_reduce(output, "critic/")
@@ -325,8 +335,11 @@ def collect(rank: int, world_size: int, port: int, model_path: str) -> dict[str,
     out: dict[str, Any] = {
         "plugin_loaded_by_import_verl": "rlmetrics.integrations.verl" in sys.modules,
     }
-    out["exact"] = run_splits(model_path, rank, world_size, exact=True)
-    out["verl"] = run_splits(model_path, rank, world_size, exact=False)
+    for strategy in STRATEGIES:
+        out[strategy] = {
+            "exact": run_splits(model_path, rank, world_size, exact=True, strategy=strategy),
+            "verl": run_splits(model_path, rank, world_size, exact=False, strategy=strategy),
+        }
     if world_size == 1:
         out["lr_exact"] = lr_steps(model_path, exact=True)
         out["lr_verl"] = lr_steps(model_path, exact=False)

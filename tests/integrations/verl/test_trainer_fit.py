@@ -8,7 +8,8 @@ them. What verl cannot do on the CPU comes from verl's own extension points, in 
 code only:
 
 * the CPU platform and FSDP engines (``cpu_verl``, in the workers through
-  ``VERL_USE_EXTERNAL_MODULES``);
+  ``VERL_USE_EXTERNAL_MODULES``); its engines wrap the reference policy without the
+  pinned-memory offload verl gives forward-only models, which needs an accelerator;
 * the rollout (``cpu_rollout``): a ``RolloutReplica`` whose server is a Ray actor
   generating with Hugging Face's ``generate``, the weights synced after each step by
   verl's naive checkpoint engine;
@@ -17,9 +18,11 @@ code only:
 * the worker environment (``ray_worker_group_cls``, a ``RayWorkerGroup`` with
   ``worker_env``).
 
-The reward is a toy function reward (``toy_reward``), computed by verl's reward loop
-workers; the model and tokenizer are tiny and random (``scenarios.make_models``,
-``word_tokenizer``).
+The actor's loss has a KL term to the reference policy (``use_kl_loss``, verl's
+``low_var_kl``), which the actor's workers hold too, as ``main_ppo_v0`` builds them
+(``Role.ActorRolloutRef``). The reward is a toy function reward (``toy_reward``),
+computed by verl's reward loop workers; the model and tokenizer are tiny and random
+(``scenarios.make_models``, ``word_tokenizer``).
 
 Four runs that differ only in the micro-batch size (``MICRO``; only the actor's takes
 effect, see ``fit_config``) and in rlmetrics: installed (its plugin loads in every
@@ -79,6 +82,7 @@ CHAT_TEMPLATE = (
 )
 UPDATE_METRICS = (
     "actor/pg_loss",
+    "actor/kl_loss",
     "actor/pg_clipfrac",
     "actor/ppo_kl",
     "actor/pg_clipfrac_lower",
@@ -90,8 +94,15 @@ UPDATE_METRICS = (
     "critic/grad_norm",
 )
 """The workers' update metrics ``fit`` logs (verl's names)."""
-TOKEN_MEANS = ("actor/pg_clipfrac", "actor/ppo_kl", "critic/vf_clipfrac", "critic/vpred_mean")
-"""Update metrics that are means over the step's response tokens."""
+TOKEN_MEANS = (
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+)
+"""Update metrics that are means over the step's response tokens (``kl_loss`` with
+verl's default ``loss_agg_mode``, token-mean)."""
 VARIANTS = ("exact", "verl")
 SOURCES = ("toy_a", "toy_b")
 """The prompts' data sources: every fourth prompt is ``toy_b`` (8 of each step's 32)."""
@@ -99,6 +110,7 @@ DETAIL_ENV = {"RLMETRICS_VERL_DETAIL": "1", "RLMETRICS_VERL_SOURCES": ",".join(S
 """The extras' switch and the run's sources, in the rlmetrics runs' workers and driver."""
 PER_SOURCE_METRICS = (
     "actor/pg_loss",
+    "actor/kl_loss",
     "actor/pg_clipfrac",
     "actor/ppo_kl",
     "actor/pg_clipfrac_lower",
@@ -207,8 +219,8 @@ def fit_files(verl_home: str) -> FitFiles:
 
 def fit_config(files: FitFiles, micro: int, log_path: str) -> Any:
     """verl's generated PPO trainer config for a CPU run (``scenarios.trainer_config``)
-    of STEPS steps with GAE, no KL (a reference policy needs an accelerator: see
-    docs/verl.md), the ``hf_cpu`` rollout and ``micro`` sequences per micro-batch."""
+    of STEPS steps with GAE, a KL loss to the reference policy, the ``hf_cpu`` rollout
+    and ``micro`` sequences per micro-batch."""
     from cpu_rollout import NAME
     from omegaconf import open_dict
     from scenarios import set_critic, trainer_config
@@ -229,7 +241,7 @@ def fit_config(files: FitFiles, micro: int, log_path: str) -> Any:
         config.algorithm.use_kl_in_reward = False
         ref.model.load_tokenizer = True
         ref.model.tokenizer_path = files.tokenizer
-        ref.actor.use_kl_loss = False
+        ref.actor.use_kl_loss = True  # low_var_kl, coefficient 0.001 (verl's default)
         ref.actor.ppo_mini_batch_size = MINI_BATCH
         ref.actor.ppo_micro_batch_size_per_gpu = micro
         ref.actor.shuffle = False
@@ -272,21 +284,10 @@ def fit_config(files: FitFiles, micro: int, log_path: str) -> Any:
 def cpu_resource_pool_manager(config: Any, mapping: dict) -> Any:
     """verl's ``ResourcePoolManager`` whose pools hold CPUs (``use_gpu=False``) instead
     of the GPUs its ``create_resource_pool`` asks for."""
-    from verl.single_controller.ray import RayResourcePool
-    from verl.single_controller.ray.base import ResourcePoolManager
-
-    class CPUResourcePoolManager(ResourcePoolManager):
-        def create_resource_pool(self) -> None:
-            for name, process_on_nodes in self.resource_pool_spec.items():
-                self.resource_pool_dict[name] = RayResourcePool(
-                    process_on_nodes=process_on_nodes,
-                    use_gpu=False,
-                    max_colocate_count=1,
-                    name_prefix=name,
-                )
+    from cpu_verl import cpu_resource_pool_manager_class
 
     spec = {"global_pool": [config.trainer.n_gpus_per_node] * config.trainer.nnodes}
-    return CPUResourcePoolManager(resource_pool_spec=spec, mapping=mapping)
+    return cpu_resource_pool_manager_class()(resource_pool_spec=spec, mapping=mapping)
 
 
 def build_trainer(config: Any, worker_env: dict[str, str]) -> Any:
@@ -296,18 +297,20 @@ def build_trainer(config: Any, worker_env: dict[str, str]) -> Any:
     from omegaconf import OmegaConf
     from verl.single_controller.ray import RayWorkerGroup
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
-    from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler
+    from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.dataset.rl_dataset import collate_fn
     from verl.workers import engine_workers
     from verl.workers.config import HFModelConfig
 
     OmegaConf.resolve(config)
+    # with a reference policy, the actor's workers hold it (main_ppo_v0's add_actor_rollout_worker)
+    actor = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
     role_worker_mapping = {
-        Role.ActorRollout: ray.remote(engine_workers.ActorRolloutRefWorker),
+        actor: ray.remote(engine_workers.ActorRolloutRefWorker),
         Role.Critic: ray.remote(engine_workers.TrainingWorker),
     }
-    mapping = {Role.ActorRollout: "global_pool", Role.Critic: "global_pool"}
+    mapping = {actor: "global_pool", Role.Critic: "global_pool"}
     model_config: HFModelConfig = omega_conf_to_dataclass(config.actor_rollout_ref.model)
     tokenizer = model_config.tokenizer
     train = create_rl_dataset(config.data.train_files, config.data, tokenizer, None, is_train=True)
@@ -356,7 +359,8 @@ def end_actors(trainer: Any) -> None:
 
 def worker_facts(worker: Any) -> dict[str, Any]:
     """A trainer worker's report (run in it by ``__ray_call__``): whether rlmetrics'
-    integration was imported there, and the class of its actor's update and critic."""
+    integration was imported there, the class of its actor's update and critic, and
+    the engine of its reference policy."""
     import sys
 
     inner = worker.worker_dict
@@ -372,6 +376,7 @@ def worker_facts(worker: Any) -> dict[str, Any]:
         "actor_update_class": qualified(actor.actor),
         "critic_class": qualified(critic),
         "rollout_class": qualified(actor.rollout),
+        "ref_engine_class": qualified(actor.ref.engine),
         "pid": os.getpid(),
     }
 
@@ -484,6 +489,9 @@ def test_the_plugin_is_in_the_workers_of_the_rlmetrics_runs_only(fits: dict) -> 
             assert fact["critic_class"] == "verl.workers.engine_workers.TrainingWorker", fact
         for run in fits.values():
             assert {f["rollout_class"] for f in run["facts"]} == {"cpu_rollout.HFCPUServerAdapter"}
+            assert {f["ref_engine_class"].rsplit(".", 1)[-1] for f in run["facts"]} == {
+                "CPUFSDPEngineWithLMHead"
+            }
 
 
 def test_the_four_runs_train_the_same(fits: dict) -> None:
@@ -585,3 +593,22 @@ def test_the_per_source_means_make_up_the_whole_batch(fits: dict) -> None:
             for name in TOKEN_MEANS:
                 value = weighted(name, tokens)
                 assert abs(value - row[name]) < TOLERANCE, (name, value, row[name])
+
+
+def test_the_kl_loss_to_the_reference_policy(fits: dict) -> None:
+    """Every run logs the KL term (``actor/kl_loss``, coefficient ``actor/kl_coef``).
+    rlmetrics logs the step's token mean of verl's per-token KL: the same at both
+    micro-batch sizes (the test above) and made up of its per-source parts (the test
+    before). verl alone does not move with the micro-batch either (0.9.1 scales each
+    micro-batch's term by its mini-batch's global token count), but it logs the plain
+    mean of the step's two mini-batch means, which their token counts do not weigh: a
+    value of its own, not the step's."""
+    exact, own = (steps(fits[f"{variant}_micro{max(MICRO)}"]) for variant in VARIANTS)
+    for variant in VARIANTS:
+        small, large = (steps(fits[f"{variant}_micro{m}"]) for m in sorted(MICRO))
+        for a, b in zip(small, large, strict=True):
+            assert a["actor/kl_coef"] == b["actor/kl_coef"] == pytest.approx(0.001)
+            assert a["actor/kl_loss"] > 0
+            assert abs(a["actor/kl_loss"] - b["actor/kl_loss"]) < TOLERANCE * b["actor/kl_loss"]
+    gap = max(abs(e["actor/kl_loss"] - v["actor/kl_loss"]) for e, v in zip(exact, own, strict=True))
+    assert gap > DRIFT * max(e["actor/kl_loss"] for e in exact), (exact, own)

@@ -3,7 +3,8 @@
 One spawned process (1 rank) and one spawned pair (2 gloo ranks) each run every split
 of ``scenarios.SPLITS`` with the integration on, then off, through
 ``ActorRolloutRefWorker(role="actor").update_actor`` and the critic's
-``TrainingWorker.train_mini_batch``, and report what verl's driver would log.
+``TrainingWorker.train_mini_batch``, and report what verl's driver would log; once on
+each of verl's FSDP engines (``scenarios.STRATEGIES``: FSDP2, and FSDP1, verl's default).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from scenarios import (
     PEAK_LR,
     SINGLE_STEP_ONLY,
     SPLITS,
+    STRATEGIES,
     collect,
 )
 
@@ -59,10 +61,10 @@ def two_ranks(model_path: str) -> list[dict]:
     return _run(2, model_path)
 
 
-def _truth(one_rank: dict, role: str) -> dict[str, float]:
-    """One micro-batch on one rank, as verl itself reports it (the integration off):
-    the value every split must reproduce."""
-    return one_rank["verl"][role]["whole"]
+def _truth(one_rank: dict, role: str, strategy: str) -> dict[str, float]:
+    """One micro-batch on one rank, as verl itself reports it (the integration off) on
+    ``strategy``: the value every split must reproduce."""
+    return one_rank[strategy]["verl"][role]["whole"]
 
 
 def _names(role: str, split: str, names: tuple | None = None) -> tuple:
@@ -81,48 +83,64 @@ def _assert_close(got: dict[str, float], want: dict[str, float], names: tuple, w
         )
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("role", ["actor", "critic"])
-def test_one_rank_every_split_equals_the_whole_batch(one_rank: dict, role: str) -> None:
-    truth = _truth(one_rank, role)
+def test_one_rank_every_split_equals_the_whole_batch(
+    one_rank: dict, role: str, strategy: str
+) -> None:
+    truth = _truth(one_rank, role, strategy)
     for split in SPLITS:
-        got = one_rank["exact"][role][split]
-        _assert_close(got, truth, _names(role, split), f"1 rank, {split}")
+        got = one_rank[strategy]["exact"][role][split]
+        _assert_close(got, truth, _names(role, split), f"{strategy}, 1 rank, {split}")
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_two_ranks_every_split_equals_the_whole_batch(
-    one_rank: dict, two_ranks: list[dict], role: str
+    one_rank: dict, two_ranks: list[dict], role: str, strategy: str
 ) -> None:
-    truth = _truth(one_rank, role)
+    truth = _truth(one_rank, role, strategy)
     for rank, result in enumerate(two_ranks):
         for split in SPLITS:
-            got = result["exact"][role][split]
-            _assert_close(got, truth, _names(role, split), f"2 ranks, rank {rank}, {split}")
+            got = result[strategy]["exact"][role][split]
+            where = f"{strategy}, 2 ranks, rank {rank}, {split}"
+            _assert_close(got, truth, _names(role, split), where)
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
+def test_fsdp1_and_fsdp2_compute_the_same_whole_batch(one_rank: dict, role: str) -> None:
+    """The same model, batch and fp32 settings on either engine: the same forward pass,
+    so one truth for both (float32 rounding apart)."""
+    truth = _truth(one_rank, role, "fsdp2")
+    _assert_close(_truth(one_rank, role, "fsdp"), truth, NAMES[role], "fsdp, 1 rank, whole")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("role", ["actor", "critic"])
 def test_without_the_integration_verl_drifts(
-    one_rank: dict, two_ranks: list[dict], role: str
+    one_rank: dict, two_ranks: list[dict], role: str, strategy: str
 ) -> None:
     """The same runs, integration off: verl's ratios move with the split (so the tests
     above can fail); within one mini-batch its losses and grad norms do not (so the
     integration must leave them equal too); over two mini-batches verl averages the
     mini-batches' losses unweighted, and they move too."""
-    truth = _truth(one_rank, role)
+    truth = _truth(one_rank, role, strategy)
     runs = [("1 rank", one_rank)] + [(f"2 ranks, rank {r}", x) for r, x in enumerate(two_ranks)]
     one_step = [s for s in SPLITS if SPLITS[s].get("mini_batches", 1) == 1]
     stable = tuple(n for n in NAMES[role] if n not in DRIFTING[role])
     for where, result in runs:
         for split in one_step:
-            got = result["verl"][role][split]
-            _assert_close(got, truth, stable, f"verl, {where}, {split}")
+            got = result[strategy]["verl"][role][split]
+            _assert_close(got, truth, stable, f"verl, {strategy}, {where}, {split}")
     drift = {
-        name: max(abs(x["verl"][role][s][name] - truth[name]) for _, x in runs for s in SPLITS)
+        name: max(
+            abs(x[strategy]["verl"][role][s][name] - truth[name]) for _, x in runs for s in SPLITS
+        )
         for name in DRIFTING[role]
     }
     assert all(d > 1e-3 for d in drift.values()), f"verl's drift on this batch: {drift}"
     loss = f"{role}/pg_loss" if role == "actor" else "critic/vf_loss"
-    moved = abs(one_rank["verl"][role]["2minibatches"][loss] - truth[loss])
+    moved = abs(one_rank[strategy]["verl"][role]["2minibatches"][loss] - truth[loss])
     assert moved > 1e-5, f"verl's {loss} over two mini-batches moved by {moved}"
 
 

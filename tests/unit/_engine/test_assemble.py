@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmetrics._engine.fold import IN_PLACE_PART_SIZE, IN_PLACE_PARTS, assemble
+from rlmetrics._engine.assemble import IN_PLACE_PART_SIZE, IN_PLACE_PARTS, assemble
 
 TENSOR_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32)
 HOST_DTYPES = (np.float64, np.float32, np.int64)

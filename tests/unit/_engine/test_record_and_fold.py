@@ -50,7 +50,7 @@ def test_a_tensor_log_call_dispatches_no_torch_op(
     t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     inputs = [make() for _ in range(4)]
     log = getattr(t, method)
-    log("x", *inputs[0], **kwargs)  # a name's first call creates its accumulator
+    log("x", *inputs[0], **kwargs)  # a name's first call creates its MetricRecords
     with OpCounter() as counter:
         for args in inputs[1:]:
             log("x", *args, **kwargs)
@@ -153,7 +153,7 @@ def test_a_tensor_that_requires_grad_is_recorded_detached(
     t.mean("loss", loss)
     t.mean("weighted", loss, weight=weight)
     for name in ("loss", "weighted"):
-        recorded = [*t._accumulators[name].values, *t._accumulators[name].weights]
+        recorded = [*t._metric_records[name].values, *t._metric_records[name].weights]
         assert all(r is None or (not r.requires_grad and r.grad_fn is None) for r in recorded)
     (loss + weight).backward()
     assert t.compute() == {"loss": 6.0, "weighted": 6.0}
@@ -184,12 +184,17 @@ def test_a_refused_tensor_raises_in_the_call_and_records_nothing(
     t = Tracker()
     t.reduce_host_data_with_numpy = reduce_host_data_with_numpy
     t.mean("m", torch.tensor([1.0, 3.0]))
-    acc = t._accumulators["m"]
-    before = (len(acc.values), len(acc.weights), list(acc.versions), acc.arrays)
+    records = t._metric_records["m"]
+    before = (len(records.values), len(records.weights), list(records.versions), records.arrays)
     args = (bad, None) if role == "value" else (torch.ones(3), bad)
     with pytest.raises(TypeError, match=re.escape(f"metric 'm': {role} {message}")):
         t.mean("m", *args)
-    assert (len(acc.values), len(acc.weights), list(acc.versions), acc.arrays) == before
+    assert (
+        len(records.values),
+        len(records.weights),
+        list(records.versions),
+        records.arrays,
+    ) == before
     assert t.compute() == {"m": 2.0}
 
 
@@ -288,7 +293,7 @@ def test_a_weight_made_to_require_grad_between_calls_is_recorded_detached(
     weight.requires_grad_(True)
     value.requires_grad_(True)
     t.mean("b", torch.tensor([1.0, 4.0]), weight=weight)
-    assert not any(w.requires_grad for w in t._accumulators["b"].weights)
+    assert not any(w.requires_grad for w in t._metric_records["b"].weights)
     assert t.compute() == {"a": 3.0, "b": 3.0, "c": 6.0}
 
 
@@ -361,7 +366,7 @@ def test_the_record_folds_past_its_bound_with_the_same_result(
                     kind, value, torch.from_numpy(keep[:1] if kind == "last" else keep), kind=kind
                 )
             t.mean("number", float(i))
-            assert all(len(acc.values) <= limit + 1 for acc in t._accumulators.values())
+            assert all(len(records.values) <= limit + 1 for records in t._metric_records.values())
         results.append(t.compute())
     assert results[0] == pytest.approx(results[1], rel=1e-13)
     x = np.concatenate([x for x, _ in chunks])
@@ -579,8 +584,8 @@ def test_host_arrays_are_copied_whatever_their_dtype(
     assert got.compute() == expected.compute()
 
 
-def _records(acc: Any) -> tuple:
-    """What a log call left in an accumulator, comparable with ==."""
+def _records(records: Any) -> tuple:
+    """What a log call left in a MetricRecords, comparable with ==."""
 
     def same(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -600,29 +605,30 @@ def _records(acc: Any) -> tuple:
     def host_0d(x: Any) -> bool:
         return type(x) is float or (isinstance(x, np.ndarray) and x.ndim == 0)
 
-    pairs = [host_scalar(v, w) for v, w in zip(acc.values, acc.weights, strict=True)]
+    pairs = [host_scalar(v, w) for v, w in zip(records.values, records.weights, strict=True)]
     return (
         [v for v, _ in pairs],
         [w for _, w in pairs],
-        list(acc.versions),
-        acc.arrays,
-        acc.num_deferred_checks,
-        acc.accepted_a_call,
-        acc.record_device,
+        list(records.versions),
+        records.arrays,
+        records.num_deferred_checks,
+        records.accepted_a_call,
+        records.record_device,
     )
 
 
 def _outcome(record: Any, kind: str) -> tuple:
+    from rlmetrics._engine.record import MetricRecords
     from rlmetrics._engine.table import StateTable
-    from rlmetrics.kinds import MetricRecords, get_kind
+    from rlmetrics.kinds import get_kind
 
     table = StateTable()
-    acc = MetricRecords(get_kind(kind), table, table.add_row(get_kind(kind)), "m")
+    records = MetricRecords(get_kind(kind), table, table.add_row(get_kind(kind)), "m")
     try:
-        size = record(acc)
+        size = record(records)
     except (TypeError, ValueError) as error:
-        return type(error), str(error), _records(acc)
-    return size, _records(acc)
+        return type(error), str(error), _records(records)
+    return size, _records(records)
 
 
 TENSOR_VALUES = {
@@ -746,7 +752,7 @@ def test_a_large_step_matches_numpy_whatever_its_records(reduce_host_data_with_n
     columns, split into micro-batches in two ways, report
     numpy's values on the whole batch (exact for max, min and counts)."""
     rng = np.random.default_rng(5)
-    n = 9000  # per metric: two metrics pass rows.SMALL together
+    n = 9000  # per metric: two metrics pass host_batch.SMALL together
     x = rng.normal(3.0, 2.0, size=(2, n)).astype(np.float32)
     keep = rng.random((2, n)) > 0.3
     x[~keep & (rng.random((2, n)) < 0.05)] = np.nan  # unselected: change nothing
@@ -828,7 +834,7 @@ def test_only_tensors_recorded_by_reference_keep_a_version_to_check(copy: bool) 
     value, mask = torch.arange(4.0), torch.tensor([True, False, True, True])
     t.mean("m", value, weight=mask)
     t.mean("m", torch.ones(2))
-    versions = t._accumulators["m"].versions
+    versions = t._metric_records["m"].versions
     if copy:
         assert versions == []
         value.add_(1.0)  # the copies keep the values at the call

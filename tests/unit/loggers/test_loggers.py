@@ -181,6 +181,30 @@ def test_jsonl_write_failure_warns_once_and_never_raises(tmp_path):
     assert len(rec) == 1
 
 
+def test_a_logger_says_at_close_how_many_failures_it_did_not_report(tmp_path):
+    """STYLE rule 12: a failure is never swallowed. After the first of its kind, each is
+    counted, and the count is reported when the logger closes (once)."""
+
+    class Broken:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    logger = JsonlLogger(tmp_path / "m.jsonl")
+    logger._file = Broken()
+    with pytest.warns(LoggerWarning, match="failed to write: OSError"):
+        for step in range(5):
+            logger.log(step, {"x": 1.0})
+    with pytest.warns(LoggerWarning, match=r"failed 4 more to write \(OSError\)") as rec:
+        logger.close()
+    assert len(rec) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logger.close()  # counted once: nothing more to say
+
+
 # -- console ---------------------------------------------------------------------------
 def test_console_table_grouped_by_prefix_every_k(tmp_path):
     from rich.console import Console
@@ -648,9 +672,10 @@ def test_multilogger_isolates_a_failing_backend(tmp_path):
             multi.log(step, metrics)
         multi.close()
     messages = [str(w.message) for w in record]
-    assert len(messages) == 2
+    assert len(messages) == 3
     assert "exploding logger failed to log: RuntimeError: backend down" in messages[0]
     assert "failed to close" in messages[1]
+    assert "exploding logger failed 1 more to log (RuntimeError)" in messages[2]
     assert len(read_lines(tmp_path / "m.jsonl")) == 2
 
 

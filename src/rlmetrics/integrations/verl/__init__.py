@@ -10,6 +10,9 @@ What ``enable()`` changes, and nothing else: verl builds its actor's inner worke
 ``ActorRolloutRefWorker.actor_worker_cls`` (a class attribute meant for this) and its
 critic from ``verl.workers.engine_workers.TrainingWorker``; both are pointed at
 ``ExactTrainingWorker``, a subclass whose update metrics are partition invariant.
+On the driver, the name verl's V1 trainers build the aggregator of a step's iterations
+from (``MetricsAggregator`` in ``verl.trainer.ppo.v1.trainer_base``) is pointed at one
+that merges the workers' states exactly (``rlmetrics.integrations.verl.async_steps``).
 No verl function is replaced but two: one for DataProto metrics (``DataProtoFuture.get``:
 see ``rlmetrics.integrations.verl.dataproto``), and the driver's ``compute_data_metrics``,
 by a wrapper that returns verl's dict unchanged unless ``RLMETRICS_VERL_DETAIL`` is on
@@ -26,13 +29,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rlmetrics.integrations.verl import data_metrics
+from rlmetrics.integrations.verl import async_steps, data_metrics
 from rlmetrics.integrations.verl._version import SUPPORTED_VERL, check_version
 from rlmetrics.integrations.verl.data_metrics import data_metrics_by_source
 
 WORKERS_MODULE = "verl.workers.engine_workers"
+WORKER_MODULE = "rlmetrics.integrations.verl.worker"
+"""The module that defines ``ExactTrainingWorker`` (it imports ``WORKERS_MODULE``)."""
 
 _ORIGINAL: dict[str, type] = {}
+_switch_pending = False
+"""True while a switch waits for ``WORKER_MODULE`` to define its class."""
 
 
 def enable() -> None:
@@ -53,6 +60,7 @@ def enable() -> None:
     merge_futures(True)
     _after_import(WORKERS_MODULE, _switch)
     _after_import(data_metrics.METRICS_MODULE, data_metrics.install)
+    _after_import(async_steps.TRAINER_MODULE, async_steps.install)
 
 
 def _after_import(name: str, callback: Callable[[], None]) -> None:
@@ -67,6 +75,16 @@ def _after_import(name: str, callback: Callable[[], None]) -> None:
 
 
 def _switch() -> None:
+    """Point verl's worker classes at ``ExactTrainingWorker`` (verl's workers module is
+    loaded). When the worker module is itself importing verl's workers module (it was
+    imported first: directly, or by unpickling a class that names it, as Ray does), it
+    has no ``ExactTrainingWorker`` yet: the switch is left to its last line
+    (``_switch_when_defined``), right after the class is defined."""
+    global _switch_pending
+    worker = sys.modules.get(WORKER_MODULE)
+    _switch_pending = worker is not None and not hasattr(worker, "ExactTrainingWorker")
+    if _switch_pending:
+        return
     engine_workers = sys.modules[WORKERS_MODULE]
 
     from rlmetrics.integrations.verl.worker import ExactTrainingWorker
@@ -81,13 +99,24 @@ def _switch() -> None:
             module.TrainingWorker = ExactTrainingWorker
 
 
+def _switch_when_defined() -> None:
+    """Finish a switch that verl's workers module asked for while the worker module was
+    being imported (see ``_switch``); nothing to do otherwise. The worker module's last
+    line."""
+    if _switch_pending:
+        _switch()
+
+
 def disable() -> None:
     """Undo ``enable()`` (verl's own classes again, in every module ``enable`` changed)."""
+    global _switch_pending
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
+    _switch_pending = False
     from rlmetrics.integrations.verl.dataproto import merge_futures
 
     merge_futures(False)
     data_metrics.uninstall()  # nothing to undo before verl's metric_utils is imported
+    async_steps.uninstall()
     if not _ORIGINAL:
         return
     engine_workers = sys.modules[WORKERS_MODULE]

@@ -104,7 +104,11 @@ def restrict_to_rows(data: Any, keep: torch.Tensor) -> Any:
         lengths = offsets.diff()
         rows = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths)
         values = mask.values() * keep.to(mask.device)[rows.to(mask.device)].to(mask.dtype)
-        restricted = torch.nested.nested_tensor_from_jagged(values, offsets)
+        # the row lengths' bounds, as the mask has them: without them TensorDict's
+        # to_padded_tensor (verl's value_loss) pads to the total length of all rows
+        restricted = torch.nested.nested_tensor_from_jagged(
+            values, offsets, min_seqlen=int(lengths.min()), max_seqlen=int(lengths.max())
+        )
     else:
         restricted = mask * keep.to(mask.device)[:, None].to(mask.dtype)
     part = data.copy()

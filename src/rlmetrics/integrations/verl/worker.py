@@ -11,7 +11,8 @@ steps. What changes is the metrics dict ``train_mini_batch`` returns:
 * at the end of ``train_mini_batch`` every data-parallel rank merges the Tracker over
   verl's data-parallel group (one packed collective) and the merged values replace
   verl's under verl's own names, so the driver's ``reduce_metrics`` logs them as they
-  are.
+  are; serving a V1 trainer, it also returns the merged state they came from
+  (``async_steps.STATE_KEY``), which the V1 step merges over its iterations.
 
 Names this module does not produce keep verl's value. With ``RLMETRICS_VERL_DETAIL=1``
 (``rlmetrics.integrations.verl.detail``) it also logs each rank's time in the engine's
@@ -21,17 +22,21 @@ train steps (``<role>/update_time_s``, the slowest rank's and which) and replace
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from verl.single_controller.base.decorator import MAGIC_ATTR
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric.utils import Metric
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss, value_loss
 
-from rlmetrics.integrations.verl import detail
+from rlmetrics.integrations.verl import _switch_when_defined, detail
+from rlmetrics.integrations.verl.async_steps import STATE_KEY
 from rlmetrics.integrations.verl.losses import AGG_LOSSES, TOKEN_MEANS, RecordingLoss
+from rlmetrics.state import TrackerState
 from rlmetrics.tracker import Tracker
 
 RECORDED_LOSSES = (ppo_loss, value_loss)
@@ -64,6 +69,28 @@ def optimizer_lr(engine: Any) -> float | None:
     if not groups:
         return None
     return float(groups[0]["lr"])
+
+
+class StepState(Metric):
+    """An update's merged state among its metrics (``async_steps.STATE_KEY``): verl's
+    ``reduce_metrics`` calls ``aggregate()`` on a ``Metric`` and keeps what it returns,
+    here the state, for the V1 trainer's ``StepMetricsAggregator`` to merge."""
+
+    def __init__(self, state: TrackerState) -> None:
+        super().__init__("mean")
+        self.state = state
+
+    def aggregate(self) -> TrackerState:
+        return self.state
+
+
+def serves_v1_trainer() -> bool:
+    """Whether this worker process serves a V1 trainer: verl's TransferQueue bridge has
+    fetched a batch here (``transferqueue_utils.TQ_INITIALIZED``; the V0 trainer sends
+    its batches itself and never sets it). The V1 actor's ``update_actor`` hands its
+    inner worker the fetched ``TensorDict``, so the worker's own input cannot tell."""
+    bridge = sys.modules.get("verl.utils.transferqueue_utils")
+    return bool(getattr(bridge, "TQ_INITIALIZED", False))
 
 
 class ExactTrainingWorker(TrainingWorker):
@@ -120,7 +147,8 @@ class ExactTrainingWorker(TrainingWorker):
         group = self.engine.get_data_parallel_group()
         sync = group is not None and torch.distributed.is_initialized()
         per_source = self._declare_sources() if detail.enabled() else ()
-        exact = tracker.compute(group=group, sync=sync)
+        state = tracker.compute_state(group=group, sync=sync)
+        exact = state.compute(empty=tracker.empty)
         if per_source:
             self._known_sources().update(detail.reported_sources(exact, per_source))
         if output is None:
@@ -128,6 +156,8 @@ class ExactTrainingWorker(TrainingWorker):
         metrics = dict(tu.get(output, "metrics"))
         for name, value in exact.items():
             metrics[name] = [value]
+        if serves_v1_trainer():  # the V1 step merges its iterations' states
+            metrics[STATE_KEY] = StepState(state)
         mfu = self._step_mfu(exact)
         if mfu is not None:
             metrics["mfu"] = [mfu]
@@ -178,3 +208,8 @@ class ExactTrainingWorker(TrainingWorker):
         achieved, promised = counter.estimate_flops(tokens, seconds)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         return float(achieved / promised / world)
+
+
+# Imported before verl's workers module (directly, or by an unpickled class), this module
+# imported that module above, whose loading asked for the switch before the class existed.
+_switch_when_defined()

@@ -39,9 +39,9 @@ from rlmetrics._engine.inputs import (
     plain_clone,
     tracked,
 )
-from rlmetrics._engine.record import Prepared, prepare
+from rlmetrics._engine.record import MetricRecords, Prepared, prepare
 from rlmetrics.errors import ModifiedInputError
-from rlmetrics.kinds import Kind, MetricRecords
+from rlmetrics.kinds import Kind
 
 LABEL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 """Tensor dtypes ``by=`` takes (integer labels)."""
@@ -174,10 +174,10 @@ def check_kinds(logged: Mapping[str, MetricRecords], parts: list[LabelledPart]) 
     in ``logged`` (the tracker's metrics of the step)."""
     for metrics, _, _ in parts:
         for name, kind in metrics:
-            acc = logged.get(name)
-            if acc is not None and acc.kind.name != kind:
+            records = logged.get(name)
+            if records is not None and records.kind.name != kind:
                 raise ValueError(
-                    f"metric {name!r} is already logged as kind {acc.kind.name!r}; cannot "
+                    f"metric {name!r} is already logged as kind {records.kind.name!r}; cannot "
                     f"log it as kind {kind!r}"
                 )
 
@@ -263,8 +263,10 @@ def host_codes(name: str, by: Any, mapping: Mapping[Any, str] | None) -> tuple[n
         raise TypeError(
             f"metric {name!r}: labels must be strings or integers, all of one type ({error})"
         ) from error
-    parts = [label_part(name, label.item() if isinstance(label, np.generic) else label, mapping)
-             for label in uniques]  # fmt: skip
+    parts = [
+        label_part(name, label.item() if isinstance(label, np.generic) else label, mapping)
+        for label in uniques
+    ]
     return codes.reshape(array.shape).astype(np.int64, copy=False), parts
 
 
@@ -411,6 +413,3 @@ def _element_order(row_order: Any, width: int) -> Any:
     else:
         columns = np.arange(width)
     return (row_order[:, None] * width + columns).reshape(-1)
-
-
-__all__ = ["Deferred", "Groups", "LabelledPart", "check_kinds"]

@@ -1,0 +1,280 @@
+"""The records of a fold joined into flat arrays: one for the values, one for the weights.
+
+``Parts`` lays a set of metrics' records out as flat parts: host arrays of any shape
+and real dtype, tensors, and each run of python numbers as one array. ``assemble``
+joins parts into one float64 array (the host) or tensor (a device). Tensors are joined
+by class (device, dtype, trailing shape), so the number of torch operations follows the
+classes present, not the number of parts. On the host, a few or large parts of several
+classes are instead copied into place one by one, with numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlmetrics._engine.inputs import REAL_DTYPES
+from rlmetrics._engine.plan import HostScratch
+from rlmetrics._engine.record import BOOL, MetricRecords
+from rlmetrics.kinds.batch import Array, to_device
+
+SCRATCH_JOINS = {torch.float32: (np.float64, np.float32), BOOL: (np.bool_, np.bool_)}
+"""The tensor dtypes a host fold joins into its scratch: per dtype, the dtype asked of
+the join and the buffer's (float32 values, widened later; bool masks)."""
+
+MASK_DTYPES = frozenset({BOOL, np.dtype(np.bool_)})
+"""The dtypes of a weight part (a tensor or a host array) that is a bool mask."""
+
+IN_PLACE_PARTS = 32
+IN_PLACE_PART_SIZE = 256
+"""A host fold's parts of several classes are copied into place one by one when they
+are few (at most ``IN_PLACE_PARTS``), or large (``IN_PLACE_PART_SIZE`` elements each on
+average) and interleaved: a copy per part costs more Python than a share of a class's
+join, but saves the joins, their conversions and the permutation that restores the
+order of interleaved classes, a pass of its own over every element."""
+
+NUMPY_DTYPES = REAL_DTYPES - {torch.bfloat16}
+"""The tensor dtypes a log call takes that numpy holds too: CPU tensors a host fold
+reads as arrays."""
+
+
+_get_dtype = attrgetter("dtype")
+
+
+def made_anew(value: np.ndarray, parts: list[Any]) -> bool:
+    """Whether ``assemble`` made ``value`` (a join, a conversion or a tensor block's
+    copy) rather than handing back a host part or a view of one."""
+    return isinstance(value.base, (Tensor, type(None))) and all(value is not p for p in parts)
+
+
+def joined(arrays: list[Array], device: torch.device | None) -> Array:
+    """Host arrays and (on a device) tensors as one 1-D array on the fold's backend
+    (an empty float64 one for none)."""
+    if not arrays:
+        return on_backend(np.zeros(0), device)
+    if device is not None:
+        arrays = [a if isinstance(a, Tensor) else to_device(a, device) for a in arrays]
+        return torch.cat(arrays) if len(arrays) > 1 else arrays[0]
+    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+
+
+ONLY_TENSORS = {Tensor}
+
+
+def _types(items: Sequence[Any]) -> set[type]:
+    """The types among ``items``."""
+    return set(map(type, items))
+
+
+class Parts:
+    """Metrics' records as flat parts (host arrays or tensors), metric by metric in call
+    order; each run of python numbers, across metrics, becomes one array."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.weights: list[Any] = []
+        self.call_lengths: list[int] = []
+        self.lengths: list[int] = []
+        self.numbers: list[float] = []
+        self.number_weights: list[float] = []
+
+    def add(self, records: MetricRecords) -> None:
+        values, weights = records.values, records.weights
+        if _types(values) == ONLY_TENSORS and _types(weights) == ONLY_TENSORS:
+            # tensor values with tensor weights (a mask, most often): the parts as they are
+            self.flush()
+            sizes = list(map(Tensor.numel, values))
+            self.values += values
+            self.weights += weights
+            self.call_lengths += sizes
+            self.lengths.append(sum(sizes))
+            return
+        if not records.arrays:  # python numbers only: checked when logged, never rejected
+            self.numbers += values
+            self.number_weights += weights
+            self.call_lengths += [1] * len(values)
+            self.lengths.append(len(values))
+            return
+        start = len(self.call_lengths)
+        for value, weight in zip(values, weights, strict=True):
+            if type(value) is float:
+                self.numbers.append(value)
+                self.number_weights.append(weight)
+                self.call_lengths.append(1)
+                continue
+            self.flush()
+            size = value.numel() if isinstance(value, Tensor) else value.size
+            self.values.append(value)
+            if weight is None or (type(weight) is float and weight == 1.0):  # all selected
+                self.weights.append(np.ones(size, dtype=np.bool_))
+            elif type(weight) is float:
+                self.weights.append(np.full(size, weight))
+            else:
+                self.weights.append(weight)
+            self.call_lengths.append(size)
+        self.lengths.append(sum(self.call_lengths[start:]))
+
+    def flush(self) -> None:
+        """End the current run of python numbers."""
+        if self.numbers:
+            self.values.append(np.array(self.numbers))
+            self.weights.append(np.array(self.number_weights))
+            self.numbers, self.number_weights = [], []
+
+
+def assemble(
+    parts: Sequence[Any],
+    device: torch.device | None,
+    dtype: type = np.float64,
+    *,
+    scratch: HostScratch | None = None,
+) -> Array:
+    """Flat parts as one 1-D array, in order: float64 on the host (``device`` None), or a
+    float64 tensor on ``device``.
+
+    Parts are host arrays of any shape and real dtype, or tensors. On the host, ``dtype``
+    may be ``np.bool_`` instead, for parts that are all bool masks. With ``scratch`` (a
+    host fold), parts that are all 1-D float32 tensors or all 1-D bool tensors are joined
+    into its buffer of their dtype. Float32 values stay float32 there, for ``HostBatch``
+    to widen.
+
+    Tensors are joined by class: device, dtype, and 0-d ones stacked, others by their
+    trailing shape. So the number of torch operations follows the classes, not the
+    number of parts. A permutation restores the order when the classes interleave. On
+    the host, parts of several classes that are few, or large and interleaved
+    (``IN_PLACE_PARTS``), are instead copied into place one by one, with numpy.
+    """
+    host, classes = _classes(parts, device is not None)
+    if scratch is not None and not host and len(classes) == 1:
+        (((part_dtype, dims, *_), members),) = classes.items()
+        asked, kept = SCRATCH_JOINS.get(part_dtype, (None, None))
+        if dims == 1 and asked is dtype:
+            tensors = [parts[i] for i in members]
+            size = sum(map(Tensor.numel, tensors))
+            out = scratch.take(size, kept)
+            torch.cat(tensors, out=torch.from_numpy(out))
+            return out
+    several = bool(host) + len(classes) > 1  # blocks to join; one class needs no order
+    order = host + [i for members in classes.values() for i in members] if several else []
+    interleaved = several and order != sorted(order)  # the blocks need a permutation
+    if several and device is None and all(key[0] in NUMPY_DTYPES for key in classes):
+        sizes = list(map(part_size, parts))
+        large = interleaved and sum(sizes) >= IN_PLACE_PART_SIZE * len(parts)
+        if len(parts) <= IN_PLACE_PARTS or large:
+            return _in_place(parts, sizes, dtype)
+    blocks: list[Any] = []
+    if host:
+        flat = [_flat_host(parts[i], dtype) for i in host]
+        blocks.append(np.concatenate(flat) if len(flat) > 1 else flat[0])
+    target = device or torch.device("cpu")
+    tensor_dtype = BOOL if dtype is np.bool_ else torch.float64
+    for key, members in classes.items():
+        tensors = [parts[i] for i in members]
+        blocks.append(_tensor_block(tensors, key[1] == 0, target, tensor_dtype))
+    if device is None:
+        blocks = [b if isinstance(b, np.ndarray) else b.numpy() for b in blocks]
+        flat_all = np.concatenate(blocks) if len(blocks) > 1 else blocks[0] if blocks else None
+        if flat_all is None:
+            return np.zeros(0, dtype=dtype)
+    else:
+        blocks = [to_device(b, device) if isinstance(b, np.ndarray) else b for b in blocks]
+        if not blocks:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        flat_all = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+    if interleaved:
+        sizes = [part_size(parts[i]) for i in order]
+        permutation = _permutation(order, sizes)
+        flat_all = flat_all[permutation if device is None else on_backend(permutation, device)]
+    return flat_all
+
+
+def _classes(
+    parts: Sequence[Any], devices: bool
+) -> tuple[list[int], dict[tuple[Any, ...], list[int]]]:
+    """The host parts (indices), and the tensor parts by class: dtype, dimensions,
+    trailing shape beyond one dimension, and (``devices``: a device fold, which may
+    hold tensors of several devices) device. A host fold's tensors are all plain CPU
+    ones."""
+    host: list[int] = []
+    classes: dict[tuple[Any, ...], list[int]] = {}
+    if not devices and _types(parts) == ONLY_TENSORS:  # one class, most often: 1-D, one dtype
+        dtypes = set(map(_get_dtype, parts))
+        if len(dtypes) == 1 and set(map(Tensor.dim, parts)) == {1}:
+            return host, {(dtypes.pop(), 1): list(range(len(parts)))}
+    for i, part in enumerate(parts):
+        if not isinstance(part, Tensor):
+            host.append(i)
+            continue
+        dims = part.dim()
+        key: tuple[Any, ...] = (
+            (part.dtype, dims) if dims < 2 else (part.dtype, dims, part.shape[1:])
+        )
+        if devices:
+            key += (part.device,)
+        members = classes.get(key)
+        if members is None:
+            classes[key] = [i]
+        else:
+            members.append(i)
+    return host, classes
+
+
+def _in_place(parts: Sequence[Any], sizes: list[int], dtype: type) -> np.ndarray:
+    """Host parts and CPU tensors of dtypes numpy holds, each copied (and converted) into
+    its place in one new ``dtype`` array: already in order, one pass over the data."""
+    out: np.ndarray = np.empty(sum(sizes), dtype)
+    start = 0
+    for part, size in zip(parts, sizes, strict=True):
+        end = start + size
+        out[start:end] = (part.numpy() if isinstance(part, Tensor) else part).reshape(-1)
+        start = end
+    return out
+
+
+def _flat_host(part: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    if part.ndim == 1 and part.dtype == dtype:
+        return part
+    return np.asarray(part, dtype=dtype).reshape(-1)
+
+
+def _tensor_block(
+    tensors: list[Tensor], scalar: bool, target: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Tensors of one class (device, dtype, 0-d or trailing shape) as one flat copy of
+    ``dtype`` on ``target``.
+
+    They are joined in their own dtype, then converted: exact, as a class has one dtype.
+    A lone tensor of another dtype is only converted, since the conversion copies.
+    ``reshape``, not ``view``: ``cat`` keeps its inputs' memory format (channels_last
+    stays so), whose elements lie out of their logical order."""
+    if len(tensors) == 1 and not scalar and tensors[0].dtype != dtype:
+        return tensors[0].reshape(-1).to(target, dtype)
+    joined = torch.stack(tensors) if scalar else torch.cat(tensors).reshape(-1)
+    return joined.to(target, dtype)
+
+
+def part_size(part: Any) -> int:
+    """The elements of a record or part: a tensor, an array or a python number (one)."""
+    return part.numel() if isinstance(part, Tensor) else np.size(part)
+
+
+def _permutation(order: list[int], sizes: list[int]) -> np.ndarray:
+    """Where each element of the parts, in their original order, lies in the blocks
+    laid out in ``order`` (part indices) with ``sizes`` elements each."""
+    sizes_arr = np.asarray(sizes, dtype=np.int64)
+    laid_start = np.cumsum(sizes_arr) - sizes_arr
+    original = np.argsort(np.asarray(order), kind="stable")  # part i's place in order
+    lengths = sizes_arr[original]
+    source_start = laid_start[original]
+    target_start = np.cumsum(lengths) - lengths
+    return np.repeat(source_start - target_start, lengths) + np.arange(int(lengths.sum()))
+
+
+def on_backend(array: np.ndarray, device: torch.device | None) -> Array:
+    """A host array on the fold's backend (itself for the host)."""
+    return array if device is None else to_device(array, device)
