@@ -15,10 +15,11 @@ A trainer that logs rollout metrics one step and update metrics the next, or a
 For each cycle length k the ranks take k warm-up steps (each set's first, which agrees
 its schema), then ``--rounds`` rounds of k steps. Each step every contender logs that
 step's set (``--metrics`` metrics of mixed kinds, 4 micro-batches of python floats)
-untimed; then, in an order that rotates each step, all ranks pass a barrier and time
-one contender's sync, counting the collectives it issues (every ``torch.distributed``
-all_gather, all_reduce, broadcast, all_gather_into_tensor, as ``all_gather_object``
-issues them too). A sample is the slowest rank's time.
+untimed; then, in an order drawn each step (the same on every rank, so that no
+contender always follows another), all ranks pass a barrier and time one contender's
+sync, counting the collectives it issues (every ``torch.distributed`` all_gather,
+all_reduce, broadcast, all_gather_into_tensor, as ``all_gather_object`` issues them
+too). A sample is the slowest rank's time.
 
 * rlmetrics: one ``Tracker`` over a process group of its own, ``compute()``;
 * before: another ``Tracker`` over another group whose layouts are chosen as the sync
@@ -200,8 +201,8 @@ def bench_cycle(rank: int, sets: int, args: argparse.Namespace) -> dict[str, lis
     for step in range(sets * (args.rounds + 1)):
         names = set_names(step % sets, args.metrics)
         values = step_values(args.seed, rank, step, args.metrics)
-        shift, outs = step % len(order), {}
-        for name in order[shift:] + order[:shift]:
+        outs = {}
+        for name in np.random.default_rng((args.seed, step)).permutation(order).tolist():
             c = contenders[name]
             c.prepare(names, values)
             dist.barrier()
@@ -285,7 +286,7 @@ def section(
             "turn, and syncs it; measured after each set's first step. before: the same "
             "tracker code with each step's layout chosen as before recent layouts were "
             "reused (the newest only, else an agreement). A sample is the slowest rank's "
-            "time; the contenders run in a rotating order, each after a barrier.",
+            "time; the contenders run in a random order drawn each step, each after a barrier.",
             "",
             f"Machine: {machine(detail, loads)}. Settings: {settings}.",
             "",
