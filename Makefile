@@ -170,6 +170,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/log_bench.py
 	$(PY) benchmarks/step_bench.py
 	$(PY) benchmarks/sync_bench.py
+	$(PY) benchmarks/cycle_bench.py
 	$(PY) benchmarks/fold_bench.py
 
 # The GPU check (benchmarks/gpu_check.py): the CUDA tests, the demo on the GPU with every

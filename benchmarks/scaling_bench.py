@@ -35,7 +35,6 @@ import gc
 import io
 import json
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,7 @@ from rlmetrics import Tracker
 from rlmetrics._engine import sync as rd
 from rlmetrics.kinds import register_kind
 from rlmetrics.kinds.histogram import Histogram
-from spawn_ranks import spawn_ranks
+from spawn_ranks import serve_rank, spawn_ranks
 
 MICRO = 4  # values per metric per step (micro-batches)
 DIST_N = 1_000  # elements per dist metric per rank
@@ -280,23 +279,17 @@ def bench_case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 def worker(rank: int, world: int, port: int, queue: Any) -> None:
     """One rank: every case; rank 0 sends every rank's samples."""
     torch.set_num_threads(1)
-    tdist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
+
+    def every_case() -> list[tuple[str, list[Any]]]:
         results = []
         for spec in cases(world):
             mine = bench_case(spec, rank, world)
             every: list[Any] = [None] * world
             tdist.all_gather_object(every, mine)
             results.append((spec["case"], every))
-        if rank == 0:
-            queue.put(results)
-    except BaseException as error:
-        queue.put(f"rank {rank}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
-        raise
-    finally:
-        tdist.destroy_process_group()
+        return results
+
+    serve_rank(rank, world, port, queue, every_case)
 
 
 def run_world(world: int, timeout: float) -> list[tuple[str, list[dict]]]:

@@ -107,7 +107,7 @@ class StepPlan:
             invalidation drops: they hold no metric's data past a fold.
         group_syncs: per process group (keyed by the group object, weakly; never by
             id(), which a new group may reuse on some ranks only), the tracker's sync
-            state: its agreed layout and the last packing for that group.
+            state: the packings of its recent sets of metrics for that group.
     """
 
     def __init__(self) -> None:

@@ -8,19 +8,26 @@ every rank gets the same bits; max over rows), or ``all_reduce(SUM)`` and
 one ``all_gather``.
 
 A step's collective must have the same size on every rank, or the backend pairs the
-wrong messages (gloo aborts the process). A tracker's own cache (the layout it last
-agreed over a group) cannot decide that size: a tracker created or unpickled on one rank
-only has none, and one rank's tracker may cache another layout than its peers'. So
-``GroupLayouts`` holds, per process group and process (not per tracker), the layouts
-agreed over the group most recently. Every rank changes it at the same points of the
-same collective sequence (an agreement, whose union every rank computes alike, and a
-step whose reduced tail every rank reads alike), so it is the same on every rank of the
-group whatever their trackers cache. A step's buffers are padded to the largest of
-these layouts, and the layout each rank packed travels in the MAX buffer's last
-``TAIL`` floats: a rank that logged a name its layout lacks, or has no usable layout,
-marks its buffer, so every rank sees it in the reduced tail, without another
-collective, and the ranks agree on the schema again (``rlmetrics._engine.schema``: a
-JSON gather) and repeat the reduce.
+wrong messages (gloo aborts the process). A tracker's own cache cannot decide that size:
+a tracker created or unpickled on one rank only has none, and one rank's tracker may
+cache another layout than its peers'. So ``GroupLayouts`` holds, per process group and
+process (not per tracker), the layouts agreed over the group most recently. Every rank
+changes it at the same points of the same collective sequence (an agreement, whose union
+every rank computes alike, and a step whose reduced tail every rank reads alike), so it
+is the same on every rank of the group whatever their trackers cache. A step's buffers
+are padded to the largest of these layouts.
+
+Each rank packs its step in the newest of these layouts that holds all its names, so a
+tracker that comes back to a set of names the group agreed on recently (sets logged in
+turn, a Window's phases) pays the one collective, not an agreement. The layout each rank
+packed travels in the MAX buffer's last ``TAIL`` floats (its digest, and the digest
+negated, so that the reduced tail holds the largest and the smallest): ranks that logged
+other sets and picked other layouts, or a rank that logged a name no recent layout has
+(it marks "changed"), show in every rank's reduced tail, without another collective;
+the ranks then agree on the schema again (``rlmetrics._engine.schema``: a JSON gather)
+and repeat the reduce. A rank that logged nothing packs its merge's identity in every
+slot and no digest, so it fits whatever layout its peers packed: it reads the peers'
+digest from the reduced tail and unpacks in that layout.
 
 Every collective is issued with ``async_op=True`` and waited on with the timeout, so a
 rank that died or never arrives raises ``SyncTimeoutError`` on the others (with gloo;
@@ -39,6 +46,7 @@ only on one copy (see ``is_replica_source``).
 
 from __future__ import annotations
 
+import math
 import numbers
 import pickle
 import time
@@ -257,15 +265,50 @@ class GroupLayouts:
             every = [layout_sizes(known) for known in self.layouts]
             self.sizes = Sizes(max(s.sums for s in every), max(s.maxes for s in every))
 
-    def holds(self, layout: BufferLayout) -> bool:
-        """Whether ``layout``'s buffer fits the group's padded sizes."""
-        own, padded = layout_sizes(layout), self.sizes
-        return own.sums <= padded.sums and own.maxes <= padded.maxes
+    def newest_fitting(
+        self,
+        metric_records: Mapping[str, MetricRecords],
+        known: BufferLayout | None = None,
+        own: Mapping[float, BufferLayout] | None = None,
+    ) -> BufferLayout | None:
+        """The layout a step of ``metric_records`` packs: the newest recent layout that
+        holds all its names (None: none does, the ranks must agree again).
 
-    def guess(self, metric_records: Mapping[str, MetricRecords]) -> BufferLayout | None:
-        """For a tracker with no layout of its own: the newest recent layout that fits
-        its metrics (the peers' likely one; a wrong guess costs one agreement), or None."""
-        return next((layout for layout in self.layouts if layout.fits(metric_records)), None)
+        The choice depends only on the group's layouts (the same on every rank) and
+        the step's names, so ranks that log the same set pick the same layout, whatever
+        their trackers cache. Ranks that log different sets may pick different ones:
+        the step's tail tells, and every rank agrees again.
+
+        Args:
+            metric_records: the step's metrics.
+            known: a layout already known to fit (a packing's for the same
+                metric records), not checked again.
+            own: by digest, the tracker's own copies of recent layouts: a layout is
+                checked (and packed) as the tracker's copy, whose kind objects are the
+                tracker's (two trackers' ``dist`` kinds are two objects, so another
+                tracker's copy of the same layout does not hold this one's names).
+        """
+        for layout in self.layouts:
+            if own:
+                layout = own.get(layout.digest, layout)
+            if layout is known or layout.fits(metric_records):
+                return layout
+        return None
+
+    def with_digest(self, digest: float) -> BufferLayout:
+        """The recent layout whose digest a step's tail carries.
+
+        Raises:
+            RuntimeError: none has it (the group's layouts differ between ranks, which
+                the protocol rules out).
+        """
+        for layout in self.layouts:
+            if layout.digest == digest:
+                return layout
+        raise RuntimeError(
+            "rlmetrics sync: the ranks reduced a step in a layout this rank does not hold "
+            "(the group's recent layouts differ between ranks)"
+        )
 
 
 # Above this many gathered floats per step (ranks x packed buffer length), the step
@@ -301,52 +344,90 @@ def agree_schema(
 
 @dataclass(eq=False)
 class GroupSync:
-    """What a tracker keeps per process group between steps (in its ``StepPlan``): its
-    agreed layout (None until it has one), the group's ``GroupLayouts`` (the same on
-    every rank), the device collectives run on, the host buffer a CPU gather writes
-    into, and the packings of the recent sets of metrics.
+    """What a tracker keeps per process group between steps (in its ``StepPlan``): the
+    group's ``GroupLayouts`` (the same on every rank), the device collectives run on,
+    the host buffer a CPU gather writes into, and the packings of the recent sets of
+    metrics.
 
     A packing is reused by ``StepPlan``'s rule (the same metric records, rows not
-    renumbered; the recent sets' kept) while it was made for the current layout and the
-    group's padded sizes are the same object.
+    renumbered; the recent sets' kept) while its layout is still the one the step
+    picks (``GroupLayouts.newest_fitting``) and the group's padded sizes are the same
+    object.
     """
 
-    layout: BufferLayout | None
     agreed: GroupLayouts
     device: torch.device
     world: int
     gathered: np.ndarray | None = None  # (world size, packed length), CPU groups only
     rows: list[Tensor] = field(default_factory=list)  # views of ``gathered``'s rows
     packings: RecentEntries[Packing] = field(default_factory=RecentEntries)
+    own: dict[float, BufferLayout] = field(default_factory=dict)  # by digest, its agreements
+    following: Packing | None = None  # an empty step's buffer, in no layout
+    followed: Packing | None = None  # an empty step's packing of the layout it followed
 
     def packing_for(self, metric_records: Mapping[str, Any], table: StateTable) -> Packing:
-        """How this rank packs this step: its metric records in layout order, the group's
-        padded sizes, and at the MAX part's end per placement whether this rank logged
-        it and the tail. A step that logged a name the layout lacks packs as empty with
-        "changed" set, and a tracker with no layout the group holds packs an empty one
-        with "changed" set, so every rank agrees again."""
+        """How this rank packs this step: its metric records in the newest recent layout
+        that holds their names, the group's padded sizes, and at the MAX part's end per
+        placement whether this rank logged it and the tail (that layout's digest). A
+        step whose names no recent layout holds packs an empty buffer with "changed"
+        set, so every rank agrees again. A step that logged nothing packs
+        ``following``'s buffer, which fits any layout its peers pick."""
+        if not metric_records:
+            return self._follower(table)
         current = list(metric_records.values())
-        packing, sizes = self.packings.get(current), self.agreed.sizes
-        if packing is not None and packing.layout is self.layout and packing.sizes is sizes:
+        packing, agreed = self.packings.get(current), self.agreed
+        sizes = agreed.sizes
+        if packing is not None and packing.sizes is not sizes:
+            packing = None  # made for other padding: its layout may have dropped
+        known = None if packing is None else packing.layout
+        layout = agreed.newest_fitting(metric_records, known, self.own)
+        if packing is not None and packing.layout is layout:
             return packing
-        layout = self.layout
-        if layout is None or not self.agreed.holds(layout):
-            layout = self.layout = self.agreed.guess(metric_records)
-        fits = layout is not None and layout.fits(metric_records)
-        tail = (
-            [0.0, layout.digest, -layout.digest] if fits and layout is not None else [1.0, 0.0, 0.0]
-        )
-        layout = layout or _NO_LAYOUT
+        tail = [1.0, 0.0, 0.0] if layout is None else [0.0, layout.digest, -layout.digest]
+        fits, layout = layout is not None, layout or _NO_LAYOUT
         metrics = in_order(metric_records if fits else {}, layout)
         end = np.zeros(sizes.maxes - layout.num_maxes)
-        end[: len(metrics)] = [
-            records is not None for records in metrics
-        ]  # this rank logged the name
+        # per placement, whether this rank logged the name
+        end[: len(metrics)] = [records is not None for records in metrics]
         end[-TAIL:] = tail
         packing = Packing.make(layout, metrics, table, sizes.sums, end)
         packing.sizes, packing.logged_all = sizes, fits and None not in metrics
         if fits:
             self.packings.put(current, packing)
+        return packing
+
+    def agreed_on(self, layout: BufferLayout) -> None:
+        """Record a layout every rank just agreed on (the union this tracker computed,
+        with its kind objects): the group's newest, and this tracker's copy of it."""
+        self.agreed.use(layout)
+        recent = {known.digest for known in self.agreed.layouts}
+        self.own = {d: mine for d, mine in self.own.items() if d in recent}
+        self.own[layout.digest] = layout
+
+    def _follower(self, table: StateTable) -> Packing:
+        """An empty step's packing: every slot its merge's identity (0 in the SUM part,
+        -inf in the whole MAX part, logged marks included) and the tail ``[0, -inf,
+        -inf]``. Whatever layout the peers packed, this buffer leaves their reduced
+        values as they are, and the reduced tail still carries their digest (all -inf:
+        no rank logged anything)."""
+        sizes = self.agreed.sizes
+        packing = self.following
+        if packing is None or packing.sizes is not sizes:
+            end = np.full(sizes.maxes, -math.inf)
+            end[-TAIL:] = [0.0, -math.inf, -math.inf]
+            packing = self.following = Packing.make(_NO_LAYOUT, [], table, sizes.sums, end)
+            packing.sizes, packing.logged_all = sizes, False
+        return packing
+
+    def follow(self, digest: float, table: StateTable) -> Packing:
+        """What an empty step unpacks with: a packing of the layout the peers reduced
+        the step in (the one with ``digest``), with nothing logged here."""
+        layout = self.own.get(digest) or self.agreed.with_digest(digest)
+        packing = self.followed
+        if packing is None or packing.layout is not layout:
+            none: list[MetricRecords | None] = [None] * len(layout.names)
+            packing = self.followed = Packing.make(layout, none, table)
+            packing.logged_all = False
         return packing
 
     def gather_rows(self, world: int, length: int) -> tuple[np.ndarray, list[Tensor]]:
@@ -357,12 +438,13 @@ class GroupSync:
         return self.gathered, self.rows
 
     def forget_packing(self) -> None:
-        """Drop the packings (the table's rows were renumbered); the agreed layout
-        stays, since it names metrics, not rows."""
+        """Drop the packings (the table's rows were renumbered); the group's layouts
+        stay, since they name metrics, not rows."""
         self.packings.clear()
+        self.following = self.followed = None
 
 
-_NO_LAYOUT = BufferLayout([])  # what a rank without a layout the group holds packs
+_NO_LAYOUT = BufferLayout([])  # what a step no recent layout holds packs, and an empty one
 
 # Per process group, the layouts agreed over it (keyed by the group object, weakly):
 # the same on every rank of the group, unlike each tracker's own cache.
@@ -376,14 +458,16 @@ def _group_sync(parts: SyncedParts, group: Any, wait: timedelta | None) -> Group
     sync = cache.get(group)
     if isinstance(sync, GroupSync):
         return sync
-    device, layout = comm_device(group), None
+    device = comm_device(group)
     agreed = _GROUP_LAYOUTS.get(group)
+    first = None
     if agreed is None:  # no tracker synced over this group yet, on any rank
         agreed = _GROUP_LAYOUTS[group] = GroupLayouts()
-        layout = agree_schema(parts, group, device, wait)
-        agreed.use(layout)
-    # else the step itself tells whether this rank's guess is its peers' layout
-    sync = cache[group] = GroupSync(layout, agreed, device, dist.get_world_size(group))
+        first = agree_schema(parts, group, device, wait)
+    # else the step itself tells whether every rank picked the same recent layout
+    sync = cache[group] = GroupSync(agreed, device, dist.get_world_size(group))
+    if first is not None:
+        sync.agreed_on(first)
     return sync
 
 
@@ -405,7 +489,11 @@ def sync_reduce(
         packing = sync.packing_for(metric_records, table)
         sums, maxes = _reduce(packing, table, sync, pg, wait)
         changed, high, neg_low = maxes[-TAIL:].tolist()
-        if changed == 0 and high == -neg_low:
+        if high == -math.inf:  # every rank's step was empty
+            return unpack(packing, table, sums[:0], maxes[:0], sync.device)
+        if changed == 0 and high == -neg_low:  # every rank that logged packed one layout
+            if packing is sync.following:
+                packing = sync.follow(high, table)
             layout = packing.layout
             sync.agreed.use(layout)  # every rank packed this layout
             size = layout.num_maxes
@@ -414,8 +502,7 @@ def sync_reduce(
             sums, maxes = sums[: layout.num_sums], maxes[:size]
             gather = partial(_gather_extras, group=pg, device=sync.device, wait=wait)
             return unpack(packing, table, sums, maxes, sync.device, logged, gather)
-        sync.layout = agree_schema(parts, pg, sync.device, wait)
-        sync.agreed.use(sync.layout)
+        sync.agreed_on(agree_schema(parts, pg, sync.device, wait))  # the newest: it fits
     raise RuntimeError("rlmetrics sync: ranks did not settle on a schema after re-agreeing")
 
 
