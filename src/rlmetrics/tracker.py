@@ -102,16 +102,9 @@ class LogTarget:
     device_timers: DeviceTimers
     """The tracker's device timers and tensor token counts not read yet (``timing``)."""
 
-    def _log(
-        self,
-        name: str,
-        kind: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
+    def _log(self, name: str, kind: str, *call: Any) -> None:
+        """One log call: ``name``, its kind's name, then ``value, weight, mask, by,
+        labels`` as the kind methods pass them."""
         raise NotImplementedError
 
     def mean(
@@ -455,17 +448,8 @@ class PrefixedTracker(LogTarget):
         self.prefix = prefix
         self.device_timers = tracker.device_timers
 
-    def _log(
-        self,
-        name: str,
-        kind: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        self.tracker._log(self.prefix + check_name(name), kind, value, weight, mask, by, labels)
+    def _log(self, name: str, kind: str, *call: Any) -> None:
+        self.tracker._log(self.prefix + check_name(name), kind, *call)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
