@@ -69,26 +69,33 @@ class MemoryReader:
     """Reads plain CPU tensors' elements, as bytes (immutable: nothing writes to them).
 
     A tensor logged again from the same memory (a reused buffer) is read through a
-    numpy view of that memory, made at its second read: cheaper than a foreign call.
-    The view is read only right after the tensor logged showed that memory as its own,
-    of the same size, so it never reads memory that no live tensor holds.
+    numpy view of that memory, made at its second read: cheaper than a ctypes array
+    made for each read. The view is read only right after the tensor logged showed
+    that memory as its own, of the same size, so it never reads memory that no live
+    tensor holds. The log call's hot path: each step is written out.
     """
 
-    __slots__ = ("key", "view")
+    __slots__ = ("address", "size", "view")
 
     def __init__(self) -> None:
-        self.key: tuple[int, int] = (0, 0)  # the last read's address and size
-        self.view: np.ndarray | None = None  # of the memory at ``key``, from its second read
+        self.address = self.size = 0  # the last read's memory
+        self.view: np.ndarray | None = None  # of that memory, from its second read
 
     def read(self, tensor: Tensor) -> bytes | None:
-        """``tensor``'s elements now, in its dtype and row-major order, or None."""
-        key = _memory(tensor)
-        address, size = key
-        if not size:
+        """``tensor``'s elements now, in its dtype and row-major order, or None where its
+        memory does not hold them as they read (see the module's docstring)."""
+        if not tensor.is_contiguous() or tensor.is_neg():
             return None
-        if key != self.key:
-            self.key, self.view = key, None
-            return _chars(size).from_address(address).raw
+        try:
+            address = tensor.data_ptr()
+        except RuntimeError:  # a tensor without storage (a functorch wrapper, a fake one)
+            return None
+        size = tensor.nbytes
+        if not address or not size:
+            return None
+        if address != self.address or size != self.size:
+            self.address, self.size, self.view = address, size, None
+            return (_CHARS.get(size) or _chars(size)).from_address(address).raw
         view = self.view
         if view is None:
             view = self.view = np.frombuffer(_chars(size).from_address(address), np.uint8)
