@@ -17,7 +17,11 @@ Rows (issue 30, item 1), each on CPU float32 tensors with a bool mask, host path
 * a step of ``calls`` calls of ``elements`` elements: ``t.mean(name, x, weight=mask)``
   per call then ``compute(sync=False)``, against the eager verl-style step (per call
   ``metrics[name].append(((x * mask).sum() / mask.sum()).item())``, then ``np.mean``
-  per name), in µs per call; target: at most the eager cost (stretch: half of it). Each
+  per name), in µs per call; target: at most the eager cost (stretch: half of it).
+  Three cases: fresh tensors each call over ``metrics`` names; and issue 44's
+  measurement, fresh tensors or one reused tensor and mask (a loss term logged each
+  micro-batch from a reused buffer) logged every call to one name, against its eager
+  way (per call ``(x * mask).sum().item()`` and ``mask.sum().item()`` added up). Each
   in two conditions, since a step's cost here is mostly memory traffic: caches in use
   (each contender's step timed right after an untimed one of its own, the best case)
   and caches evicted (a pass over ``--evict`` MB of other memory first, as a training
@@ -26,6 +30,12 @@ Rows (issue 30, item 1), each on CPU float32 tensors with a bool mask, host path
   ``compute(sync=False)``, in ns per element; target: at most 4 ns;
 * ``compute(sync=False)`` alone of 8 mean metrics with one python float each (the
   fixed cost of a step's end), in µs; target: at most 150 µs.
+
+A second table counts the torch ops one ``compute()`` dispatches (``op_count``) after
+100 and 4,000 log calls of issue 44's mixed step: 4 metrics in turn (a 1k float32
+tensor with a bool mask, a 0-d tensor, a python float, a 1k tensor to a max), host
+path, CPU tensors copied (the default) or recorded by reference; target: the same
+count whatever the calls.
 
 Every round runs each row's contenders once each, in a new shuffled order, so the
 machine's drift hits them alike; the table gives medians over the rounds. The
@@ -45,6 +55,7 @@ import torch
 
 from rlmetrics import Tracker
 
+from op_count import count_ops
 from results_md import load, machine, write_section
 
 START, END = "<!-- fold_bench:start -->", "<!-- fold_bench:end -->"
@@ -85,6 +96,20 @@ def eager_step(calls: list[Call]) -> Callable[[], dict[str, float]]:
         for name, x, mask in calls:
             metrics.setdefault(name, []).append(((x * mask).sum() / mask.sum()).item())
         return {name: float(np.mean(values)) for name, values in metrics.items()}
+
+    return step
+
+
+def eager_sums_step(calls: list[Call]) -> Callable[[], dict[str, float]]:
+    """Issue 44's eager way: per call the masked sum and the mask's count read at once,
+    added up; their quotient at the end (one name)."""
+
+    def step() -> dict[str, float]:
+        total = count = 0.0
+        for _, x, mask in calls:
+            total += (x * mask).sum().item()
+            count += mask.sum().item()
+        return {calls[0][0]: total / count}
 
     return step
 
@@ -160,6 +185,12 @@ def evictor(megabytes: int) -> Callable[[], object]:
 
 
 CONDITIONS = ("caches in use", "caches evicted")
+CASES = ("fresh", "fresh, one mean", "reused, one mean")
+CASE_NAMES = {
+    "fresh": "fresh tensors",
+    "fresh, one mean": "fresh tensors, one mean",
+    "reused, one mean": "one reused tensor, one mean",
+}
 
 
 def run(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -167,13 +198,21 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
     steps: dict[str, tuple[Callable[[], float], float]] = {}  # name -> (timed step, divisor)
     evict = evictor(args.evict)
     for calls in args.calls:
-        data = masked_calls(calls, args.elements, args.metrics, seed=calls)
-        mine, eager = rlmetrics_step(data), eager_step(data)
-        check(mine(), reference(data), f"{calls} calls")
-        for condition in CONDITIONS:
-            for name, step in (("rlmetrics", mine), ("eager", eager)):
-                before = step if condition == "caches in use" else evict
-                steps[f"{calls} calls {condition} {name}"] = (timed(step, before), 1000.0 * calls)
+        for case in CASES:
+            if case == "fresh":
+                data = masked_calls(calls, args.elements, args.metrics, seed=calls)
+            elif case == "fresh, one mean":
+                data = masked_calls(calls, args.elements, 1, seed=calls)
+            else:  # one tensor and mask, logged every call to one name
+                data = masked_calls(1, args.elements, 1, seed=calls) * calls
+            mine = rlmetrics_step(data)
+            eager = eager_step(data) if case == "fresh" else eager_sums_step(data)
+            check(mine(), reference(data), f"{calls} calls, {case}")
+            for condition in CONDITIONS:
+                for name, step in (("rlmetrics", mine), ("eager", eager)):
+                    before = step if condition == "caches in use" else evict
+                    key = f"{calls} calls {case} {condition} {name}"
+                    steps[key] = (timed(step, before), 1000.0 * calls)
     gen = torch.Generator().manual_seed(1)
     x, mask = torch.randn(args.big, generator=gen), torch.rand(args.big, generator=gen) > 0.3
     selected = x.numpy()[mask.numpy()].astype(np.float64)
@@ -196,6 +235,39 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
     return samples
 
 
+OP_CALLS = (100, 4000)
+OP_PATHS = {"host path, copied": True, "host path, by reference": False}
+
+
+def compute_ops(calls: int, copy: bool) -> int:
+    """Torch ops of one ``compute()`` after ``calls`` log calls of the mixed step."""
+    gen = torch.Generator().manual_seed(0)
+    tracker = Tracker()
+    tracker.copy_cpu_tensors = copy
+    for i in range(calls // 4):
+        x, mask = torch.randn(1000, generator=gen), torch.rand(1000, generator=gen) > 0.3
+        tracker.mean("masked", x, weight=mask)
+        tracker.mean("scalar", torch.tensor(float(i)))
+        tracker.mean("float", 0.5 * i)
+        tracker.max("max", x)
+    return count_ops(lambda: tracker.compute(sync=False)).total
+
+
+def op_table() -> list[str]:
+    """compute()'s torch ops after ``OP_CALLS`` calls, per path."""
+    rows = [
+        "| log calls take | "
+        + " | ".join(f"ops after {calls:,} calls" for calls in OP_CALLS)
+        + " | same count |",
+        "|---|" + "---:|" * len(OP_CALLS) + "---|",
+    ]
+    for path, copy in OP_PATHS.items():
+        counts = [compute_ops(calls, copy) for calls in OP_CALLS]
+        same = "yes" if len(set(counts)) == 1 else "no"
+        rows.append(f"| {path} | " + " | ".join(map(str, counts)) + f" | {same} |")
+    return rows
+
+
 def markdown(samples: dict[str, list[float]], args: argparse.Namespace) -> list[str]:
     """The table: per row the medians, the ratio to the eager way or the target, met."""
     med = {name: statistics.median(xs) for name, xs in samples.items()}
@@ -204,15 +276,16 @@ def markdown(samples: dict[str, list[float]], args: argparse.Namespace) -> list[
         "|---|---:|---:|---:|---|---|",
     ]
     for calls in args.calls:
-        for condition in CONDITIONS:
-            mine = med[f"{calls} calls {condition} rlmetrics"]
-            eager = med[f"{calls} calls {condition} eager"]
-            ratio = mine / eager
-            met = "yes, stretch too" if ratio <= 0.5 else "yes" if ratio <= 1 else "no"
-            rows.append(
-                f"| {calls} calls, {condition}, µs per call | {mine:.2f} | {eager:.2f} "
-                f"| {ratio:.2f} | <= 1.00 (stretch 0.50) | {met} |"
-            )
+        for case in CASES:
+            for condition in CONDITIONS:
+                mine = med[f"{calls} calls {case} {condition} rlmetrics"]
+                eager = med[f"{calls} calls {case} {condition} eager"]
+                ratio = mine / eager
+                met = "yes, stretch too" if ratio <= 0.5 else "yes" if ratio <= 1 else "no"
+                rows.append(
+                    f"| {calls} calls, {CASE_NAMES[case]}, {condition}, µs per call "
+                    f"| {mine:.2f} | {eager:.2f} | {ratio:.2f} | <= 1.00 (stretch 0.50) | {met} |"
+                )
     for kind in KINDS:
         ns = med[f"{kind} rlmetrics"]
         met = "yes" if ns <= NS_PER_ELEMENT else "no"
@@ -225,7 +298,9 @@ def markdown(samples: dict[str, list[float]], args: argparse.Namespace) -> list[
     rows += [
         "",
         f"Steps of {' and '.join(map(str, args.calls))} calls of {args.elements} float32 "
-        f"elements with a bool mask over {args.metrics} mean metrics; one call of "
+        f"elements with a bool mask: fresh tensors over {args.metrics} mean metrics, fresh "
+        "tensors to one mean metric, or one tensor and mask logged every call to one mean "
+        "metric (the last two against issue 44's eager way, see the script); one call of "
         f"{args.big} elements per kind; caches evicted by a pass over {args.evict} MB; "
         f"medians of {args.rounds} rounds, thread time.",
     ]
@@ -255,6 +330,12 @@ def main(argv: list[str] | None = None) -> None:
             f"Machine: {machine('torch threads 1', loads)}.",
             "",
             *markdown(samples, args),
+            "",
+            "Torch ops one `compute()` dispatches after 100 and 4,000 log calls of 4 metrics "
+            "in turn (a 1k float32 tensor with a bool mask, a 0-d tensor, a python float, a "
+            "1k tensor to a max), host path; target: the same count:",
+            "",
+            *op_table(),
             END,
         ]
     )

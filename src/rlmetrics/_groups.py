@@ -375,7 +375,7 @@ def split_tensor(call: Deferred) -> list[Part]:
         value = torch.tensor(prepared.number, dtype=torch.float64, device=device)
     elif type(value) is float:  # a copied 0-d tensor
         value = torch.tensor(value, dtype=torch.float64, device=device)
-    value = torch.as_tensor(value, device=device)
+    value = _tensor_of(value, device)
     width = _width(tuple(labels.shape), prepared.shape)
     if names is None:  # tensor labels: sorted, then read (the sync)
         sorted_labels, row_order = torch.sort(cast(Tensor, labels).reshape(-1), stable=True)
@@ -391,11 +391,20 @@ def split_tensor(call: Deferred) -> list[Part]:
     order = _element_order(row_order, width)
     values = value.reshape(-1).index_select(0, order).split(sizes)
     if isinstance(weight, np.ndarray | Tensor):
-        weight = torch.as_tensor(weight, device=device).reshape(-1).index_select(0, order)
+        weight = _tensor_of(weight, device).reshape(-1).index_select(0, order)
         weights = weight.split(sizes)
     else:
         weights = [prepared.weight_number if prepared.value is None else weight] * len(sizes)
     return list(zip(parts, values, weights, strict=True))
+
+
+def _tensor_of(record: Any, device: torch.device) -> Tensor:
+    """A prepared value or weight as a tensor on ``device``. A read-only array (a CPU
+    tensor's copy, ``rlmetrics._engine.copies``) is copied first: torch makes no tensor
+    that shares read-only memory."""
+    if isinstance(record, np.ndarray) and not record.flags.writeable:
+        record = record.copy()
+    return torch.as_tensor(record, device=device)
 
 
 def _width(labels: tuple[int, ...], shape: tuple[int, ...]) -> int:

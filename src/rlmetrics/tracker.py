@@ -562,7 +562,7 @@ class Tracker(LogTarget):
     reach a record unseen. Device tensors are recorded by reference (a copy would cost a
     device operation per call), their version counter checked at the fold
     (docs/concepts.md). False records CPU tensors by reference too, with the same checks:
-    a caller that never changes a logged CPU tensor before the step's end saves a clone
+    a caller that never changes a logged CPU tensor before the step's end saves a copy
     per tensor; tests use it to run the device tensors' checks on the CPU."""
 
     record_limit: int = 1 << 22

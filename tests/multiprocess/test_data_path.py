@@ -18,6 +18,7 @@ from gloo_ranks import run_ranks
 WALK = (
     "rlmetrics.tracker",
     "rlmetrics._engine.record",
+    "rlmetrics._engine.copies",
     "rlmetrics._engine.sync",
     "rlmetrics._engine.fold",
     "rlmetrics._engine.plan",

@@ -542,6 +542,47 @@ def test_a_cpu_tensor_changed_unseen_after_the_call_logs_its_values_at_the_call(
     same(t.compute(), expected)
 
 
+@pytest.mark.parametrize("how", UNSEEN)
+@pytest.mark.parametrize("role", ["value", "weight", "mask"])
+def test_a_cpu_tensor_logged_again_and_changed_unseen_logs_its_values_at_each_call(
+    role: str, how: str
+) -> None:
+    """The host path copies a CPU tensor from its memory: through a view of that memory
+    from its second read on, and a weight equal to its last copy is recorded as that
+    copy again. Logged five times, changed unseen before calls 1, 3 and 4 (so one call
+    logs it unchanged), the step reports numpy's weighted sum over its values at each
+    call."""
+    x = np.array([0.5, -1.0, 3.0, 2.0, 7.0, 1.5])
+    w = np.array([1.0, 0.0, 2.0, 0.5, 1.0, 3.0])
+    mask = np.array([True, False, True, True, False, True])
+    arrays = {"value": x.copy(), "weight": mask.copy() if role == "mask" else w.copy()}
+    tensors = {key: torch.from_numpy(array) for key, array in arrays.items()}
+    changed = "weight" if role == "mask" else role
+    t = Tracker()
+    logged = []
+    for call in range(5):
+        if call in (1, 3, 4):
+            _unseen_change(how, tensors[changed], arrays[changed])
+        t.sum("m", tensors["value"], tensors["weight"])
+        logged.append({key: array.copy() for key, array in arrays.items()})
+    value = np.concatenate([now["value"] for now in logged])
+    weight = np.concatenate([now["weight"] for now in logged])
+    same(t.compute(), reference("sum", "m", value, weight))
+
+
+def test_a_mask_given_other_data_between_calls_logs_its_values_at_each_call() -> None:
+    """``mask.data = other`` (same dtype and shape) moves no version counter: the call
+    after it records the new elements, not the last call's copy."""
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    mask = torch.tensor([True, True, False, False])
+    t = Tracker()
+    t.mean("m", x, weight=mask)
+    t.mean("m", x, weight=mask)
+    mask.data = torch.tensor([False, False, True, True])
+    t.mean("m", x, weight=mask)
+    assert t.compute() == {"m": pytest.approx((1 + 2 + 1 + 2 + 3 + 4) / 6)}
+
+
 # -- tensors of any strides ----------------------------------------------------------------------
 SHAPE = (2, 3, 4, 5)
 

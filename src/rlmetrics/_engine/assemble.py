@@ -18,14 +18,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlmetrics._engine.copies import memory_view
 from rlmetrics._engine.inputs import REAL_DTYPES
 from rlmetrics._engine.plan import HostScratch
 from rlmetrics._engine.record import BOOL, MetricRecords
 from rlmetrics.kinds.batch import Array, to_device
 
-SCRATCH_JOINS = {torch.float32: (np.float64, np.float32), BOOL: (np.bool_, np.bool_)}
-"""The tensor dtypes a host fold joins into its scratch: per dtype, the dtype asked of
-the join and the buffer's (float32 values, widened later; bool masks)."""
+SCRATCH_JOINS = {
+    torch.float32: (np.float64, np.float32),
+    BOOL: (np.bool_, np.bool_),
+    np.dtype(np.float32): (np.float64, np.float32),
+    np.dtype(np.bool_): (np.bool_, np.bool_),
+}
+"""The dtypes of tensors, or of host arrays, that a host fold joins into its scratch:
+per dtype, the dtype asked of the join and the buffer's (float32 values, widened later;
+bool masks). Host arrays of float32 are CPU tensors' copies (``rlmetrics._engine.copies``)."""
 
 MASK_DTYPES = frozenset({BOOL, np.dtype(np.bool_)})
 """The dtypes of a weight part (a tensor or a host array) that is a bool mask."""
@@ -64,6 +71,8 @@ def joined(arrays: list[Array], device: torch.device | None) -> Array:
 
 
 ONLY_TENSORS = {Tensor}
+ONLY_ARRAYS = {np.ndarray}
+_get_size = attrgetter("size")
 
 
 def _types(items: Sequence[Any]) -> set[type]:
@@ -85,10 +94,12 @@ class Parts:
 
     def add(self, records: MetricRecords) -> None:
         values, weights = records.values, records.weights
-        if _types(values) == ONLY_TENSORS and _types(weights) == ONLY_TENSORS:
-            # tensor values with tensor weights (a mask, most often): the parts as they are
+        types = _types(values)
+        if types in (ONLY_TENSORS, ONLY_ARRAYS) and _types(weights) == types:
+            # tensor (or host array) values with weights of the same type (a mask, most
+            # often): the parts as they are
             self.flush()
-            sizes = list(map(Tensor.numel, values))
+            sizes = list(map(Tensor.numel if types == ONLY_TENSORS else _get_size, values))
             self.values += values
             self.weights += weights
             self.call_lengths += sizes
@@ -150,6 +161,10 @@ def assemble(
     (``IN_PLACE_PARTS``), are instead copied into place one by one, with numpy.
     """
     host, classes = _classes(parts, device is not None)
+    if scratch is not None and host and not classes:
+        joined_host = _host_into_scratch(parts, dtype, scratch)
+        if joined_host is not None:
+            return joined_host
     if scratch is not None and not host and len(classes) == 1:
         (((part_dtype, dims, *_), members),) = classes.items()
         asked, kept = SCRATCH_JOINS.get(part_dtype, (None, None))
@@ -166,7 +181,11 @@ def assemble(
         sizes = list(map(part_size, parts))
         large = interleaved and sum(sizes) >= IN_PLACE_PART_SIZE * len(parts)
         if len(parts) <= IN_PLACE_PARTS or large:
-            return _in_place(parts, sizes, dtype)
+            arrays = [p if isinstance(p, np.ndarray) else memory_view(p) for p in parts]
+            # a tensor without a view is read by Tensor.numpy, a torch operation: at most
+            # IN_PLACE_PARTS of them, so that a fold's operations do not follow its calls
+            if sum(a is None for a in arrays) <= IN_PLACE_PARTS:
+                return _in_place(parts, arrays, sizes, dtype)
     blocks: list[Any] = []
     if host:
         flat = [_flat_host(parts[i], dtype) for i in host]
@@ -193,6 +212,24 @@ def assemble(
     return flat_all
 
 
+def _host_into_scratch(parts: Sequence[Any], dtype: type, scratch: HostScratch) -> Any:
+    """Host arrays all of one dtype that ``SCRATCH_JOINS`` joins (float32 asked as
+    float64, bool as bool) as one flat array in ``scratch``'s buffer of that dtype; else
+    None."""
+    dtypes = set(map(_get_dtype, parts))
+    if len(dtypes) != 1:
+        return None
+    asked, kept = SCRATCH_JOINS.get(dtypes.pop(), (None, None))
+    if asked is not dtype:
+        return None
+    flat = [part.reshape(-1) if part.ndim != 1 else part for part in parts]
+    out = scratch.take(sum(map(len, flat)), kept)
+    if len(flat) > 1:
+        return np.concatenate(flat, out=out)
+    out[:] = flat[0]
+    return out
+
+
 def _classes(
     parts: Sequence[Any], devices: bool
 ) -> tuple[list[int], dict[tuple[Any, ...], list[int]]]:
@@ -202,7 +239,10 @@ def _classes(
     ones."""
     host: list[int] = []
     classes: dict[tuple[Any, ...], list[int]] = {}
-    if not devices and _types(parts) == ONLY_TENSORS:  # one class, most often: 1-D, one dtype
+    types = _types(parts)
+    if types == ONLY_ARRAYS:  # host arrays only: a host fold's copies of CPU tensors, most often
+        return list(range(len(parts))), classes
+    if not devices and types == ONLY_TENSORS:  # one class, most often: 1-D, one dtype
         dtypes = set(map(_get_dtype, parts))
         if len(dtypes) == 1 and set(map(Tensor.dim, parts)) == {1}:
             return host, {(dtypes.pop(), 1): list(range(len(parts)))}
@@ -224,14 +264,18 @@ def _classes(
     return host, classes
 
 
-def _in_place(parts: Sequence[Any], sizes: list[int], dtype: type) -> np.ndarray:
+def _in_place(
+    parts: Sequence[Any], arrays: list[np.ndarray | None], sizes: list[int], dtype: type
+) -> np.ndarray:
     """Host parts and CPU tensors of dtypes numpy holds, each copied (and converted) into
-    its place in one new ``dtype`` array: already in order, one pass over the data."""
+    its place in one new ``dtype`` array: already in order, one pass over the data.
+    ``arrays``: each part as an array (a tensor's ``copies.memory_view``), or None for a
+    tensor read by ``Tensor.numpy``."""
     out: np.ndarray = np.empty(sum(sizes), dtype)
     start = 0
-    for part, size in zip(parts, sizes, strict=True):
+    for part, array, size in zip(parts, arrays, sizes, strict=True):
         end = start + size
-        out[start:end] = (part.numpy() if isinstance(part, Tensor) else part).reshape(-1)
+        out[start:end] = (part.numpy() if array is None else array).reshape(-1)
         start = end
     return out
 

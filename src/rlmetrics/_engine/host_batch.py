@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -380,11 +381,25 @@ def _by_segments(
     The elements of each key lie together in ascending order of keys. The keys with an
     element (``nonempty``; None: all) start at ``starts``. A key without one gets 0 for
     ``np.add``, -inf for ``np.maximum``, inf for ``np.minimum``; NaN wins. A segment's
-    sum is added in ``reduceat``'s order, which depends on its elements only, not on
-    where they lie."""
+    order of additions depends on its elements only, not on where they lie. Up to
+    ``FEW_ROWS`` segments are summed one by one (``np.add.reduce``, pairwise): twice as
+    fast per element as ``reduceat``, and as exact or more."""
     if nonempty is None:
-        return ufunc.reduceat(x, starts, dtype=np.float64)
+        return _segments(ufunc, x, starts)
     out = np.full(size, _EMPTY[ufunc])
     if len(starts):
-        out[nonempty] = ufunc.reduceat(x, starts, dtype=np.float64)
+        out[nonempty] = _segments(ufunc, x, starts)
     return out
+
+
+def _segments(ufunc: np.ufunc, x: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``ufunc`` over each segment of ``x`` from one of ``starts`` (ascending, each
+    segment non-empty) to the next, in float64."""
+    if ufunc is not np.add or len(starts) > FEW_ROWS:
+        return ufunc.reduceat(x, starts, dtype=np.float64)
+    bounds = [*starts.tolist(), len(x)]
+    reduce = np.add.reduce
+    return np.array(
+        [reduce(x[a:b], dtype=np.float64) for a, b in pairwise(bounds)],
+        dtype=np.float64,
+    )

@@ -11,9 +11,11 @@ non-finite values under ``nonfinite="error"``.
 Records keep references, so nothing logged may change before the step ends:
 
 * A numpy array or list is copied here: numpy cannot notice a later write.
-* A CPU tensor is copied too (``inputs.host_copy``), unless ``Tracker.copy_cpu_tensors``
-  is False. Torch counts no write made through memory it shares with numpy, nor
-  through ``tensor.data``.
+* A CPU tensor is copied too, unless ``Tracker.copy_cpu_tensors`` is False. Torch
+  counts no write made through memory it shares with numpy, nor through
+  ``tensor.data``. For a host fold the copy is the tensor's bytes, read from its memory
+  (``rlmetrics._engine.copies``); a mask logged again unchanged is recorded as its last
+  copy again (``CheckedWeight.host_copy``). Else the copy is a clone (``inputs.host_copy``).
 * An inference tensor is copied: torch keeps it no version counter.
 * A tensor recorded by reference (a device tensor) has its version counter recorded.
   An in-place change before the fold raises there (docs/concepts.md lists the changes
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlmetrics._engine.copies import NUMPY_DTYPE_OF, MemoryReader, memory_array
 from rlmetrics._engine.inputs import (
     REAL_DTYPES,
     STRIDED,
@@ -355,17 +358,48 @@ class CheckedWeight:
     ``last`` holds the weight as logged, its version, dtype, shape and size, its device
     (None on the CPU) and whether its data is checked at the fold; or ``NOT_CHECKED``.
     It keeps the weight alive until the tracker's next fold or reset.
+
+    ``copied`` holds the last CPU weight a host fold's log call copied (``host_copy``):
+    its dtype, its bytes and the array recorded; or ``NOT_COPIED``. ``values`` and
+    ``weights`` read CPU tensors' memory for a host fold's copies
+    (``rlmetrics._engine.copies``).
     """
 
     NOT_CHECKED = (None, -1, None, None, 0, None, False)
+    NOT_COPIED = (None, b"", None)
 
-    __slots__ = ("last",)
+    __slots__ = ("copied", "last", "values", "weights")
 
     def __init__(self) -> None:
         self.last: tuple[Any, ...] = self.NOT_CHECKED
+        self.copied: tuple[Any, ...] = self.NOT_COPIED
+        self.values = MemoryReader()
+        self.weights = MemoryReader()
 
     def clear(self) -> None:
         self.last = self.NOT_CHECKED
+        self.copied = self.NOT_COPIED
+
+    def host_copy(self, weight: Tensor, shape: torch.Size) -> np.ndarray | Tensor | float:
+        """A CPU tensor weight's elements now, for a host fold.
+
+        A weight is most often one mask logged again and again, unchanged. Whether it
+        changed cannot be known from the tensor: a write through memory it shares with
+        numpy moves no version counter. So its bytes are read (``MemoryReader``) and
+        compared with those of the last copy made here. Equal, with the same dtype, the
+        record is that copy again, which nothing can write to. Else the bytes become
+        the new copy (``memory_array``). A weight whose memory cannot be read so
+        (``MemoryReader.read``) is cloned (``_weight_copy``).
+        """
+        dtype = weight.dtype
+        memory = self.weights.read(weight) if shape and dtype in NUMPY_DTYPE_OF else None
+        if memory is None:
+            return _weight_copy(weight, shape)
+        last_dtype, last_memory, array = self.copied
+        if dtype is not last_dtype or memory != last_memory:
+            array = memory_array(memory, dtype)
+            self.copied = (dtype, memory, array)
+        return array
 
 
 def record_tensor(
@@ -397,7 +431,11 @@ def record_tensor(
         weight, version, size, device, check_data = _check_weight(name, weight, shape, checked)
         if device is None:
             if copy:  # its values now (its checks may be kept: they read no data)
-                weight, version = _weight_copy(weight, shape), None
+                if on_host:
+                    weight = checked.host_copy(weight, shape)
+                else:
+                    weight = _weight_copy(weight, shape)
+                version = None
         elif on_host:  # a CPU value with a device weight: the fold runs there
             on_host = False
         else:
@@ -410,7 +448,9 @@ def record_tensor(
         size = shape.numel()
     if not on_host and device is None:
         device = value
-    value, value_version, weight = _capture_value(value, weight, shape, cpu and copy)
+    value, value_version, weight = _capture_value(
+        value, weight, shape, cpu and copy, checked.values if on_host else None
+    )
     # each tensor recorded by reference, then its version (one extend a call)
     if version is None:
         versions: tuple[Any, ...] = () if value_version is None else (value, value_version)
@@ -495,22 +535,28 @@ def _weight_copy(weight: Tensor, shape: torch.Size) -> Tensor | float:
 
 
 def _capture_value(
-    value: Tensor, weight: Any, shape: torch.Size, copy: bool
+    value: Tensor, weight: Any, shape: torch.Size, copy: bool, reader: MemoryReader | None
 ) -> tuple[Any, int | None, Any]:
     """A tensor value as recorded, its version (None for a copy) and its weight.
 
     ``copy`` (a CPU tensor, ``Tracker.copy_cpu_tensors``): its values now. A copied 0-d
     tensor becomes a python float (``tolist`` reads it without a torch operation) with
-    a python weight; with a tensor weight, a 0-d array. Any other copy is a clone,
-    which nothing else holds. A value recorded by reference is detached (a view: the
-    record must not keep the graph alive); an inference tensor is copied (torch keeps
-    it no version counter).
+    a python weight; with a tensor weight, a 0-d array. For a host fold (``reader``),
+    any other copy is its bytes as a flat read-only array (``MemoryReader``). Else, or
+    where its memory cannot be read so, it is a clone, which nothing else holds. A value
+    recorded by reference is detached (a view: the record must not keep the graph
+    alive); an inference tensor is copied (torch keeps it no version counter).
     """
     if copy and not shape:
         if type(weight) is Tensor:  # a device weight: the value is an array
             return host_copy(value), None, weight
         number = float(value.tolist())  # type: ignore[arg-type]
         return number, None, 1.0 if weight is None else weight
+    if reader is not None and copy:
+        dtype = value.dtype
+        memory = reader.read(value) if dtype in NUMPY_DTYPE_OF else None
+        if memory is not None:
+            return memory_array(memory, dtype), None, weight
     if value.requires_grad:
         value = value.detach()
     if copy:  # never an inference tensor (as host_copy)
