@@ -152,11 +152,18 @@ def test_fold_bench_runs_end_to_end(
     args = ["--rounds", "1", "--calls", "5", "20", "--elements", "10", "--big", "1000"]
     bench["fold_bench"].main([*args, "--evict", "1", "--no-write"])
     out = capsys.readouterr().out
+    fold_bench = bench["fold_bench"]
     for calls in (5, 20):
-        for condition in bench["fold_bench"].CONDITIONS:
-            assert f"| {calls} calls, {condition}, µs per call |" in out
-    assert all(f"| {kind}, ns per element |" in out for kind in bench["fold_bench"].KINDS)
+        for case in fold_bench.CASES:
+            for condition in fold_bench.CONDITIONS:
+                row = f"| {calls} calls, {fold_bench.CASE_NAMES[case]}, {condition}, µs per call |"
+                assert row in out
+    assert all(f"| {kind}, ns per element |" in out for kind in fold_bench.KINDS)
     assert "| compute of 8 metrics, µs |" in out
+    for path in fold_bench.OP_PATHS:  # compute()'s torch ops after 100 and 4,000 calls
+        assert f"| {path} | " in out and out.split(f"| {path} | ")[1].split("\n")[0].endswith(
+            "yes |"
+        )
 
 
 def test_framework_overhead_pairs_steps_and_alternates_runs(bench: dict[str, ModuleType]) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from rlmetrics import SyncTimeoutError, Tracker, TrackerState
+from rlmetrics import RejectedInputError, SyncTimeoutError, Tracker, TrackerState
 from rlmetrics._engine import sync as rd
 
 from gloo_ranks import ok_results, run_ranks, run_together
@@ -427,6 +427,30 @@ def test_nan_propagates_through_max_on_every_rank(two_ranks: Session) -> None:
         assert result["finite"] == 0.0
 
 
+def rejected_reasons(rank: int, world: int) -> tuple[str, dict]:
+    """Under ``nonfinite="error"``, rank 0 logs a NaN value and rank 1 a negative weight
+    to one metric: every rank's error counts both calls, each with its reason; the
+    step's other calls come back at the next compute()."""
+    tracker = Tracker(nonfinite="error")
+    tracker.mean("ok", torch.tensor([1.0, 2.0 + rank]))
+    if rank == 0:
+        tracker.mean("loss", torch.tensor([1.0, math.nan]))
+    else:
+        tracker.mean("loss", torch.tensor([1.0, 2.0]), weight=torch.tensor([1.0, -1.0]))
+    try:
+        tracker.compute(timeout=30)
+    except RejectedInputError as error:
+        return str(error), tracker.compute(timeout=30)
+    raise AssertionError("no RejectedInputError")
+
+
+def test_a_rejected_calls_reason_is_counted_over_every_rank(two_ranks: Session) -> None:
+    for message, after in ok_results(two_ranks["rejected_reasons"]):
+        assert "'loss' (mean): 2 (1 with a non-finite value, 1 with a negative or " in message
+        assert "'ok'" not in message
+        assert after == {"ok": 1.75}  # (1 + 2 + 1 + 3) / 4
+
+
 def both_paths_tracker(rank: int, world: int, seed: int, dyadic: bool) -> Tracker:
     """Every kind (random shares and micro-batches), NaN and inf on some ranks. With
     ``dyadic`` the values are multiples of 1/1024 below 2**10 in magnitude, so every sum
@@ -561,6 +585,7 @@ def two_ranks() -> Session:
         "kind_conflict": (kind_conflict, ()),
         "configured_differently": (configured_differently, ()),
         "nan_in_max": (nan_in_max, ()),
+        "rejected_reasons": (rejected_reasons, ()),
         "both_paths": (both_paths, ()),
         "changing_steps": (changing_steps, ()),
     }

@@ -707,3 +707,58 @@ def test_a_weight_given_new_data_by_dot_data_is_checked_as_a_new_tensor(case: st
         same(t.compute(), reference("mean", "m", x0, np.array(first, dtype=np.float64)))
     else:
         same(t.compute(), reference("mean", "m", np.r_[x0, x1], weights))
+
+
+REASON = {
+    "value": "with a non-finite value",
+    "weight": "with a negative or non-finite weight*",
+}
+"""The reason a rejection message gives for each rule a call broke."""
+
+
+@pytest.mark.parametrize(
+    ("calls", "counted"),
+    [
+        ([("value", NAN)], {"value": 1}),
+        ([("value", INF), ("value", -INF)], {"value": 2}),
+        ([("weight", -1.0)], {"weight": 1}),
+        ([("weight", NAN)], {"weight": 1}),
+        ([("value", NAN), ("weight", -1.0), ("weight", INF)], {"value": 1, "weight": 2}),
+    ],
+)
+def test_a_rejection_names_the_metric_the_calls_and_the_rule_each_broke(
+    calls: list[tuple[str, float]], counted: dict[str, int]
+) -> None:
+    """Under nonfinite="error" the message tells a non-finite value from a bad weight,
+    per metric, with the count of each; the next compute() has every other call, and the
+    counts do not carry into it."""
+    t = Tracker(nonfinite="error")
+    t.mean("ok", torch.tensor(GOOD))
+    for rule, bad in calls:
+        if rule == "value":
+            t.mean("m", torch.tensor([1.0, bad]))
+        else:
+            t.mean("m", torch.tensor(GOOD), weight=torch.tensor([1.0, bad]))
+    t.mean("m", torch.tensor(GOOD))  # a good call of the same metric is kept
+    with pytest.raises(RejectedInputError) as info:
+        t.compute()
+    message = str(info.value)
+    parts = [f"{counted[rule]} {REASON[rule]}" for rule in ("value", "weight") if rule in counted]
+    assert f"'m' (mean): {len(calls)} ({', '.join(parts)})" in message
+    assert "'ok'" not in message
+    assert ("*or a negative or non-finite token count" in message) == ("weight" in counted)
+    assert t.compute() == {"ok": 2.0, "m": 2.0}
+    t.mean("m", torch.tensor([1.0, NAN]))
+    with pytest.raises(RejectedInputError, match=r"'m' \(mean\): 1 \(1 with a non-finite value\)"):
+        t.compute()
+
+
+@pytest.mark.parametrize("policy", ["propagate", "skip"])
+def test_without_error_a_rejection_is_a_bad_weight(policy: str) -> None:
+    """Under the other policies a value is never rejected: every rejected call broke a
+    weight's rule (and a skipped element is no rejected call)."""
+    t = Tracker(nonfinite=policy)
+    t.mean("m", torch.tensor([NAN, 1.0]), weight=torch.tensor([1.0, -1.0]))
+    t.mean("m", torch.tensor([NAN, 1.0]))
+    with pytest.raises(RejectedInputError, match=r"'m' \(mean\): 1 \(1 with a negative or non"):
+        t.compute()

@@ -104,6 +104,7 @@ def fold(
         ModifiedInputError: a logged tensor changed in place. The records of the metrics
             named are dropped (reported once); every other metric is folded.
     """
+    table.value_rejections = nonfinite == "error"  # what ``_screen`` counts first
     Fold(table, caches, nonfinite, numbers).run(metrics, flat_only)
 
 
@@ -358,17 +359,27 @@ def _screen(
     batch: Batch, layout: ElementOrder, device: torch.device | None, nonfinite: str
 ) -> Array:
     """Apply the rules that need the data to ``batch``'s weights (a rejected call's and,
-    under "skip", a non-finite element's become 0); per metric, [skipped, rejected]."""
+    under "skip", a non-finite element's become 0); per metric, [skipped, rejected].
+
+    Under "error" nothing is skipped: the first count is then the calls rejected for a
+    non-finite value alone (their weights were valid), so the error can say which rule
+    each rejected call broke (``StateTable.value_rejections``)."""
     call_length = layout.call_lengths
     value, weight = batch.values, batch.weights
     calls = on_backend(np.repeat(np.arange(len(call_length)), call_length), device)
-    bad = ~((weight >= 0) & (weight < math.inf))  # NaN fails both
+    call_rows = on_backend(layout.call_rows, device)
+    bad_weight = ~((weight >= 0) & (weight < math.inf))  # NaN fails both
+    bad = bad_weight
     if nonfinite == "error":
-        bad = bad | ((weight > 0) & ~batch.isfinite(value))
+        bad = bad_weight | ((weight > 0) & ~batch.isfinite(value))
     call_bad = batch.sum_by(bad * 1.0, calls, len(call_length)) > 0
-    rejected = batch.sum_by(call_bad * 1.0, on_backend(layout.call_rows, device), batch.num_rows)
+    rejected = batch.sum_by(call_bad * 1.0, call_rows, batch.num_rows)
+    if nonfinite == "error":
+        weight_ok = batch.sum_by(bad_weight * 1.0, calls, len(call_length)) == 0
+        skipped = batch.sum_by((call_bad & weight_ok) * 1.0, call_rows, batch.num_rows)
+    else:
+        skipped = rejected * 0.0
     weight = batch.where(call_bad[calls], 0.0, weight)
-    skipped = rejected * 0.0
     if nonfinite == "skip":
         finite = batch.isfinite(value)
         skipped = batch.sum_by(((weight > 0) & ~finite) * 1.0)

@@ -228,7 +228,8 @@ def unpack(
     if np.count_nonzero(counts):
         rejected = counts[1::NUM_COUNTS]
         if rejected.any():
-            _raise_rejected(layout, rejected)
+            by_value = counts[0::NUM_COUNTS] if table.value_rejections else None
+            _raise_rejected(layout, rejected, by_value)
         nonfinite = nonfinite_counts(layout, sums)
     extras: dict[str, object] = {}
     if layout.extra_placements:
@@ -242,17 +243,37 @@ def unpack(
     return ReducedStep(layout, sums, maxes[: layout.num_maxes], extras, keep, nonfinite)
 
 
-def _raise_rejected(layout: BufferLayout, counts: np.ndarray) -> None:
-    rejected = [
-        f"{place.name!r} ({place.kind.name}): {int(n)}"
-        for place, n in zip(layout.placements, counts, strict=True)
-        if n > 0
-    ]
+def _raise_rejected(
+    layout: BufferLayout, rejected: np.ndarray, by_value: np.ndarray | None
+) -> None:
+    """Raise the step's ``RejectedInputError``: per metric, its rejected calls over every
+    rank, and which rule they broke. ``by_value``: per placement, the calls rejected for
+    a non-finite value under ``nonfinite="error"`` (None: the tracker's policy is
+    another). The fold cannot tell the other rules apart: each zeroes the call's
+    weights."""
+    parts, footnote = [], ""
+    for row, place in enumerate(layout.placements):
+        calls = int(rejected[row])
+        if calls <= 0:
+            continue
+        for_value = 0 if by_value is None else min(int(by_value[row]), calls)
+        reasons = [
+            f"{n} with {why}"
+            for n, why in (
+                (for_value, "a non-finite value"),
+                (calls - for_value, "a negative or non-finite weight*"),
+            )
+            if n
+        ]
+        parts.append(f"{place.name!r} ({place.kind.name}): {calls} ({', '.join(reasons)})")
+        if for_value < calls:
+            footnote = (
+                ". *or a negative or non-finite token count of throughput(), or a tensor "
+                "changed in place after its log call on some rank"
+            )
     raise RejectedInputError(
-        "tensor log calls were rejected (negative or non-finite weights, non-finite "
-        "values under nonfinite='error', a negative or non-finite tensor token count of "
-        "throughput(), or, on some rank, tensors changed in place before compute()) and "
-        "dropped; rejected calls per metric: " + ", ".join(rejected)
+        "tensor log calls were rejected and dropped (the step's other calls are kept); "
+        "rejected calls per metric, over every rank: " + "; ".join(parts) + footnote
     )
 
 

@@ -69,6 +69,10 @@ class StateTable:
         self.extra_kinds: dict[int, ExtraKind] = {}
         self.device_part: DevicePart | None = None
         self.version = 0  # changes when rows are renumbered (``compacted``)
+        self.value_rejections = False
+        """Whether the first count is the calls rejected for a non-finite value (the
+        tracker's ``nonfinite="error"``, where no element is skipped) rather than the
+        non-finite elements skipped."""
         self._starts: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
@@ -109,6 +113,7 @@ class StateTable:
         (names that came and went drop out)."""
         table = StateTable()
         table.version = self.version + 1
+        table.value_rejections = self.value_rejections
         for records in metrics:
             records.row = table.add_row(records.kind)
             records.table = table
@@ -253,10 +258,12 @@ class StateTable:
         return count
 
     def forget_rejected(self) -> None:
-        """Zero every rejected-call count (once reported)."""
-        self.counts[:, -1] = 0.0
+        """Zero every rejected-call count (once reported), and the counts of calls
+        rejected for a non-finite value where the first count holds them."""
+        counts = slice(None) if self.value_rejections else -1
+        self.counts[:, counts] = 0.0
         if self.device_part is not None:
-            self.device_part.counts[:, -1] = 0.0
+            self.device_part.counts[:, counts] = 0.0
 
     def whole_extra(self, row: int, kind: ExtraKind) -> Any:
         """Row ``row``'s extra on the host, both halves merged (may sync)."""
