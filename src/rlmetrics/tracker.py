@@ -102,9 +102,8 @@ class LogTarget:
     device_timers: DeviceTimers
     """The tracker's device timers and tensor token counts not read yet (``timing``)."""
 
-    def _log(self, name: str, kind: str, *call: Any) -> None:
-        """One log call: ``name``, its kind's name, then ``value, weight, mask, by,
-        labels`` as the kind methods pass them."""
+    def _log(self, name: str, kind: str, value: Any, weight: Any, by: Any, labels: Any) -> None:
+        """One log call, as the kind methods pass it (``mask=`` is its ``weight``)."""
         raise NotImplementedError
 
     def mean(
@@ -132,7 +131,9 @@ class LogTarget:
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
         """
-        self._log(name, "mean", value, weight, mask, by, labels)
+        self._log(
+            name, "mean", value, weight if mask is None else _alias(name, weight, mask), by, labels
+        )
 
     def sum(
         self,
@@ -158,7 +159,9 @@ class LogTarget:
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
         """
-        self._log(name, "sum", value, weight, mask, by, labels)
+        self._log(
+            name, "sum", value, weight if mask is None else _alias(name, weight, mask), by, labels
+        )
 
     def max(
         self,
@@ -184,7 +187,9 @@ class LogTarget:
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
         """
-        self._log(name, "max", value, weight, mask, by, labels)
+        self._log(
+            name, "max", value, weight if mask is None else _alias(name, weight, mask), by, labels
+        )
 
     def min(
         self,
@@ -210,7 +215,9 @@ class LogTarget:
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
         """
-        self._log(name, "min", value, weight, mask, by, labels)
+        self._log(
+            name, "min", value, weight if mask is None else _alias(name, weight, mask), by, labels
+        )
 
     def std(
         self,
@@ -236,7 +243,9 @@ class LogTarget:
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
         """
-        self._log(name, "std", value, weight, mask, by, labels)
+        self._log(
+            name, "std", value, weight if mask is None else _alias(name, weight, mask), by, labels
+        )
 
     def last(
         self,
@@ -260,7 +269,9 @@ class LogTarget:
                 mask); not both.
             by, labels: not taken by ``last`` (a replicated value has no groups).
         """
-        self._log(name, "last", value, weight, mask, by, labels)
+        self._log(
+            name, "last", value, weight if mask is None else _alias(name, weight, mask), by, labels
+        )
 
     def dist(
         self,
@@ -286,7 +297,9 @@ class LogTarget:
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
         """
-        self._log(name, "dist", value, weight, mask, by, labels)
+        self._log(
+            name, "dist", value, weight if mask is None else _alias(name, weight, mask), by, labels
+        )
 
     def quantile(
         self,
@@ -313,7 +326,14 @@ class LogTarget:
                 elements are reported as ``name/<label>`` (docs/groups.md).
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
         """
-        self._log(name, "quantile", value, weight, mask, by, labels)
+        self._log(
+            name,
+            "quantile",
+            value,
+            weight if mask is None else _alias(name, weight, mask),
+            by,
+            labels,
+        )
 
     def log(
         self,
@@ -342,7 +362,9 @@ class LogTarget:
             labels: the name used for each label of ``by``, e.g. ``{0: "gsm8k"}``.
             kind: the registered kind's name, e.g. ``"histogram"``.
         """
-        self._log(name, kind, value, weight, mask, by, labels)
+        self._log(
+            name, kind, value, weight if mask is None else _alias(name, weight, mask), by, labels
+        )
 
     def timer(self, name: str, **where: Any) -> AbstractContextManager[None]:
         """Time the block as this rank's entry into a stage: ``name`` reports the slowest
@@ -448,8 +470,8 @@ class PrefixedTracker(LogTarget):
         self.prefix = prefix
         self.device_timers = tracker.device_timers
 
-    def _log(self, name: str, kind: str, *call: Any) -> None:
-        self.tracker._log(self.prefix + check_name(name), kind, *call)
+    def _log(self, name: str, kind: str, value: Any, weight: Any, by: Any, labels: Any) -> None:
+        self.tracker._log(self.prefix + check_name(name), kind, value, weight, by, labels)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         named = [(self.prefix + check_name(name), kind) for name, kind in metrics]
@@ -579,16 +601,7 @@ class Tracker(LogTarget):
         registered again later is seen)."""
         return self._own_kinds.get(kind_name) or KINDS.get(kind_name) or get_kind(kind_name)
 
-    def _log(
-        self,
-        name: str,
-        kind: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
+    def _log(self, name: str, kind: str, value: Any, weight: Any, by: Any, labels: Any) -> None:
         """Every log call of this tracker and its views (the kind methods, ``log``): under
         the tracker's lock, the metric found (or made: a failed first call leaves none),
         then the value recorded; a plain float and a plain tensor by the shortest way.
@@ -597,16 +610,11 @@ class Tracker(LogTarget):
 
         A subclass that overrides ``_log`` sees every log call, as made
         (``rlmetrics.cli.audit.RecordingTracker``)."""
-        if mask is not None or by is not None or labels is not None:
-            if mask is not None:
-                weight = _alias(name, weight, mask)
-            if by is not None or labels is not None:
-                if by is None:
-                    raise TypeError(
-                        f"metric {name!r}: labels= names the labels of by=; pass by= too"
-                    )
-                self._log_by([(name, kind)], value, weight, by, labels)
-                return
+        if by is not None or labels is not None:
+            if by is None:
+                raise TypeError(f"metric {name!r}: labels= names the labels of by=; pass by= too")
+            self._log_by([(name, kind)], value, weight, by, labels)
+            return
         lock = self._lock
         lock.acquire()
         try:
@@ -673,28 +681,24 @@ class Tracker(LogTarget):
             self._recorded += 1
             return
         if value_type is not Prepared:
-            value = prepare(
-                name,
-                value,
-                weight,
-                reduce_host_data_with_numpy=self.reduce_host_data_with_numpy,
-                copy=self.copy_cpu_tensors,
-                checked=self._checked_weight,
-            )
+            value = self._prepare(name, value, weight, self._checked_weight)
         self._recorded += 1 + record_prepared(records, name, value, self.nonfinite, self._numbers)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         if metrics:
-            prepared = prepare(
-                metrics[0][0],
-                value,
-                weight,
-                reduce_host_data_with_numpy=self.reduce_host_data_with_numpy,
-                copy=self.copy_cpu_tensors,
-            )
+            prepared = self._prepare(metrics[0][0], value, weight)
             with self._lock:  # the call's metrics land in one step
                 for name, kind_name in metrics:
-                    self._log(name, kind_name, prepared, None)
+                    self._log(name, kind_name, prepared, None, None, None)
+
+    def _prepare(
+        self, name: str, value: Any, weight: Any, checked: CheckedWeight | None = None
+    ) -> Prepared:
+        """``prepare`` under this tracker's switches (the numpy host path, the CPU copy)."""
+        numpy_path, copy = self.reduce_host_data_with_numpy, self.copy_cpu_tensors
+        return prepare(
+            name, value, weight, reduce_host_data_with_numpy=numpy_path, copy=copy, checked=checked
+        )
 
     def _holding(self) -> AbstractContextManager[Any]:
         """The lock that makes several log calls land in one step together."""

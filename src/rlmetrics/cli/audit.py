@@ -141,21 +141,10 @@ class RecordingTracker(Tracker):
         self.calls: list[Call] = []
         self._opt_steps: dict[str, int] = {}
 
-    def _log(
-        self,
-        name: str,
-        kind: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
-        super()._log(name, kind, value, weight, mask, by, labels)
+    def _log(self, name: str, kind: str, value: Any, weight: Any, by: Any, labels: Any) -> None:
+        super()._log(name, kind, value, weight, by, labels)
         if by is not None or labels is not None:
             return  # its labels' parts come back through _log_shared, one call each
-        if mask is not None:
-            weight = mask
         one = Tracker()
         one.log(name, value, weight, kind=kind)
         prefix = name.split("/", 1)[0]
@@ -166,7 +155,7 @@ class RecordingTracker(Tracker):
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         for name, kind in metrics:  # one call each, so that each is recorded
-            self._log(name, kind, value, weight)
+            self._log(name, kind, value, weight, None, None)
 
     def naive(self, by_tokens: bool) -> dict[str, tuple[str, float]]:
         """This rank's verl-style values: {name: (kind, value)}.

@@ -50,22 +50,13 @@ class DeclaringLabels(LogTarget):
         self.labels = tuple(sorted(set(labels)))
         self.device_timers = tracker.device_timers
 
-    def _log(
-        self,
-        name: str,
-        kind: str,
-        value: Any,
-        weight: Any = None,
-        mask: Any = None,
-        by: Any = None,
-        labels: Any = None,
-    ) -> None:
+    def _log(self, name: str, kind: str, value: Any, weight: Any, by: Any, labels: Any) -> None:
         if by is None:
-            self.tracker._log(name, kind, value, weight, mask, by, labels)
+            self.tracker._log(name, kind, value, weight, by, labels)
             return
         with self.tracker._holding():
             declare(self.tracker, [(name, kind)], self.labels)
-            self.tracker._log(name, kind, value, weight, mask, by, labels)
+            self.tracker._log(name, kind, value, weight, by, labels)
 
     def _log_shared(self, metrics: list[tuple[str, str]], value: Any, weight: Any) -> None:
         self.tracker._log_shared(metrics, value, weight)

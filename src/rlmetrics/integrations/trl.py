@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from rlmetrics.integrations._labels import DeclaringLabels
+from rlmetrics.integrations._pins import refuse_untested
 from rlmetrics.integrations.trl_loss import (
     TOKEN_QUANTILE_STATS,
     TOKEN_SUM_LOSS_TYPES,
@@ -183,12 +184,8 @@ def check_trl_version(version: str) -> None:
     Raises:
         RuntimeError: naming the installed and the tested versions.
     """
-    if version not in TESTED_TRL_VERSIONS:
-        raise RuntimeError(
-            f"rlmetrics.integrations.trl was tested with trl {', '.join(TESTED_TRL_VERSIONS)}, "
-            f"found trl {version}: its private hooks may have changed and the metrics could "
-            "be wrong. Install trl==1.16.0, or use trl.GRPOTrainer."
-        )
+    otherwise = "use trl.GRPOTrainer (the private hooks these use may have changed)"
+    refuse_untested("trl", "trl", version, TESTED_TRL_VERSIONS, otherwise)
 
 
 def dataset_labels(datasets: Sequence[Any], column: str) -> list[str] | None:

@@ -177,7 +177,7 @@ def test_untested_trl_version_is_refused() -> None:
     from rlmetrics.integrations.trl import check_trl_version
 
     check_trl_version("1.16.0")
-    with pytest.raises(RuntimeError, match=r"tested with trl 1\.16\.0, found trl 1\.17\.0"):
+    with pytest.raises(RuntimeError, match=r"with trl 1\.16\.0, but trl 1\.17\.0 is"):
         check_trl_version("1.17.0")
 
 

@@ -6,6 +6,8 @@ untested SkyRL is refused before any of its modules is imported.
 
 from __future__ import annotations
 
+from rlmetrics.integrations._pins import refuse_untested
+
 try:
     import skyrl
 except ImportError as error:  # skyrl is not a dependency of rlmetrics
@@ -23,13 +25,9 @@ def check_version(version: str | None = None) -> None:
     Raises:
         RuntimeError: the version is not one of ``SUPPORTED_SKYRL``.
     """
-    version = skyrl.__version__ if version is None else version
-    if version not in SUPPORTED_SKYRL:
-        raise RuntimeError(
-            f"rlmetrics.integrations.skyrl is tested with SkyRL {', '.join(SUPPORTED_SKYRL)}, "
-            f"but SkyRL {version} is installed: install skyrl=={SUPPORTED_SKYRL[-1]}, or use "
-            "SkyRL's own RayPPOTrainer"
-        )
+    installed = skyrl.__version__ if version is None else version
+    otherwise = "use SkyRL's own RayPPOTrainer"
+    refuse_untested("skyrl", "SkyRL", installed, SUPPORTED_SKYRL, otherwise)
 
 
 check_version()

@@ -5,6 +5,8 @@ A leaf module: the package and ``dataproto`` both import it, without importing e
 
 from __future__ import annotations
 
+from rlmetrics.integrations._pins import refuse_untested
+
 try:
     import verl
 except ImportError as error:  # verl is not a dependency of rlmetrics
@@ -17,10 +19,6 @@ SUPPORTED_VERL = ("0.9.1",)
 
 def check_version(version: str | None = None) -> None:
     """Raise unless ``version`` (default: the installed verl's) was tested here."""
-    version = verl.__version__ if version is None else version
-    if version not in SUPPORTED_VERL:
-        raise RuntimeError(
-            f"rlmetrics.integrations.verl is tested with verl {', '.join(SUPPORTED_VERL)}, "
-            f"but verl {version} is installed: install verl=={SUPPORTED_VERL[-1]}, or turn "
-            "the integration off with VERL_USE_EXTERNAL_PLUGINS=none"
-        )
+    installed = verl.__version__ if version is None else version
+    otherwise = "turn the integration off with VERL_USE_EXTERNAL_PLUGINS=none"
+    refuse_untested("verl", "verl", installed, SUPPORTED_VERL, otherwise)
