@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import pickle
 import re
-import sys
 import threading
 from datetime import timedelta
 
@@ -19,6 +18,8 @@ import torch
 
 from rlmetrics import Tracker
 from rlmetrics.kinds import get_kind
+
+from helpers import tiny_switch_interval
 
 UNREADABLE = ["ragged list", "numbers and lists", "sparse coo", "sparse csr", "nested", "jagged"]
 UNREADABLE.append("meta")
@@ -146,9 +147,7 @@ def test_threads_logging_and_computing_lose_nothing() -> None:
         except BaseException as error:
             errors.append(error)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with tiny_switch_interval():
         computer = threading.Thread(target=compute)
         loggers = [threading.Thread(target=log, args=(i,)) for i in range(THREADS)]
         for thread in (computer, *loggers):
@@ -157,8 +156,6 @@ def test_threads_logging_and_computing_lose_nothing() -> None:
             thread.join()
         done.set()
         computer.join()
-    finally:
-        sys.setswitchinterval(interval)
     assert not errors, errors
     steps.append(tracker.compute(sync=False))
     assert len(steps) > 2  # compute() did run while threads logged

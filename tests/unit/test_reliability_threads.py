@@ -6,11 +6,9 @@ many iterations; a hang is caught by a join timeout (the hung threads are daemon
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -19,18 +17,9 @@ import torch
 from rlmetrics import Tracker, TrackerState, Window
 from rlmetrics.rl import MetricUpdate, log_updates
 
+from helpers import tiny_switch_interval
+
 JOIN_TIMEOUT = 30.0  # generous: a loaded CI machine still finishes well inside it
-
-
-@contextmanager
-def tiny_switch_interval() -> Iterator[None]:
-    """Threads switch every 1 µs, so that they interleave inside calls."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
 
 
 def run_threads(*targets: Callable[[], None]) -> None:
