@@ -542,6 +542,15 @@ def gloo_disagree(rank: int, world: int) -> tuple[list, list[str]]:
     return reports, [str(w.message) for w in caught if w.category is RuntimeWarning]
 
 
+def step_or_flush(window: Window) -> list[object]:
+    """``[window.step()'s report]``, or, when it raises, ``[(type, message), the
+    flush() after it]`` (the recovery docs/windows.md gives)."""
+    try:
+        return [window.step()]
+    except ValueError as error:
+        return [(type(error).__name__, str(error)), window.flush()]
+
+
 def gloo_modified(rank: int, world: int) -> list[object]:
     """Rank 0 changes a logged tensor in place in the first step of windows of two
     steps: per step, the step()'s report, error (type, message) or the flush() after
@@ -557,11 +566,7 @@ def gloo_modified(rank: int, world: int) -> list[object]:
         tracker.sum("n", 1.0)
         if rank == 0 and step == 0:
             x.add_(10)
-        try:
-            out.append(window.step())
-        except ValueError as error:
-            out.append((type(error).__name__, str(error)))
-            out.append(window.flush())
+        out.extend(step_or_flush(window))
     return [*out, window.num_steps]
 
 
@@ -578,11 +583,7 @@ def gloo_kind_change(rank: int, world: int) -> list[object]:
         else:
             tracker.mean("x", float(rank + step))
         tracker.mean("y", float(rank + 10 * step))
-        try:
-            out.append(window.step())
-        except ValueError as error:
-            out.append((type(error).__name__, str(error)))
-            out.append(window.flush())
+        out.extend(step_or_flush(window))
     return [*out, window.num_steps]
 
 

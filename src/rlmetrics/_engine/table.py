@@ -113,7 +113,6 @@ class StateTable:
         (names that came and went drop out)."""
         table = StateTable()
         table.version = self.version + 1
-        table.value_rejections = self.value_rejections
         for records in metrics:
             records.row = table.add_row(records.kind)
             records.table = table

@@ -163,16 +163,19 @@ def test_jsonl_metric_named_step_is_dropped_with_a_warning(tmp_path):
     assert "failed" not in message and "leaves out the metric named 'step'" in message
 
 
+class FullDisk:
+    """A file whose every write fails as a full disk does."""
+
+    def write(self, text):
+        raise OSError(28, "No space left on device")
+
+    def close(self):
+        pass
+
+
 def test_jsonl_write_failure_warns_once_and_never_raises(tmp_path):
-    class Broken:
-        def write(self, text):
-            raise OSError(28, "No space left on device")
-
-        def close(self):
-            pass
-
     logger = JsonlLogger(tmp_path / "m.jsonl")
-    logger._file = Broken()
+    logger._file = FullDisk()
     with pytest.warns(
         LoggerWarning, match="jsonl logger failed to write: OSError.*No space"
     ) as rec:
@@ -185,15 +188,8 @@ def test_a_logger_says_at_close_how_many_failures_it_did_not_report(tmp_path):
     """STYLE rule 12: a failure is never swallowed. After the first of its kind, each is
     counted, and the count is reported when the logger closes (once)."""
 
-    class Broken:
-        def write(self, text):
-            raise OSError(28, "No space left on device")
-
-        def close(self):
-            pass
-
     logger = JsonlLogger(tmp_path / "m.jsonl")
-    logger._file = Broken()
+    logger._file = FullDisk()
     with pytest.warns(LoggerWarning, match="failed to write: OSError"):
         for step in range(5):
             logger.log(step, {"x": 1.0})
