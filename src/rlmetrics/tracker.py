@@ -19,6 +19,7 @@ from rlmetrics._engine.inputs import as_number, check_name
 from rlmetrics._engine.packing import ReducedStep, local_reduce
 from rlmetrics._engine.plan import StepPlan
 from rlmetrics._engine.record import (
+    NUMBER_DTYPES,
     TENSOR_WEIGHTS,
     CheckedWeight,
     MetricRecords,
@@ -630,8 +631,22 @@ class Tracker(LogTarget):
             else:
                 new = False
             try:
+                value_type = type(value)
                 if (
-                    (value_type := type(value)) is float
+                    value_type is Tensor
+                    and weight is None
+                    and records.in_number_records
+                    and not value.dim()
+                    and self.copy_cpu_tensors
+                    and self.reduce_host_data_with_numpy
+                    and value.is_cpu
+                    and value.dtype in NUMBER_DTYPES
+                ):  # a 0-d CPU tensor copied is its number (record_tensor's record of it)
+                    number = value.tolist()
+                    if number - number == 0.0 or self.nonfinite == "propagate":  # finite
+                        value, value_type = number, float
+                if (
+                    value_type is float
                     and weight is None
                     and records.in_number_records
                     and (value - value == 0.0 or self.nonfinite == "propagate")  # finite

@@ -52,13 +52,20 @@ def expected_good(kind: str) -> dict:
 
 
 # -- non-finite values: every kind, every policy, python and tensor --------------------------
+FORMS = {
+    "python": lambda bad: bad,
+    "tensor": lambda bad: torch.tensor([bad]),
+    "0-d tensor": lambda bad: torch.tensor(bad),  # read at the call, recorded as a number
+}
+
+
 @pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("form", ["python", "tensor"])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_propagate_gives_numpys_answer(kind: str, form: str, bad: float) -> None:
     """propagate: the arithmetic decides, exactly as numpy on all the values."""
     t = with_good(kind, "propagate")
-    t.log("m", bad if form == "python" else torch.tensor([bad]), kind=kind)
+    t.log("m", FORMS[form](bad), kind=kind)
     values = np.array([bad] if kind == "last" else [*GOOD, bad])
     with np.errstate(invalid="ignore"):
         expected = reference(kind, "m", values, None)
@@ -66,12 +73,12 @@ def test_propagate_gives_numpys_answer(kind: str, form: str, bad: float) -> None
 
 
 @pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("form", ["python", "tensor"])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_skip_drops_and_counts(kind: str, form: str, bad: float) -> None:
     """skip: the value is dropped (last keeps the previous one) and counted."""
     t = with_good(kind, "skip")
-    t.log("m", bad if form == "python" else torch.tensor([bad]), kind=kind)
+    t.log("m", FORMS[form](bad), kind=kind)
     expected = {**expected_good(kind), "m/nonfinite_count": 1.0, "bystander": 5.0}
     same(t.compute(), expected)
 
@@ -79,13 +86,15 @@ def test_skip_drops_and_counts(kind: str, form: str, bad: float) -> None:
 @pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_error_policy_raises_naming_the_metric_and_keeps_the_rest(kind: str, bad: float) -> None:
-    """error: a python value raises at once; a tensor call is dropped and reported at
-    compute() (no host sync at log time). Either way the step's other values survive."""
+    """error: a python value raises at once; a tensor call, 0-d ones included, is dropped
+    and reported at compute() (no host sync at log time). Either way the step's other
+    values survive."""
     t = with_good(kind, "error")
     with pytest.raises(ValueError, match=r"metric 'm': non-finite value"):
         t.log("m", bad, kind=kind)
     t.log("m", torch.tensor([bad]), kind=kind)
-    with pytest.raises(RejectedInputError, match=rf"'m' \({kind}\): 1"):
+    t.log("m", torch.tensor(bad), kind=kind)
+    with pytest.raises(RejectedInputError, match=rf"'m' \({kind}\): 2"):
         t.compute()
     same(t.compute(), {**expected_good(kind), "bystander": 5.0})
 
@@ -253,6 +262,32 @@ def test_zero_d_numpy_arrays_are_numbers(kind: str) -> None:
         t.compute(),
         reference(kind, "m", x[-1:], None) if kind == "last" else reference(kind, "m", x, w),
     )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_d_cpu_tensors_log_their_numbers_in_call_order(kind: str) -> None:
+    """A 0-d CPU tensor is read at its call (the copy guarantee) and recorded as its
+    number; between python numbers and arrays, in every float dtype, with and without a
+    weight, each call keeps its place (``last`` reads the order)."""
+    dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64)
+    calls: list[tuple[object, object]] = [
+        (torch.tensor(1.5, dtype=dtypes[0]), None),
+        (2.0, None),
+        (torch.tensor(-0.75, dtype=dtypes[1]), None),
+        (torch.tensor([4.0, 8.0]), torch.tensor([True, False])),
+        (torch.tensor(0.5, dtype=dtypes[2]), torch.tensor(3.0)),
+        (torch.tensor(6.0, dtype=dtypes[3]), None),
+        (torch.tensor(-3, dtype=dtypes[4]), 2.0),
+    ]
+    values, weights = [1.5, 2.0, -0.75, 4.0, 8.0, 0.5, 6.0, -3.0], [1, 1, 1, 1, 0, 3, 1, 2]
+    if kind == "last":  # one value a call: the 1-d call is left out
+        del calls[3], values[3:5], weights[3:5]
+    t = Tracker()
+    for value, weight in calls:
+        t.log("m", value, weight, kind=kind)
+    x, w = np.array(values), np.array(weights, dtype=np.float64)
+    expected = reference(kind, "m", x[-1:], None) if kind == "last" else reference(kind, "m", x, w)
+    same(t.compute(), expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -229,6 +229,9 @@ class Prepared(NamedTuple):
 _new_tuple = tuple.__new__  # a Prepared from a plain tuple of its fields
 TENSOR_WEIGHTS = frozenset({Tensor, float, int})
 """The weight types ``record_tensor`` takes with a plain tensor value (and None)."""
+NUMBER_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+"""The dtypes of a 0-d CPU tensor that a host fold's log call records as a python
+number, exactly (``tolist`` gives a float), the way a python float is recorded."""
 _SCRATCH_KIND = Mean()  # the kind of the record store ``prepare`` checks a tensor into
 
 
@@ -428,7 +431,28 @@ def record_tensor(
     on_host = host and cpu  # else the fold runs on the value's device
     device: torch.device | Tensor | None = None
     if type(weight) is Tensor:
-        weight, version, size, device, check_data = _check_weight(name, weight, shape, checked)
+        try:
+            version = weight._version
+        except RuntimeError:  # an inference tensor: a copy, new each call, checked anew
+            weight = tracked(weight)
+            version = weight._version
+        last = checked.last
+        if (
+            weight is last[0]
+            and version == last[1]
+            and weight.dtype is last[2]
+            and weight.shape == last[3]
+        ):  # logged again unchanged: its checks hold
+            weight_shape, size, device, check_data = last[3:]
+        else:
+            weight_shape, size, device, check_data = _check_weight(name, weight, version, checked)
+        if check_data and weight.requires_grad:  # a view: the graph is not kept alive
+            weight = weight.detach()
+        if weight_shape != shape:
+            raise ValueError(
+                f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
+                f"value shape {tuple(shape)}"
+            )
         if device is None:
             if copy:  # its values now (its checks may be kept: they read no data)
                 if on_host:
@@ -448,9 +472,16 @@ def record_tensor(
         size = shape.numel()
     if not on_host and device is None:
         device = value
-    value, value_version, weight = _capture_value(
-        value, weight, shape, cpu and copy, checked.values if on_host else None
-    )
+    if cpu and copy:
+        value, weight = _copy_value(value, weight, shape, checked.values if on_host else None)
+        value_version = None
+    else:  # recorded by reference, detached (a view: the record must not keep the graph)
+        if value.requires_grad:
+            value = value.detach()
+        try:
+            value_version = value._version
+        except RuntimeError:  # an inference tensor: torch keeps it no version counter
+            value, value_version = tracked(value), None
     # each tensor recorded by reference, then its version (one extend a call)
     if version is None:
         versions: tuple[Any, ...] = () if value_version is None else (value, value_version)
@@ -486,43 +517,18 @@ def _tensor_shape(name: str, tensor: Tensor, what: str) -> tuple[torch.Size, boo
 
 
 def _check_weight(
-    name: str, weight: Tensor, shape: torch.Size, checked: CheckedWeight
-) -> tuple[Tensor, int, int, torch.device | None, bool]:
-    """A tensor weight's checks, kept while it is logged again unchanged (``checked``).
-
-    Returns the weight to record (detached where its data is checked), its version, its
-    size, its device (None on the CPU) and whether its data is checked at the fold (a
-    bool mask's is not). An inference tensor is recorded as a copy, new each call, so
-    its checks are never reused.
-    """
-    try:
-        version = weight._version
-    except RuntimeError:  # an inference tensor
-        weight = tracked(weight)
-        version = weight._version
-    last = checked.last
-    if (
-        weight is last[0]
-        and version == last[1]
-        and weight.dtype is last[2]
-        and weight.shape == last[3]
-    ):
-        _, _, _, weight_shape, size, device, check_data = last
-    else:
-        weight_shape, cpu = _tensor_shape(name, weight, "weight")
-        device = None if cpu else weight.device
-        dtype = weight.dtype
-        check_data = dtype is not BOOL  # a mask's data needs no check
-        size = weight_shape.numel()
-        checked.last = (weight, version, dtype, weight_shape, size, device, check_data)
-    if check_data and weight.requires_grad:  # a view: the graph is not kept alive
-        weight = weight.detach()
-    if weight_shape != shape:
-        raise ValueError(
-            f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
-            f"value shape {tuple(shape)}"
-        )
-    return weight, version, size, device, check_data
+    name: str, weight: Tensor, version: int, checked: CheckedWeight
+) -> tuple[torch.Size, int, torch.device | None, bool]:
+    """The checks of a tensor weight not logged just before unchanged; kept in ``checked``
+    while it is (``CheckedWeight``). Returns its shape, its size, its device (None on the
+    CPU) and whether its data is checked at the fold (a bool mask's is not)."""
+    shape, cpu = _tensor_shape(name, weight, "weight")
+    device = None if cpu else weight.device
+    dtype = weight.dtype
+    check_data = dtype is not BOOL  # a mask's data needs no check
+    size = shape.numel()
+    checked.last = (weight, version, dtype, shape, size, device, check_data)
+    return shape, size, device, check_data
 
 
 def _weight_copy(weight: Tensor, shape: torch.Size) -> Tensor | float:
@@ -534,37 +540,30 @@ def _weight_copy(weight: Tensor, shape: torch.Size) -> Tensor | float:
     return float(weight.tolist())  # type: ignore[arg-type]  # a 0-d tensor's is a number
 
 
-def _capture_value(
-    value: Tensor, weight: Any, shape: torch.Size, copy: bool, reader: MemoryReader | None
-) -> tuple[Any, int | None, Any]:
-    """A tensor value as recorded, its version (None for a copy) and its weight.
+def _copy_value(
+    value: Tensor, weight: Any, shape: torch.Size, reader: MemoryReader | None
+) -> tuple[Any, Any]:
+    """A CPU tensor value's copy (``Tracker.copy_cpu_tensors``), and its weight.
 
-    ``copy`` (a CPU tensor, ``Tracker.copy_cpu_tensors``): its values now. A copied 0-d
-    tensor becomes a python float (``tolist`` reads it without a torch operation) with
-    a python weight; with a tensor weight, a 0-d array. For a host fold (``reader``),
-    any other copy is its bytes as a flat read-only array (``MemoryReader``). Else, or
-    where its memory cannot be read so, it is a clone, which nothing else holds. A value
-    recorded by reference is detached (a view: the record must not keep the graph
-    alive); an inference tensor is copied (torch keeps it no version counter).
+    A 0-d tensor becomes a python float (``tolist`` reads it without a torch operation)
+    with a python weight; with a tensor weight, a 0-d array. For a host fold
+    (``reader``), any other copy is its bytes as a flat read-only array
+    (``MemoryReader``). Else, or where its memory cannot be read so, it is a clone,
+    which nothing else holds (detached; never an inference tensor).
     """
-    if copy and not shape:
+    if not shape:
         if type(weight) is Tensor:  # a device weight: the value is an array
-            return host_copy(value), None, weight
+            return host_copy(value), weight
         number = float(value.tolist())  # type: ignore[arg-type]
-        return number, None, 1.0 if weight is None else weight
-    if reader is not None and copy:
+        return number, 1.0 if weight is None else weight
+    if reader is not None:
         dtype = value.dtype
         memory = reader.read(value) if dtype in NUMPY_DTYPE_OF else None
         if memory is not None:
-            return memory_array(memory, dtype), None, weight
+            return memory_array(memory, dtype), weight
     if value.requires_grad:
         value = value.detach()
-    if copy:  # never an inference tensor (as host_copy)
-        return (plain_clone(value) if INFERENCE_MODE() else value.clone()), None, weight
-    try:
-        return value, value._version, weight
-    except RuntimeError:  # an inference tensor
-        return tracked(value), None, weight
+    return (plain_clone(value) if INFERENCE_MODE() else value.clone()), weight
 
 
 def _append(
