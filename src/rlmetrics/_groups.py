@@ -39,7 +39,7 @@ from rlmetrics._engine.inputs import (
     plain_clone,
     tracked,
 )
-from rlmetrics._engine.record import MetricRecords, Prepared, prepare
+from rlmetrics._engine.record import MetricRecords, Prepared
 from rlmetrics.errors import ModifiedInputError
 from rlmetrics.kinds import Kind
 
@@ -82,15 +82,14 @@ class Groups:
         weight: Any,
         by: Any,
         labels: Any,
-        *,
         kind_of: Callable[[str], Kind],
-        reduce_host_data_with_numpy: bool,
+        prepare: Callable[[str, Any, Any], Prepared],
         copy: bool,
     ) -> tuple[list[LabelledPart], int]:
         """Split one grouped call into ``metrics``: at once for host labels with host
-        data, else kept for the fold. ``kind_of``: the tracker's kind of a kind name;
-        ``reduce_host_data_with_numpy``, ``copy``: the tracker's settings
-        (``rlmetrics._engine.record.prepare``).
+        data, else kept for the fold. The tracker's ways: ``kind_of`` gives the kind of a
+        kind name, ``prepare`` checks a value and weight under its settings
+        (``Tracker._prepare``); ``copy``: CPU tensor labels are copied, as its CPU tensors.
 
         Returns:
             the parts for the tracker to log now (one per label present; empty when the
@@ -105,9 +104,7 @@ class Groups:
         for metric, kind_name in metrics:
             check_groupable(check_name(metric), kind_of(kind_name))
         mapping = check_mapping(name, labels)
-        prepared = prepare(
-            name, value, weight, reduce_host_data_with_numpy=reduce_host_data_with_numpy, copy=copy
-        )
+        prepared = prepare(name, value, weight)
         if isinstance(by, Tensor):
             codes, names = check_label_tensor(name, by), None
             if copy and codes.is_cpu:  # its labels now, as with any CPU tensor

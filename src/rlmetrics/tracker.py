@@ -724,14 +724,7 @@ class Tracker(LogTarget):
     ) -> None:
         with self._lock:
             parts, deferred = self._groups.log(
-                metrics,
-                value,
-                weight,
-                by,
-                labels,
-                kind_of=self.kind,
-                reduce_host_data_with_numpy=self.reduce_host_data_with_numpy,
-                copy=self.copy_cpu_tensors,
+                metrics, value, weight, by, labels, self.kind, self._prepare, self.copy_cpu_tensors
             )
             self._log_parts(parts)
             self._recorded += deferred  # after the parts, which may fold
