@@ -24,7 +24,7 @@ first on PYTHONPATH, ``OMP_NUM_THREADS=1``):
   same batch in turn (order swapped each round) for ``--warmup`` + ``--updates``
   rounds; each update's wall time on rank 0, after a barrier. Their ``actor/pg_loss``
   must agree (the same work is done). Inside the exact actor's updates the plugin's own
-  work is timed too (its log calls and ``Tracker.compute``, see ``PluginClock``).
+  work is timed too (its log calls and ``Tracker.compute_state``, see ``PluginClock``).
 
 Each contender's median step (wall and process CPU time) over its kept steps, and the
 ratio rlmetrics / framework alone: for TRL, of the median steps; for verl, whose rounds
@@ -198,8 +198,9 @@ def trl_part(args: argparse.Namespace, python: str, tmp: Path) -> dict[str, Any]
 class PluginClock:
     """The plugin's own work inside each update of the exact actor, timed on the way:
     its log calls (``losses.log_micro_batch``, once per micro-batch) and the step's
-    ``Tracker.compute`` (the merge across ranks included, so a wait for the other rank
-    is counted too). Two clock reads per timed call."""
+    ``Tracker.compute_state``, which ``ExactTrainingWorker.train_mini_batch`` calls (the
+    merge across ranks included, so a wait for the other rank is counted too). Two
+    clock reads per timed call."""
 
     def __init__(self, worker: Any) -> None:
         from rlmetrics.integrations.verl import losses
@@ -208,7 +209,7 @@ class PluginClock:
         self.samples: dict[str, list[float]] = {name: [] for name in self.parts}
         losses.log_micro_batch = self._timed(losses.log_micro_batch, "log calls")
         tracker = worker.metrics_tracker
-        tracker.compute = self._timed(tracker.compute, "compute")
+        tracker.compute_state = self._timed(tracker.compute_state, "compute")
 
     def _timed(self, func: Any, part: str) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:

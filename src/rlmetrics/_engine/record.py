@@ -418,8 +418,13 @@ def record_tensor(
     """Check and record a plain tensor into ``records`` (the metric called ``name``).
 
     Every tensor log call comes here, ``prepare``'s too (into a scratch
-    ``MetricRecords``). The weight is None, a plain tensor or a python float or int.
-    Returns the elements recorded. Nothing is recorded when a check fails.
+    ``MetricRecords``), but for the 0-d CPU float tensors ``Tracker._log`` records as
+    numbers (``NUMBER_DTYPES``). The weight is None, a plain tensor or a python float or
+    int. Returns the elements recorded. Nothing is recorded when a check fails.
+
+    The path of a weight logged again unchanged, and of a value recorded by reference,
+    is written out here: the log call's hot path. A new weight's checks
+    (``_check_weight``) and a copy (``_copy_value``) are functions of their own.
 
     Args:
         host: CPU tensors take the host path.
