@@ -103,3 +103,52 @@ def test_last_with_a_zero_weight_keeps_the_previous_value(policy: str) -> None:
     t.last("lr", torch.tensor([INF]), weight=torch.tensor([False]))
     t.last("lr", np.array([NAN]), weight=np.array([0.0]))
     assert t.compute() == {"lr": 0.5}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("masked_nonfinite", "selected_inf"),
+    [(False, False), (True, False), (True, True)],
+    ids=["finite", "masked only", "a selected inf"],
+)
+def test_large_float32_masked_steps_equal_numpy(
+    kind: str, policy: str, masked_nonfinite: bool, selected_inf: bool
+) -> None:
+    """Large steps of float32 tensors with bool masks (summed by segment, their selected
+    values times the mask in one pass where every product is finite): NaN and ±inf at
+    masked-out positions of two metrics change nothing; a selected infinity still
+    follows the policy."""
+    gen = np.random.default_rng(7)
+    calls = {name: [] for name in ("a", "b")}
+    t = Tracker(nonfinite=policy)
+    for i in range(24):
+        name = "ab"[i % 2]
+        values = gen.standard_normal(1500).astype(np.float32)
+        mask = gen.random(1500) > 0.3
+        if masked_nonfinite:
+            values[np.flatnonzero(~mask)[:3]] = [NAN, INF, -INF]
+        if selected_inf and i == 5:
+            values[np.flatnonzero(mask)[0]] = INF
+        calls[name].append((values, mask))
+        t.log(name, torch.from_numpy(values.copy()), torch.from_numpy(mask), kind=kind)
+    expected: dict = {}
+    for name, logged in calls.items():
+        if policy == "error" and selected_inf and name == "b":
+            del logged[2]  # the call with the infinity is rejected, all of it
+        values = np.concatenate([v[m] for v, m in logged]).astype(np.float64)
+        if policy == "skip" and selected_inf and name == "b":
+            values = values[np.isfinite(values)]  # the infinity is dropped and counted
+            expected[f"{name}/nonfinite_count"] = 1.0
+        with np.errstate(invalid="ignore"):
+            expected.update(reference(kind, name, values, None))
+    if policy == "error" and selected_inf:
+        with pytest.raises(ValueError, match=rf"'b' \({kind}\): 1"):
+            t.compute()
+    out = t.compute()
+    assert out.keys() == expected.keys()
+    for key, value in expected.items():
+        if math.isnan(value):
+            assert math.isnan(out[key]), key
+        else:
+            assert out[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
