@@ -314,9 +314,10 @@ class HostBatch(Batch):
 
         Only up to ``FEW_ROWS`` rows summed by segment. None where a sum is not finite:
         an unselected NaN or infinity times 0 is NaN, so the zeroing decides then."""
-        if self.rows.keyed or self.num_rows > FEW_ROWS:
+        mask = self._mask
+        if mask is None or self.rows.keyed or self.num_rows > FEW_ROWS:
             return None
-        values, mask, starts = self._values, self._mask, self.row_starts().tolist()
+        values, starts = self._values, self.row_starts().tolist()
         ends = [start + length for start, length in zip(starts, self.lengths.tolist(), strict=True)]
         sums = np.array(
             [
