@@ -249,6 +249,35 @@ def test_a_rejected_metric_is_dropped_through_state_too() -> None:
     assert len(t) == 0 and t.compute() == {}
 
 
+@pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("policy", ["propagate", "skip", "error"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_metric_of_zero_d_tensors_only_follows_the_policy(
+    kind: str, policy: str, bad: float
+) -> None:
+    """A metric that only 0-d CPU tensors log: its finite ones take the python number's
+    path; a non-finite one still follows the tensor rules: spread (propagate), dropped
+    and counted (skip), rejected at compute() and never raised at the call (error)."""
+    t = Tracker(nonfinite=policy)
+    t.log("m", torch.tensor(GOOD[0]), kind=kind)
+    t.log("m", torch.tensor(bad), kind=kind)
+    t.log("m", torch.tensor(GOOD[1]), kind=kind)
+    t.sum("bystander", 5.0)
+    if policy == "propagate":
+        values = np.array(GOOD[1:] if kind == "last" else [GOOD[0], bad, GOOD[1]])
+        with np.errstate(invalid="ignore"):
+            expected = reference(kind, "m", values, None)
+        same(t.compute(), {**expected, "bystander": 5.0})
+        return
+    expected = {**expected_good(kind), "bystander": 5.0}
+    if policy == "skip":
+        expected["m/nonfinite_count"] = 1.0
+    else:
+        with pytest.raises(RejectedInputError, match=rf"'m' \({kind}\): 1"):
+            t.compute()
+    same(t.compute(), expected)
+
+
 # -- 0-d arrays and masked arrays ---------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_d_numpy_arrays_are_numbers(kind: str) -> None:
