@@ -317,13 +317,10 @@ class HostBatch(Batch):
         mask = self._mask
         if mask is None or self.rows.keyed or self.num_rows > FEW_ROWS:
             return None
-        values, starts = self._values, self.row_starts().tolist()
-        ends = [start + length for start, length in zip(starts, self.lengths.tolist(), strict=True)]
+        values, starts = self._values, self.row_starts()
+        bounds = zip(starts.tolist(), (starts + self.lengths).tolist(), strict=True)
         sums = np.array(
-            [
-                np.einsum("i,i->", values[a:b], mask[a:b], dtype=np.float64)
-                for a, b in zip(starts, ends, strict=True)
-            ],
+            [np.einsum("i,i->", values[a:b], mask[a:b], dtype=np.float64) for a, b in bounds],
             dtype=np.float64,
         )
         return sums if np.isfinite(sums).all() else None
