@@ -426,13 +426,30 @@ def record_tensor(
     is written out here: the log call's hot path. A new weight's checks
     (``_check_weight``) and a copy (``_copy_value``) are functions of their own.
 
+    The value's checks are ``inputs.check_tensor``'s, with each attribute read once
+    and only when needed. A strided nested tensor has no shape: reading it tells one (a
+    jagged one has a layout of its own). A CPU tensor is not a meta one. A plain tensor
+    has no dispatch of its own. A refused tensor gets ``tensor_error``'s message.
+    ``_check_weight`` makes the same checks of a weight: written out in both, they cost
+    no call (log_bench).
+
     Args:
         host: CPU tensors take the host path.
         copy: CPU tensors are recorded as copies (``Tracker.copy_cpu_tensors``).
         checked: the tracker's last checked tensor weight.
         nonfinite: the tracker's policy; "error" checks the values at the fold.
     """
-    shape, cpu = _tensor_shape(name, value, "value")
+    if value.dtype not in REAL_DTYPES or value.layout is not STRIDED:
+        raise tensor_error(name, value)
+    try:
+        shape = value.shape  # a strided nested tensor has none: this read checks that too
+    except RuntimeError:
+        if not value.is_nested:
+            raise
+        raise tensor_error(name, value) from None
+    cpu = value.is_cpu
+    if not cpu and value.is_meta:
+        raise tensor_error(name, value)
     on_host = host and cpu  # else the fold runs on the value's device
     device: torch.device | Tensor | None = None
     if type(weight) is Tensor:
@@ -442,15 +459,14 @@ def record_tensor(
             weight = tracked(weight)
             version = weight._version
         last = checked.last
-        if (
+        if not (
             weight is last[0]
             and version == last[1]
             and weight.dtype is last[2]
             and weight.shape == last[3]
-        ):  # logged again unchanged: its checks hold
-            weight_shape, size, device, check_data = last[3:]
-        else:
-            weight_shape, size, device, check_data = _check_weight(name, weight, version, checked)
+        ):  # not logged again unchanged: its checks
+            last = _check_weight(name, weight, version, checked)
+        _, _, _, weight_shape, size, device, check_data = last
         if check_data and weight.requires_grad:  # a view: the graph is not kept alive
             weight = weight.detach()
         if weight_shape != shape:
@@ -499,41 +515,31 @@ def record_tensor(
     return size
 
 
-def _tensor_shape(name: str, tensor: Tensor, what: str) -> tuple[torch.Size, bool]:
-    """A tensor's shape, and whether it is on the CPU, after ``inputs.check_tensor``'s checks.
-
-    Each attribute is read once and only when needed. A strided nested tensor has no
-    shape: reading it tells one (a jagged one has a layout of its own). A CPU tensor is
-    not a meta one. A plain tensor has no dispatch of its own. A refused tensor gets
-    ``tensor_error``'s message.
-    """
-    if tensor.dtype not in REAL_DTYPES or tensor.layout is not STRIDED:
-        raise tensor_error(name, tensor, what)
-    try:
-        shape = tensor.shape
-    except RuntimeError:
-        if not tensor.is_nested:
-            raise
-        raise tensor_error(name, tensor, what) from None
-    cpu = tensor.is_cpu
-    if not cpu and tensor.is_meta:
-        raise tensor_error(name, tensor, what)
-    return shape, cpu
-
-
 def _check_weight(
     name: str, weight: Tensor, version: int, checked: CheckedWeight
-) -> tuple[torch.Size, int, torch.device | None, bool]:
-    """The checks of a tensor weight not logged just before unchanged; kept in ``checked``
-    while it is (``CheckedWeight``). Returns its shape, its size, its device (None on the
-    CPU) and whether its data is checked at the fold (a bool mask's is not)."""
-    shape, cpu = _tensor_shape(name, weight, "weight")
-    device = None if cpu else weight.device
+) -> tuple[Any, ...]:
+    """The checks of a tensor weight not logged just before unchanged (``record_tensor``'s
+    checks of a value). Returns what they found, kept in ``checked`` while it is
+    (``CheckedWeight.last``): its shape, size and device (None on the CPU), and whether its
+    data is checked at the fold (a bool mask's is not)."""
     dtype = weight.dtype
+    if dtype not in REAL_DTYPES or weight.layout is not STRIDED:
+        raise tensor_error(name, weight, "weight")
+    try:
+        shape = weight.shape
+    except RuntimeError:
+        if not weight.is_nested:
+            raise
+        raise tensor_error(name, weight, "weight") from None
+    device = None
+    if not weight.is_cpu:
+        if weight.is_meta:
+            raise tensor_error(name, weight, "weight")
+        device = weight.device
     check_data = dtype is not BOOL  # a mask's data needs no check
     size = shape.numel()
-    checked.last = (weight, version, dtype, shape, size, device, check_data)
-    return shape, size, device, check_data
+    checked.last = last = (weight, version, dtype, shape, size, device, check_data)
+    return last
 
 
 def _weight_copy(weight: Tensor, shape: torch.Size) -> Tensor | float:
