@@ -92,6 +92,11 @@ class LogTarget:
     ``mask=`` is ``weight=`` under the name that reads better for a selection (by
     keyword; not both).
 
+    ``mask``, ``by`` and ``labels`` are meant by keyword, as the docs pass them. They
+    are not keyword-only: CPython 3.11 does not specialize a call to a function with
+    keyword-only parameters, and every log call would pay for that (RESULTS.md,
+    ``compare:log_bench-issue43-closing``).
+
     Every call but ``last`` also takes ``by=``: a label per element, per row, or one for
     the call. Labels are strings or integers, in a python sequence or numpy array, or an
     integer tensor. Each label's elements are then logged under ``name/<label>``, exactly
@@ -112,7 +117,6 @@ class LogTarget:
         name: str,
         value: Loggable,
         weight: Loggable | None = None,
-        *,
         mask: Loggable | None = None,
         by: Labels | None = None,
         labels: Mapping[Any, str] | None = None,
@@ -141,7 +145,6 @@ class LogTarget:
         name: str,
         value: Loggable,
         weight: Loggable | None = None,
-        *,
         mask: Loggable | None = None,
         by: Labels | None = None,
         labels: Mapping[Any, str] | None = None,
@@ -169,7 +172,6 @@ class LogTarget:
         name: str,
         value: Loggable,
         weight: Loggable | None = None,
-        *,
         mask: Loggable | None = None,
         by: Labels | None = None,
         labels: Mapping[Any, str] | None = None,
@@ -197,7 +199,6 @@ class LogTarget:
         name: str,
         value: Loggable,
         weight: Loggable | None = None,
-        *,
         mask: Loggable | None = None,
         by: Labels | None = None,
         labels: Mapping[Any, str] | None = None,
@@ -225,7 +226,6 @@ class LogTarget:
         name: str,
         value: Loggable,
         weight: Loggable | None = None,
-        *,
         mask: Loggable | None = None,
         by: Labels | None = None,
         labels: Mapping[Any, str] | None = None,
@@ -253,7 +253,6 @@ class LogTarget:
         name: str,
         value: Loggable,
         weight: Loggable | None = None,
-        *,
         mask: Loggable | None = None,
         by: Labels | None = None,
         labels: Mapping[Any, str] | None = None,
@@ -279,7 +278,6 @@ class LogTarget:
         name: str,
         value: Loggable,
         weight: Loggable | None = None,
-        *,
         mask: Loggable | None = None,
         by: Labels | None = None,
         labels: Mapping[Any, str] | None = None,
@@ -307,7 +305,6 @@ class LogTarget:
         name: str,
         value: Loggable,
         weight: Loggable | None = None,
-        *,
         mask: Loggable | None = None,
         by: Labels | None = None,
         labels: Mapping[Any, str] | None = None,
@@ -633,6 +630,17 @@ class Tracker(LogTarget):
             try:
                 value_type = type(value)
                 if (
+                    value_type is float
+                    and weight is None
+                    and records.in_number_records
+                    and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
+                ):  # record_number's work for a plain float, written out
+                    numbers = self._numbers
+                    numbers.values.append(value)
+                    numbers.rows.append(records.row)
+                    records.accepted_a_call = True
+                    self._recorded += 1
+                elif (
                     value_type is Tensor
                     and weight is None
                     and records.in_number_records
@@ -641,18 +649,14 @@ class Tracker(LogTarget):
                     and self.reduce_host_data_with_numpy
                     and value.is_cpu
                     and value.dtype in NUMBER_DTYPES
-                ):  # a 0-d CPU tensor copied is its number (record_tensor's record of it)
-                    number = value.tolist()
-                    if number - number == 0.0 or self.nonfinite == "propagate":  # finite
-                        value, value_type = number, float
-                if (
-                    value_type is float
-                    and weight is None
-                    and records.in_number_records
-                    and (value - value == 0.0 or self.nonfinite == "propagate")  # finite
-                ):  # record_number's work for a plain float, written out
+                    and (
+                        (number := value.tolist()) - number == 0.0 or self.nonfinite == "propagate"
+                    )
+                ):  # a 0-d CPU tensor copied is its number (record_tensor's record of it), and
+                    # a finite one is recorded as the float above (the same lines: a call
+                    # would cost the float's a tenth of its time)
                     numbers = self._numbers
-                    numbers.values.append(value)
+                    numbers.values.append(number)
                     numbers.rows.append(records.row)
                     records.accepted_a_call = True
                     self._recorded += 1
