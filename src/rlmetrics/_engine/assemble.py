@@ -11,14 +11,14 @@ classes are instead copied into place one by one, with numpy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics._engine.copies import memory_view
+from rlmetrics._engine.copies import as_array, memory_view
 from rlmetrics._engine.inputs import REAL_DTYPES
 from rlmetrics._engine.plan import HostScratch
 from rlmetrics._engine.record import BOOL, MetricRecords
@@ -72,7 +72,10 @@ def joined(arrays: list[Array], device: torch.device | None) -> Array:
 
 ONLY_TENSORS = {Tensor}
 ONLY_ARRAYS = {np.ndarray}
+ONLY_COPIES = {tuple}  # copies.HostCopy
 _get_size = attrgetter("size")
+_get_memory, _get_copy_dtype, _get_copy_size = itemgetter(0), itemgetter(1), itemgetter(2)
+_SIZE_OF = {Tensor: Tensor.numel, np.ndarray: _get_size, tuple: _get_copy_size}
 
 
 def _types(items: Sequence[Any]) -> set[type]:
@@ -95,11 +98,11 @@ class Parts:
     def add(self, records: MetricRecords) -> None:
         values, weights = records.values, records.weights
         types = _types(values)
-        if types in (ONLY_TENSORS, ONLY_ARRAYS) and _types(weights) == types:
-            # tensor (or host array) values with weights of the same type (a mask, most
-            # often): the parts as they are
+        if types in (ONLY_TENSORS, ONLY_COPIES, ONLY_ARRAYS) and _types(weights) == types:
+            # tensor (or host copy, or array) values with weights of the same type (a
+            # mask, most often): the parts as they are
             self.flush()
-            sizes = list(map(Tensor.numel if types == ONLY_TENSORS else _get_size, values))
+            sizes = list(map(_SIZE_OF[next(iter(types))], values))
             self.values += values
             self.weights += weights
             self.call_lengths += sizes
@@ -119,6 +122,7 @@ class Parts:
                 self.call_lengths.append(1)
                 continue
             self.flush()
+            value, weight = as_array(value), as_array(weight)
             size = value.numel() if isinstance(value, Tensor) else value.size
             self.values.append(value)
             if weight is None or (type(weight) is float and weight == 1.0):  # all selected
@@ -148,11 +152,12 @@ def assemble(
     """Flat parts as one 1-D array, in order: float64 on the host (``device`` None), or a
     float64 tensor on ``device``.
 
-    Parts are host arrays of any shape and real dtype, or tensors. On the host, ``dtype``
-    may be ``np.bool_`` instead, for parts that are all bool masks. With ``scratch`` (a
-    host fold), parts that are all 1-D float32 tensors or all 1-D bool tensors are joined
-    into its buffer of their dtype. Float32 values stay float32 there, for ``HostBatch``
-    to widen.
+    Parts are host arrays of any shape and real dtype, host copies of CPU tensors
+    (``copies.HostCopy``), or tensors. On the host, ``dtype`` may be ``np.bool_``
+    instead, for parts that are all bool masks. In a host fold (``scratch``), host copies
+    all of float32 or all of bool are joined as their bytes, and 1-D tensors all of
+    float32 or all of bool into the scratch buffer of their dtype. Float32 values stay
+    float32 so, for ``HostBatch`` to widen.
 
     Tensors are joined by class: device, dtype, and 0-d ones stacked, others by their
     trailing shape. So the number of torch operations follows the classes, not the
@@ -160,6 +165,13 @@ def assemble(
     the host, parts of several classes that are few, or large and interleaved
     (``IN_PLACE_PARTS``), are instead copied into place one by one, with numpy.
     """
+    types = _types(parts)
+    if tuple in types:  # host copies
+        if scratch is not None and types == ONLY_COPIES:
+            joined_copies = _copies_joined(parts, dtype, scratch)
+            if joined_copies is not None:
+                return joined_copies
+        parts = list(map(as_array, parts))
     host, classes = _classes(parts, device is not None)
     if scratch is not None and host and not classes:
         joined_host = _host_into_scratch(parts, dtype, scratch)
@@ -210,6 +222,21 @@ def assemble(
         permutation = _permutation(order, sizes)
         flat_all = flat_all[permutation if device is None else on_backend(permutation, device)]
     return flat_all
+
+
+def _copies_joined(parts: Sequence[Any], dtype: type, scratch: HostScratch) -> np.ndarray | None:
+    """Host copies (only) all of one dtype that ``SCRATCH_JOINS`` joins (float32 asked
+    as float64, bool as bool) as one flat array in ``scratch``: their bytes joined at
+    once (``HostScratch.joined``), which costs less than joining arrays of them one by
+    one. Else None."""
+    dtypes = set(map(_get_copy_dtype, parts))
+    if len(dtypes) != 1:
+        return None
+    asked, kept = SCRATCH_JOINS.get(dtypes.pop(), (None, None))
+    if asked is not dtype:
+        return None
+    size = sum(map(_get_copy_size, parts))
+    return scratch.joined(list(map(_get_memory, parts)), kept, size)
 
 
 def _host_into_scratch(parts: Sequence[Any], dtype: type, scratch: HostScratch) -> Any:
@@ -302,8 +329,21 @@ def _tensor_block(
     return joined.to(target, dtype)
 
 
+def part_dtypes(parts: Sequence[Any]) -> set[Any]:
+    """The dtypes of parts: tensors', arrays' and host copies'."""
+    types = _types(parts)
+    if tuple not in types:
+        return set(map(_get_dtype, parts))
+    if types == ONLY_COPIES:
+        return set(map(_get_copy_dtype, parts))
+    return {part[1] if type(part) is tuple else part.dtype for part in parts}
+
+
 def part_size(part: Any) -> int:
-    """The elements of a record or part: a tensor, an array or a python number (one)."""
+    """The elements of a record or part: a tensor, an array, a host copy or a python
+    number (one)."""
+    if type(part) is tuple:
+        return part[2]
     return part.numel() if isinstance(part, Tensor) else np.size(part)
 
 

@@ -7,9 +7,11 @@ the fold: for a tensor of a thousand elements, several times the copy itself. He
 copy is one ``memmove`` of the tensor's bytes, without a torch operation:
 
 ``MemoryReader`` reads a tensor's bytes into a bytes object (immutable: nothing can
-write to the copy after), and ``memory_array`` makes a flat read-only array of them.
-A weight's bytes are compared with the last copy's first: a mask logged again
-unchanged is recorded as that copy again (``record.CheckedWeight.host_copy``).
+write to the copy after). The record is a ``HostCopy``: those bytes and their numpy
+dtype, a plain tuple, made for less than an array. The fold joins the bytes of a step's
+copies at once (``rlmetrics._engine.assemble``); anything else reads a copy as an
+array (``as_array``). A weight's bytes are compared with the last copy's first: a mask
+logged again unchanged is recorded as that copy again (``record.CheckedWeight.host_copy``).
 
 Only a plain tensor whose memory holds its elements as they read is copied so: a
 contiguous one, without a negative-view bit, with elements and a storage. For any other
@@ -114,7 +116,12 @@ def memory_view(tensor: Tensor) -> np.ndarray | None:
     return np.frombuffer(_chars(size).from_address(address), dtype)
 
 
-def memory_array(memory: bytes, dtype: torch.dtype) -> np.ndarray:
-    """``MemoryReader.read``'s bytes as a flat, read-only numpy array of ``dtype``'s
-    numpy dtype."""
-    return np.frombuffer(memory, NUMPY_DTYPE_OF[dtype])
+HostCopy = tuple
+"""A CPU tensor's copy for a host fold: ``(bytes, numpy dtype, elements)``, its elements
+as ``MemoryReader.read`` gave them, flat. No other record is a tuple."""
+
+
+def as_array(part: Any) -> Any:
+    """A record or part as the fold reads it: a ``HostCopy`` as a flat read-only numpy
+    array, anything else as it is."""
+    return np.frombuffer(part[0], part[1]) if type(part) is tuple else part

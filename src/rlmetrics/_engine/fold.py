@@ -40,6 +40,7 @@ from rlmetrics._engine.assemble import (
     joined,
     made_anew,
     on_backend,
+    part_dtypes,
     part_size,
 )
 from rlmetrics._engine.host_batch import BatchRows, HostBatch
@@ -291,7 +292,6 @@ class Fold:
 
 
 _get_values = attrgetter("values")
-_get_dtype = attrgetter("dtype")
 _get_versions = attrgetter("versions")
 _get_row = attrgetter("row")
 _get_num_deferred_checks = attrgetter("num_deferred_checks")
@@ -335,7 +335,7 @@ def _joined_batch(
     parts.flush()
     host_scratch = scratch if device is None else None
     value = assemble(parts.values, device, scratch=host_scratch)
-    if device is None and set(map(_get_dtype, parts.weights)) <= MASK_DTYPES:
+    if device is None and part_dtypes(parts.weights) <= MASK_DTYPES:
         weight = assemble(parts.weights, device, np.bool_, scratch=host_scratch)
     else:  # float weights, or a device: never into the scratch
         weight = assemble(parts.weights, device)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics._engine.copies import NUMPY_DTYPE_OF, MemoryReader, memory_array
+from rlmetrics._engine.copies import NUMPY_DTYPE_OF, HostCopy, MemoryReader, as_array
 from rlmetrics._engine.inputs import (
     REAL_DTYPES,
     STRIDED,
@@ -269,8 +269,8 @@ def prepare(
             (
                 None,
                 1.0,
-                scratch.values[0],
-                scratch.weights[0],
+                as_array(scratch.values[0]),
+                as_array(scratch.weights[0]),
                 size,
                 tuple(value.shape),
                 scratch.num_deferred_checks > 0,
@@ -383,7 +383,7 @@ class CheckedWeight:
         self.last = self.NOT_CHECKED
         self.copied = self.NOT_COPIED
 
-    def host_copy(self, weight: Tensor, shape: torch.Size) -> np.ndarray | Tensor | float:
+    def host_copy(self, weight: Tensor, shape: torch.Size) -> HostCopy | Tensor | float:
         """A CPU tensor weight's elements now, for a host fold.
 
         A weight is most often one mask logged again and again, unchanged. Whether it
@@ -391,7 +391,7 @@ class CheckedWeight:
         numpy moves no version counter. So its bytes are read (``MemoryReader``) and
         compared with those of the last copy made here. Equal, with the same dtype, the
         record is that copy again, which nothing can write to. Else the bytes become
-        the new copy (``memory_array``). A weight whose memory cannot be read so
+        the new copy (a ``copies.HostCopy``). A weight whose memory cannot be read so
         (``MemoryReader.read``) is cloned (``_weight_copy``).
         """
         dtype = weight.dtype
@@ -400,7 +400,7 @@ class CheckedWeight:
             return _weight_copy(weight, shape)
         last_dtype, last_memory, array = self.copied
         if dtype is not last_dtype or memory != last_memory:
-            array = memory_array(memory, dtype)
+            array = (memory, NUMPY_DTYPE_OF[dtype], shape.numel())
             self.copied = (dtype, memory, array)
         return array
 
@@ -558,8 +558,8 @@ def _copy_value(
 
     A 0-d tensor becomes a python float (``tolist`` reads it without a torch operation)
     with a python weight; with a tensor weight, a 0-d array. For a host fold
-    (``reader``), any other copy is its bytes as a flat read-only array
-    (``MemoryReader``). Else, or where its memory cannot be read so, it is a clone,
+    (``reader``), any other copy is its bytes (``MemoryReader``), recorded as a
+    ``copies.HostCopy``. Else, or where its memory cannot be read so, it is a clone,
     which nothing else holds (detached; never an inference tensor).
     """
     if not shape:
@@ -571,7 +571,7 @@ def _copy_value(
         dtype = value.dtype
         memory = reader.read(value) if dtype in NUMPY_DTYPE_OF else None
         if memory is not None:
-            return memory_array(memory, dtype), weight
+            return (memory, NUMPY_DTYPE_OF[dtype], shape.numel()), weight
     if value.requires_grad:
         value = value.detach()
     return (plain_clone(value) if INFERENCE_MODE() else value.clone()), weight

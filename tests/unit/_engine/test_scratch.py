@@ -33,8 +33,21 @@ def numpy_truth(kind: str, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
     }[kind]()  # fmt: skip
 
 
-def scratch_buffers(tracker: Tracker) -> dict[object, np.ndarray]:
-    return dict(tracker._plan.scratch._buffers)
+def scratch_buffers(tracker: Tracker) -> dict[object, object]:
+    """Per dtype, the scratch's buffer: an array (``take``), or for the joins of CPU
+    tensors' copies a ``BytesIO`` (``joined``)."""
+    scratch = tracker._plan.scratch
+    return {**scratch._buffers, **scratch._files}
+
+
+def held(tracker: Tracker) -> dict[object, int]:
+    """Per dtype, the elements its scratch buffer holds."""
+    return {
+        dtype: len(buffer)
+        if isinstance(buffer, np.ndarray)
+        else buffer.getbuffer().nbytes // np.dtype(dtype).itemsize
+        for dtype, buffer in scratch_buffers(tracker).items()
+    }
 
 
 @settings(max_examples=30, deadline=None)
@@ -88,7 +101,7 @@ def test_the_buffers_are_kept_across_steps_and_grown_only_when_too_small() -> No
     for value, mask in masked(1, [20_000]):
         t.mean("m", value, weight=mask)
     t.compute(sync=False)
-    assert all(len(buffer) >= 20_000 for buffer in scratch_buffers(t).values())
+    assert all(size >= 20_000 for size in held(t).values())
 
 
 def test_early_folds_of_one_step_keep_what_each_folded() -> None:
@@ -149,6 +162,56 @@ def test_a_buffer_recent_folds_used_little_of_is_given_back() -> None:
     step(huge)  # needed again: kept, the count starts over
     for _ in range(SHRINK_AFTER - 1):
         step(small)
-    assert len(scratch_buffers(t)[np.float32]) >= 100_000
+    assert held(t)[np.float32] >= 100_000 and held(t)[np.float64] >= 100_000
     step(small)
-    assert len(scratch_buffers(t)[np.float32]) == 1000 + 1000 // GROWTH
+    assert held(t)[np.float32] == 1000  # a join's file: as large as written
+    assert held(t)[np.float64] == 1000 + 1000 // GROWTH
+
+
+def test_a_join_still_viewed_is_not_written_over() -> None:
+    """``HostScratch.joined`` writes a new file while an array of the last join is
+    still held (a fold that did not end), and the held array keeps its elements."""
+    from rlmetrics._engine.plan import HostScratch
+
+    scratch = HostScratch()
+    first = [np.arange(4, dtype=np.float32).tobytes(), np.arange(4, 6, dtype=np.float32).tobytes()]
+    held_array = scratch.joined(first, np.float32, 6)
+    assert held_array.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    second = scratch.joined([np.full(6, 9.0, dtype=np.float32).tobytes()], np.float32, 6)
+    assert held_array.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert second.tolist() == [9.0] * 6
+    del held_array, second
+    file = scratch._files[np.float32]
+    third = scratch.joined([np.ones(3, dtype=np.float32).tobytes()], np.float32, 3)
+    assert scratch._files[np.float32] is file  # no view left: the same file, written over
+    assert third.tolist() == [1.0] * 3 and third.flags.writeable
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copies_of_several_dtypes_and_arrays_in_one_step_report_numpy(kind: str) -> None:
+    """CPU tensors of several dtypes, numpy arrays and float weights mixed in one
+    metric's step: the copies that are not joined as bytes are read as arrays."""
+    gen = torch.Generator().manual_seed(7)
+    x32, x64 = torch.randn(300, generator=gen), torch.randn(200, generator=gen).double()
+    xi = torch.randint(-5, 5, (100,), generator=gen)
+    m32, m64 = torch.rand(300, generator=gen) > 0.5, torch.rand(200, generator=gen) > 0.5
+    array = np.linspace(-1.0, 1.0, 50)
+    t = Tracker()
+    log = getattr(t, kind)
+    log("m", x32, weight=m32)
+    log("m", x64, weight=m64)
+    log("m", xi)
+    log("m", array)
+    log("m", x32, weight=m32.float() * 2.0 if kind in ("mean", "sum", "std") else m32)  # float
+    got = t.compute(sync=False)
+    x = np.concatenate([x32.numpy(), x64.numpy(), xi.numpy(), array, x32.numpy()])
+    scale = 2.0 if kind in ("mean", "sum", "std") else 1.0
+    w = np.concatenate([m32.numpy(), m64.numpy(), np.ones(150), m32.numpy() * scale])
+    kept = x[w > 0]
+    want = {
+        "mean": (x * w).sum() / w.sum(), "sum": (x * w).sum(), "max": kept.max(),
+        "min": kept.min(), "dist": kept.mean(),
+        "std": np.sqrt((w * (x - (x * w).sum() / w.sum()) ** 2).sum() / w.sum()),
+    }[kind]  # fmt: skip
+    key = "m/mean" if kind == "dist" else "m"
+    assert got[key] == pytest.approx(want, rel=1e-12)
