@@ -451,7 +451,7 @@ def record_tensor(
     if not cpu and value.is_meta:
         raise tensor_error(name, value)
     on_host = host and cpu  # else the fold runs on the value's device
-    device: torch.device | Tensor | None = None
+    device: torch.device | Tensor | None
     if type(weight) is Tensor:
         try:
             version = weight._version
@@ -489,7 +489,7 @@ def record_tensor(
         version = None
         if weight is not None:  # a python float or int
             weight = _weight_number(name, weight)
-        check_data = False
+        check_data, device = False, None
         size = shape.numel()
     if not on_host and device is None:
         device = value
