@@ -4,7 +4,7 @@ Run from the repository root (about a minute on 2 cores):
 
     .venv/bin/python benchmarks/fold_bench.py
 
-Options: ``--rounds 15`` (timed rounds, after one warm-up), ``--calls 200 3000`` (log
+Options: ``--rounds 21`` (timed rounds, after one warm-up), ``--calls 200 3000`` (log
 calls per step), ``--elements 1000`` (per call), ``--metrics 8`` (the names the calls
 go to, in turn), ``--big 4000000`` (elements of the one call of the per-element rows),
 ``--evict 64`` (MB of the pass that evicts the caches), ``--no-write`` (print only).
@@ -37,8 +37,10 @@ tensor with a bool mask, a 0-d tensor, a python float, a 1k tensor to a max), ho
 path, CPU tensors copied (the default) or recorded by reference; target: the same
 count whatever the calls.
 
-Every round runs each row's contenders once each, in a new shuffled order, so the
-machine's drift hits them alike; the table gives medians over the rounds. The
+Every round runs each row's contenders once each, back to back in a random order, the
+rows in a new shuffled order, so the machine's drift hits them alike. The table gives
+each contender's median over the rounds, and the median of the rounds' ratios: each a
+ratio of two runs made together. The
 rlmetrics results are checked against numpy over the whole batch before timing.
 """
 
@@ -224,14 +226,20 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
         steps[f"{kind} rlmetrics"] = (timed(step), float(args.big))
     steps["compute rlmetrics"] = (compute_only(8), 1000.0)
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    names, order = list(steps), random.Random(0)
+    units: dict[str, list[str]] = {}  # a row's contenders run back to back
+    for name in steps:
+        units.setdefault(name.rsplit(" ", 1)[0], []).append(name)
+    order = random.Random(0)
     for index in range(1 + args.rounds):
-        order.shuffle(names)  # no step always follows the same one
-        for name in names:
-            step, divisor = steps[name]
-            elapsed = step()
-            if index:
-                samples[name].append(elapsed / divisor)
+        rows = list(units.values())
+        order.shuffle(rows)  # no row always follows the same one
+        for row in rows:
+            order.shuffle(row)  # nor one contender the other
+            for name in row:
+                step, divisor = steps[name]
+                elapsed = step()
+                if index:
+                    samples[name].append(elapsed / divisor)
     return samples
 
 
@@ -278,9 +286,10 @@ def markdown(samples: dict[str, list[float]], args: argparse.Namespace) -> list[
     for calls in args.calls:
         for case in CASES:
             for condition in CONDITIONS:
-                mine = med[f"{calls} calls {case} {condition} rlmetrics"]
-                eager = med[f"{calls} calls {case} {condition} eager"]
-                ratio = mine / eager
+                row = f"{calls} calls {case} {condition}"
+                mine, eager = med[f"{row} rlmetrics"], med[f"{row} eager"]
+                pairs = zip(samples[f"{row} rlmetrics"], samples[f"{row} eager"], strict=True)
+                ratio = statistics.median(a / b for a, b in pairs)
                 met = "yes, stretch too" if ratio <= 0.5 else "yes" if ratio <= 1 else "no"
                 rows.append(
                     f"| {calls} calls, {CASE_NAMES[case]}, {condition}, µs per call "
@@ -302,14 +311,16 @@ def markdown(samples: dict[str, list[float]], args: argparse.Namespace) -> list[
         "tensors to one mean metric, or one tensor and mask logged every call to one mean "
         "metric (the last two against issue 44's eager way, see the script); one call of "
         f"{args.big} elements per kind; caches evicted by a pass over {args.evict} MB; "
-        f"medians of {args.rounds} rounds, thread time.",
+        f"medians of {args.rounds} rounds, thread time. The ratio is the median over the "
+        "rounds of each round's rlmetrics / eager: a round runs a row's two contenders "
+        "back to back, in a random order, so the machine's drifts in speed hit both.",
     ]
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--calls", type=int, nargs="+", default=[200, 3000])
     parser.add_argument("--elements", type=int, default=1000)
     parser.add_argument("--metrics", type=int, default=8)
