@@ -10,7 +10,7 @@ classes are instead copied into place one by one, with numpy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -75,7 +75,11 @@ ONLY_ARRAYS = {np.ndarray}
 ONLY_COPIES = {tuple}  # copies.HostCopy
 _get_size = attrgetter("size")
 _get_memory, _get_copy_dtype, _get_copy_size = itemgetter(0), itemgetter(1), itemgetter(2)
-_SIZE_OF = {Tensor: Tensor.numel, np.ndarray: _get_size, tuple: _get_copy_size}
+_SIZE_OF: dict[type, Callable[[Any], int]] = {
+    Tensor: Tensor.numel,
+    np.ndarray: _get_size,
+    tuple: _get_copy_size,
+}
 
 
 def _types(items: Sequence[Any]) -> set[type]:
@@ -224,16 +228,22 @@ def assemble(
     return flat_all
 
 
+def _kept_dtype(dtypes: set[Any], dtype: type) -> Any:
+    """The dtype of the scratch buffer that parts of ``dtypes`` asked as ``dtype`` are
+    joined into: where they are all of one dtype ``SCRATCH_JOINS`` joins so; else None."""
+    if len(dtypes) != 1:
+        return None
+    asked, kept = SCRATCH_JOINS.get(dtypes.pop(), (None, None))
+    return kept if asked is dtype else None
+
+
 def _copies_joined(parts: Sequence[Any], dtype: type, scratch: HostScratch) -> np.ndarray | None:
     """Host copies (only) all of one dtype that ``SCRATCH_JOINS`` joins (float32 asked
     as float64, bool as bool) as one flat array in ``scratch``: their bytes joined at
     once (``HostScratch.joined``), which costs less than joining arrays of them one by
     one. Else None."""
-    dtypes = set(map(_get_copy_dtype, parts))
-    if len(dtypes) != 1:
-        return None
-    asked, kept = SCRATCH_JOINS.get(dtypes.pop(), (None, None))
-    if asked is not dtype:
+    kept = _kept_dtype(set(map(_get_copy_dtype, parts)), dtype)
+    if kept is None:
         return None
     size = sum(map(_get_copy_size, parts))
     return scratch.joined(list(map(_get_memory, parts)), kept, size)
@@ -243,11 +253,8 @@ def _host_into_scratch(parts: Sequence[Any], dtype: type, scratch: HostScratch) 
     """Host arrays all of one dtype that ``SCRATCH_JOINS`` joins (float32 asked as
     float64, bool as bool) as one flat array in ``scratch``'s buffer of that dtype; else
     None."""
-    dtypes = set(map(_get_dtype, parts))
-    if len(dtypes) != 1:
-        return None
-    asked, kept = SCRATCH_JOINS.get(dtypes.pop(), (None, None))
-    if asked is not dtype:
+    kept = _kept_dtype(set(map(_get_dtype, parts)), dtype)
+    if kept is None:
         return None
     flat = [part.reshape(-1) if part.ndim != 1 else part for part in parts]
     out = scratch.take(sum(map(len, flat)), kept)
