@@ -74,7 +74,7 @@ ONLY_TENSORS = {Tensor}
 ONLY_ARRAYS = {np.ndarray}
 ONLY_COPIES = {tuple}  # copies.HostCopy
 _get_size = attrgetter("size")
-_get_memory, _get_copy_dtype, _get_copy_size = itemgetter(0), itemgetter(1), itemgetter(2)
+_get_copy_dtype, _get_copy_size = itemgetter(1), itemgetter(2)
 _SIZE_OF: dict[type, Callable[[Any], int]] = {
     Tensor: Tensor.numel,
     np.ndarray: _get_size,
@@ -89,9 +89,14 @@ def _types(items: Sequence[Any]) -> set[type]:
 
 class Parts:
     """Metrics' records as flat parts (host arrays or tensors), metric by metric in call
-    order; each run of python numbers, across metrics, becomes one array."""
+    order; each run of python numbers, across metrics, becomes one array.
+
+    A metric whose values (and weights, unless it has none) are all host copies in its
+    arenas is one part, the arena itself (``copies.CopyArena``); ``arenas`` counts such
+    parts, which the fold may write over."""
 
     def __init__(self) -> None:
+        self.arenas = 0
         self.values: list[Any] = []
         self.weights: list[Any] = []
         self.call_lengths: list[int] = []
@@ -101,6 +106,8 @@ class Parts:
 
     def add(self, records: MetricRecords) -> None:
         values, weights = records.values, records.weights
+        if self._add_arenas(records):
+            return
         types = _types(values)
         if types in (ONLY_TENSORS, ONLY_COPIES, ONLY_ARRAYS) and _types(weights) == types:
             # tensor (or host copy, or array) values with weights of the same type (a
@@ -138,6 +145,31 @@ class Parts:
             self.call_lengths.append(size)
         self.lengths.append(sum(self.call_lengths[start:]))
 
+    def _add_arenas(self, records: MetricRecords) -> bool:
+        """Add the metric's records as its arenas, where they hold them all: every value a
+        host copy in its value arena, every weight one in its weight arena or None (a
+        weight of 1). Else add nothing and return False."""
+        values, value_arena = records.values, records.value_copies
+        calls = len(values)
+        if value_arena is None or not value_arena.holds(calls):
+            return False
+        weight_arena = records.weight_copies
+        if weight_arena is not None and not weight_arena.holds(calls):
+            weight_arena = None
+        if weight_arena is None and records.weights.count(None) != calls:
+            return False
+        self.flush()
+        sizes = list(map(_get_copy_size, values))
+        size = sum(sizes)
+        self.values.append(value_arena.array(size))
+        self.weights.append(
+            np.ones(size, np.bool_) if weight_arena is None else weight_arena.array(size)
+        )
+        self.call_lengths += sizes
+        self.lengths.append(size)
+        self.arenas += 1
+        return True
+
     def flush(self) -> None:
         """End the current run of python numbers."""
         if self.numbers:
@@ -152,16 +184,18 @@ def assemble(
     dtype: type = np.float64,
     *,
     scratch: HostScratch | None = None,
+    writable: bool = False,
 ) -> Array:
     """Flat parts as one 1-D array, in order: float64 on the host (``device`` None), or a
     float64 tensor on ``device``.
 
     Parts are host arrays of any shape and real dtype, host copies of CPU tensors
     (``copies.HostCopy``), or tensors. On the host, ``dtype`` may be ``np.bool_``
-    instead, for parts that are all bool masks. In a host fold (``scratch``), host copies
-    all of float32 or all of bool are joined as their bytes, and 1-D tensors all of
-    float32 or all of bool into the scratch buffer of their dtype. Float32 values stay
-    float32 so, for ``HostBatch`` to widen.
+    instead, for parts that are all bool masks. In a host fold (``scratch``), host arrays
+    (host copies among them) and 1-D tensors all of float32 or all of bool are joined
+    into the scratch buffer of their dtype. Float32 values stay float32 so, for
+    ``HostBatch`` to widen. ``writable``: the parts are the fold's to write over (a
+    metric's ``copies.CopyArena``), so a lone one of those dtypes is itself the join.
 
     Tensors are joined by class: device, dtype, and 0-d ones stacked, others by their
     trailing shape. So the number of torch operations follows the classes, not the
@@ -169,16 +203,11 @@ def assemble(
     the host, parts of several classes that are few, or large and interleaved
     (``IN_PLACE_PARTS``), are instead copied into place one by one, with numpy.
     """
-    types = _types(parts)
-    if tuple in types:  # host copies
-        if scratch is not None and types == ONLY_COPIES:
-            joined_copies = _copies_joined(parts, dtype, scratch)
-            if joined_copies is not None:
-                return joined_copies
+    if tuple in _types(parts):  # host copies
         parts = list(map(as_array, parts))
     host, classes = _classes(parts, device is not None)
     if scratch is not None and host and not classes:
-        joined_host = _host_into_scratch(parts, dtype, scratch)
+        joined_host = _host_into_scratch(parts, dtype, scratch, writable)
         if joined_host is not None:
             return joined_host
     if scratch is not None and not host and len(classes) == 1:
@@ -237,26 +266,18 @@ def _kept_dtype(dtypes: set[Any], dtype: type) -> Any:
     return kept if asked is dtype else None
 
 
-def _copies_joined(parts: Sequence[Any], dtype: type, scratch: HostScratch) -> np.ndarray | None:
-    """Host copies (only) all of one dtype that ``SCRATCH_JOINS`` joins (float32 asked
-    as float64, bool as bool) as one flat array in ``scratch``: their bytes joined at
-    once (``HostScratch.joined``), which costs less than joining arrays of them one by
-    one. Else None."""
-    kept = _kept_dtype(set(map(_get_copy_dtype, parts)), dtype)
-    if kept is None:
-        return None
-    size = sum(map(_get_copy_size, parts))
-    return scratch.joined(list(map(_get_memory, parts)), kept, size)
-
-
-def _host_into_scratch(parts: Sequence[Any], dtype: type, scratch: HostScratch) -> Any:
+def _host_into_scratch(
+    parts: Sequence[Any], dtype: type, scratch: HostScratch, writable: bool
+) -> Any:
     """Host arrays all of one dtype that ``SCRATCH_JOINS`` joins (float32 asked as
-    float64, bool as bool) as one flat array in ``scratch``'s buffer of that dtype; else
-    None."""
+    float64, bool as bool) as one flat array in ``scratch``'s buffer of that dtype, or
+    a lone one the caller may write over (``writable``) as it is; else None."""
     kept = _kept_dtype(set(map(_get_dtype, parts)), dtype)
     if kept is None:
         return None
     flat = [part.reshape(-1) if part.ndim != 1 else part for part in parts]
+    if writable and len(flat) == 1:
+        return flat[0]
     out = scratch.take(sum(map(len, flat)), kept)
     if len(flat) > 1:
         return np.concatenate(flat, out=out)

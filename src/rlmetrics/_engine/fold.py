@@ -334,9 +334,10 @@ def _joined_batch(
         parts.add(records)
     parts.flush()
     host_scratch = scratch if device is None else None
-    value = assemble(parts.values, device, scratch=host_scratch)
+    writable = parts.arenas == len(parts.values)  # each part a metric's arena
+    value = assemble(parts.values, device, scratch=host_scratch, writable=writable)
     if device is None and part_dtypes(parts.weights) <= MASK_DTYPES:
-        weight = assemble(parts.weights, device, np.bool_, scratch=host_scratch)
+        weight = assemble(parts.weights, device, np.bool_, scratch=host_scratch, writable=writable)
     else:  # float weights, or a device: never into the scratch
         weight = assemble(parts.weights, device)
     if len(value) != len(weight):

@@ -31,9 +31,8 @@ per tracker: it lives in ``rlmetrics._engine.sync``, per group.
 
 from __future__ import annotations
 
-import io
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from itertools import accumulate
 from operator import attrgetter, is_
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
@@ -353,7 +352,6 @@ class HostScratch:
 
     def __init__(self) -> None:
         self._buffers: dict[Any, np.ndarray] = {}
-        self._files: dict[Any, io.BytesIO] = {}  # per dtype, what ``joined`` writes into
         self._little_used: dict[Any, int] = {}  # per buffer, folds in a row that used little
 
     def take(self, size: int, dtype: Any) -> np.ndarray:
@@ -363,29 +361,6 @@ class HostScratch:
         if buffer is None or not self._kept(dtype, size, len(buffer)):
             buffer = self._buffers[dtype] = np.empty(size + size // SCRATCH_GROWTH, dtype)
         return buffer[:size]
-
-    def joined(self, memories: Sequence[bytes], dtype: Any, size: int) -> np.ndarray:
-        """``memories`` one after the other, ``size`` elements of ``dtype`` in all, as a
-        flat array the caller may write over until its fold ends.
-
-        They are written into a reused ``io.BytesIO`` per dtype: its ``writelines``
-        copies each one without a Python step, into memory that recent folds paged in.
-        A file still viewed (by an array of a fold that did not end) cannot be written:
-        a new one is made."""
-        file = self._files.get(dtype)
-        written = size * np.dtype(dtype).itemsize
-        if file is not None and self._kept(("joined", dtype), written, file.seek(0, io.SEEK_END)):
-            file.seek(0)
-            try:
-                file.writelines(memories)
-            except BufferError:  # still viewed: written into nothing
-                file = None
-        else:
-            file = None
-        if file is None:
-            file = self._files[dtype] = io.BytesIO()
-            file.writelines(memories)
-        return np.frombuffer(file.getbuffer(), dtype, size)
 
     def _kept(self, key: Any, size: int, held: int) -> bool:
         """Whether the buffer ``key``, which holds ``held``, is kept for a use of ``size``

@@ -13,9 +13,9 @@ Records keep references, so nothing logged may change before the step ends:
 * A numpy array or list is copied here: numpy cannot notice a later write.
 * A CPU tensor is copied too, unless ``Tracker.copy_cpu_tensors`` is False. Torch
   counts no write made through memory it shares with numpy, nor through
-  ``tensor.data``. For a host fold the copy is the tensor's bytes, read from its memory
-  (``rlmetrics._engine.copies``); a mask logged again unchanged is recorded as its last
-  copy again (``CheckedWeight.host_copy``). Else the copy is a clone (``inputs.host_copy``).
+  ``tensor.data``. For a host fold the copy is the tensor's bytes, written from its
+  memory after the metric's earlier copies of the step (``rlmetrics._engine.copies``).
+  Else the copy is a clone (``inputs.host_copy``).
 * An inference tensor is copied: torch keeps it no version counter.
 * A tensor recorded by reference (a device tensor) has its version counter recorded.
   An in-place change before the fold raises there (docs/concepts.md lists the changes
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlmetrics._engine.copies import NUMPY_DTYPE_OF, HostCopy, MemoryReader, as_array
+from rlmetrics._engine.copies import CopyArena, as_array
 from rlmetrics._engine.inputs import (
     REAL_DTYPES,
     STRIDED,
@@ -134,6 +134,10 @@ class MetricRecords:
     # log call reads them, so they are copied from the kind (architecture.md, "Performance").
     kind_name: str = field(default="", init=False)
     checks_call_size: bool = field(default=False, init=False)
+    # Where a host fold's log calls copy CPU tensors' values and weights (made at the
+    # first such copy; kept, with their memory, from step to step).
+    value_copies: CopyArena | None = field(default=None, init=False)
+    weight_copies: CopyArena | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.in_number_records = self.kind.parts == 1
@@ -154,6 +158,10 @@ class MetricRecords:
         self.record_device = None
         self.arrays = False
         self.in_number_records = self.kind.parts == 1
+        if self.value_copies is not None:
+            self.value_copies.reset()
+        if self.weight_copies is not None:
+            self.weight_copies.reset()
 
     def count(self, slot: int, amount: float = 1.0) -> None:
         """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
@@ -361,48 +369,17 @@ class CheckedWeight:
     ``last`` holds the weight as logged, its version, dtype, shape and size, its device
     (None on the CPU) and whether its data is checked at the fold; or ``NOT_CHECKED``.
     It keeps the weight alive until the tracker's next fold or reset.
-
-    ``copied`` holds the last CPU weight a host fold's log call copied (``host_copy``):
-    its dtype, its bytes and the array recorded; or ``NOT_COPIED``. ``values`` and
-    ``weights`` read CPU tensors' memory for a host fold's copies
-    (``rlmetrics._engine.copies``).
     """
 
     NOT_CHECKED = (None, -1, None, None, 0, None, False)
-    NOT_COPIED = (None, b"", None)
 
-    __slots__ = ("copied", "last", "values", "weights")
+    __slots__ = ("last",)
 
     def __init__(self) -> None:
         self.last: tuple[Any, ...] = self.NOT_CHECKED
-        self.copied: tuple[Any, ...] = self.NOT_COPIED
-        self.values = MemoryReader()
-        self.weights = MemoryReader()
 
     def clear(self) -> None:
         self.last = self.NOT_CHECKED
-        self.copied = self.NOT_COPIED
-
-    def host_copy(self, weight: Tensor, shape: torch.Size) -> HostCopy | Tensor | float:
-        """A CPU tensor weight's elements now, for a host fold.
-
-        A weight is most often one mask logged again and again, unchanged. Whether it
-        changed cannot be known from the tensor: a write through memory it shares with
-        numpy moves no version counter. So its bytes are read (``MemoryReader``) and
-        compared with those of the last copy made here. Equal, with the same dtype, the
-        record is that copy again, which nothing can write to. Else the bytes become
-        the new copy (a ``copies.HostCopy``). A weight whose memory cannot be read so
-        (``MemoryReader.read``) is cloned (``_weight_copy``).
-        """
-        dtype = weight.dtype
-        memory = self.weights.read(weight) if shape and dtype in NUMPY_DTYPE_OF else None
-        if memory is None:
-            return _weight_copy(weight, shape)
-        last_dtype, last_memory, array = self.copied
-        if dtype is not last_dtype or memory != last_memory:
-            array = (memory, NUMPY_DTYPE_OF[dtype], shape.numel())
-            self.copied = (dtype, memory, array)
-        return array
 
 
 def record_tensor(
@@ -474,12 +451,17 @@ def record_tensor(
                 f"metric {name!r}: weight shape {tuple(weight_shape)} does not match "
                 f"value shape {tuple(shape)}"
             )
+        if records.checks_call_size:  # before a copy is written into the metric's arenas
+            _check_size(records, name, size, shape)
         if device is None:
             if copy:  # its values now (its checks may be kept: they read no data)
-                if on_host:
-                    weight = checked.host_copy(weight, shape)
-                else:
-                    weight = _weight_copy(weight, shape)
+                copied = None
+                if on_host and shape:
+                    arena = records.weight_copies
+                    if arena is None:
+                        arena = records.weight_copies = CopyArena()
+                    copied = arena.copy(weight, size)
+                weight = _weight_copy(weight, shape) if copied is None else copied
                 version = None
         elif on_host:  # a CPU value with a device weight: the fold runs there
             on_host = False
@@ -491,10 +473,22 @@ def record_tensor(
             weight = _weight_number(name, weight)
         check_data, device = False, None
         size = shape.numel()
+        if records.checks_call_size:  # before a copy is written into the metric's arenas
+            _check_size(records, name, size, shape)
     if not on_host and device is None:
         device = value
     if cpu and copy:
-        value, weight = _copy_value(value, weight, shape, checked.values if on_host else None)
+        if on_host and shape:
+            arena = records.value_copies
+            if arena is None:
+                arena = records.value_copies = CopyArena()
+            copied = arena.copy(value, size)
+            if copied is not None:
+                value = copied
+            else:
+                value, weight = _copy_value(value, weight, shape)
+        else:
+            value, weight = _copy_value(value, weight, shape)
         value_version = None
     else:  # recorded by reference, detached (a view: the record must not keep the graph)
         if value.requires_grad:
@@ -511,7 +505,7 @@ def record_tensor(
     else:
         versions = (weight, version, value, value_version)
     deferred = check_data or nonfinite == "error"
-    _append(records, name, value, weight, size, shape, deferred, versions, device)
+    _append(records, value, weight, deferred, versions, device)
     return size
 
 
@@ -551,15 +545,12 @@ def _weight_copy(weight: Tensor, shape: torch.Size) -> Tensor | float:
     return float(weight.tolist())  # type: ignore[arg-type]  # a 0-d tensor's is a number
 
 
-def _copy_value(
-    value: Tensor, weight: Any, shape: torch.Size, reader: MemoryReader | None
-) -> tuple[Any, Any]:
-    """A CPU tensor value's copy (``Tracker.copy_cpu_tensors``), and its weight.
+def _copy_value(value: Tensor, weight: Any, shape: torch.Size) -> tuple[Any, Any]:
+    """A CPU tensor value's copy (``Tracker.copy_cpu_tensors``) that is not a host fold's
+    ``CopyArena.copy``, and its weight.
 
     A 0-d tensor becomes a python float (``tolist`` reads it without a torch operation)
-    with a python weight; with a tensor weight, a 0-d array. For a host fold
-    (``reader``), any other copy is its bytes (``MemoryReader``), recorded as a
-    ``copies.HostCopy``. Else, or where its memory cannot be read so, it is a clone,
+    with a python weight; with a tensor weight, a 0-d array. Any other copy is a clone,
     which nothing else holds (detached; never an inference tensor).
     """
     if not shape:
@@ -567,11 +558,6 @@ def _copy_value(
             return host_copy(value), weight
         number = float(value.tolist())  # type: ignore[arg-type]
         return number, 1.0 if weight is None else weight
-    if reader is not None:
-        dtype = value.dtype
-        memory = reader.read(value) if dtype in NUMPY_DTYPE_OF else None
-        if memory is not None:
-            return (memory, NUMPY_DTYPE_OF[dtype], shape.numel()), weight
     if value.requires_grad:
         value = value.detach()
     return (plain_clone(value) if INFERENCE_MODE() else value.clone()), weight
@@ -579,24 +565,19 @@ def _copy_value(
 
 def _append(
     records: MetricRecords,
-    name: str,
     value: Any,
     weight: Any,
-    size: int,
-    shape: tuple[int, ...],
     deferred: bool,
     versions: tuple[Any, ...],
     device: torch.device | Tensor | None,
 ) -> None:
     """The end of every log call that records an array or a tensor.
 
-    Checks the call's size against its kind's rule, then appends the value and weight.
-    ``deferred``: the call's data is checked at the fold, which may reject it.
+    Appends the value and weight of a call whose size passed its kind's rule
+    (``_check_size``). ``deferred``: the call's data is checked at the fold, which may reject it.
     ``versions``: each tensor recorded by reference, then its version. ``device``: where
     the fold runs (a tensor on it), or None for the host.
     """
-    if records.checks_call_size:
-        _check_size(records, name, size, shape)
     if deferred:
         records.num_deferred_checks += 1  # may be rejected: compute() tells
     else:
@@ -636,6 +617,8 @@ def record_prepared(
     if value is None:  # a python number and weight
         record_number(records, name, cast(float, number), weight_number, nonfinite, numbers)
         return 0
+    if records.checks_call_size:
+        _check_size(records, name, size, shape)
     deferred = check_weights or nonfinite == "error"
-    _append(records, name, value, weight, size, shape, deferred, versions, device)
+    _append(records, value, weight, deferred, versions, device)
     return size

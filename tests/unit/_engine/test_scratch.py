@@ -1,8 +1,10 @@
-"""The host fold's scratch (``rlmetrics._engine.plan.HostScratch``): float32 values and bool masks
-are joined into buffers a tracker keeps from step to step, the values widened to
-float64 while the unselected ones are zeroed. What a step reports is what it would be
-without the scratch: numpy on the whole step, the same bits as the same values logged
-as float64, and nothing a later fold writes reaches an earlier one's results."""
+"""The host fold's memory kept from step to step: CPU tensors' copies written into each
+metric's arenas (``rlmetrics._engine.copies.CopyArena``), and the scratch
+(``rlmetrics._engine.plan.HostScratch``) that several metrics' float32 values and bool
+masks are joined into, the values widened to float64 while the unselected ones are
+zeroed. What a step reports is what it would be without them: numpy on the whole step,
+the same bits as the same values logged as float64, and nothing a later fold or log
+call writes reaches an earlier one's results."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmetrics import Tracker
+from rlmetrics._engine.copies import ARENA_GROWTH, ARENA_SHRINK_AFTER, CopyArena
 
 KINDS = ("mean", "sum", "max", "min", "std", "dist")
 
@@ -33,21 +36,21 @@ def numpy_truth(kind: str, calls: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
     }[kind]()  # fmt: skip
 
 
-def scratch_buffers(tracker: Tracker) -> dict[object, object]:
-    """Per dtype, the scratch's buffer: an array (``take``), or for the joins of CPU
-    tensors' copies a ``BytesIO`` (``joined``)."""
-    scratch = tracker._plan.scratch
-    return {**scratch._buffers, **scratch._files}
+def scratch_buffers(tracker: Tracker) -> dict[object, np.ndarray]:
+    """Per dtype, the scratch's buffer."""
+    return dict(tracker._plan.scratch._buffers)
 
 
 def held(tracker: Tracker) -> dict[object, int]:
     """Per dtype, the elements its scratch buffer holds."""
-    return {
-        dtype: len(buffer)
-        if isinstance(buffer, np.ndarray)
-        else buffer.getbuffer().nbytes // np.dtype(dtype).itemsize
-        for dtype, buffer in scratch_buffers(tracker).items()
-    }
+    return {dtype: len(buffer) for dtype, buffer in scratch_buffers(tracker).items()}
+
+
+def arena(tracker: Tracker, name: str, side: str = "value") -> CopyArena:
+    """The arena a metric's log calls copied CPU tensors' values (or weights) into."""
+    copies = getattr(tracker._pool[name], f"{side}_copies")
+    assert isinstance(copies, CopyArena)
+    return copies
 
 
 @settings(max_examples=30, deadline=None)
@@ -88,10 +91,12 @@ def test_float32_values_report_the_bits_of_the_same_values_as_float64() -> None:
 
 
 def test_the_buffers_are_kept_across_steps_and_grown_only_when_too_small() -> None:
+    """Two metrics' copies are joined into the scratch."""
     t = Tracker()
     for sizes in ([5000, 3000], [100], [8000]):
         for value, mask in masked(0, sizes):
             t.mean("m", value, weight=mask)
+            t.mean("n", value, weight=mask)
         t.compute(sync=False)
         if sizes == [5000, 3000]:
             first = scratch_buffers(t)
@@ -100,8 +105,9 @@ def test_the_buffers_are_kept_across_steps_and_grown_only_when_too_small() -> No
     assert all(kept[dtype] is first[dtype] for dtype in first)  # 8000 fits: no new one
     for value, mask in masked(1, [20_000]):
         t.mean("m", value, weight=mask)
+        t.mean("n", value, weight=mask)
     t.compute(sync=False)
-    assert all(size >= 20_000 for size in held(t).values())
+    assert all(size >= 40_000 for size in held(t).values())
 
 
 def test_early_folds_of_one_step_keep_what_each_folded() -> None:
@@ -153,7 +159,8 @@ def test_a_buffer_recent_folds_used_little_of_is_given_back() -> None:
 
     def step(calls: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for value, mask in calls:
-            t.mean("m", value, weight=mask)
+            t.mean("m", value, weight=mask)  # two metrics: joined into the scratch
+            t.mean("n", value, weight=mask)
         t.compute(sync=False)
 
     step(huge)
@@ -162,29 +169,109 @@ def test_a_buffer_recent_folds_used_little_of_is_given_back() -> None:
     step(huge)  # needed again: kept, the count starts over
     for _ in range(SHRINK_AFTER - 1):
         step(small)
-    assert held(t)[np.float32] >= 100_000 and held(t)[np.float64] >= 100_000
+    assert held(t)[np.float32] >= 200_000 and held(t)[np.float64] >= 200_000
     step(small)
-    assert held(t)[np.float32] == 1000  # a join's file: as large as written
-    assert held(t)[np.float64] == 1000 + 1000 // GROWTH
+    assert held(t)[np.float32] == held(t)[np.float64] == 2000 + 2000 // GROWTH
 
 
-def test_a_join_still_viewed_is_not_written_over() -> None:
-    """``HostScratch.joined`` writes a new file while an array of the last join is
-    still held (a fold that did not end), and the held array keeps its elements."""
-    from rlmetrics._engine.plan import HostScratch
+def test_one_metrics_copies_are_folded_where_they_were_written() -> None:
+    """One metric's masked copies fold from its arenas, not the scratch (no float32 or
+    bool buffer is taken), and the arenas keep their files from step to step."""
+    t = Tracker()
+    files = None
+    for seed in range(3):
+        calls = masked(seed, [700, 1, 2000])
+        for value, mask in calls:
+            t.mean("m", value, weight=mask)
+        got = t.compute(sync=False)["m"]
+        assert got == pytest.approx(numpy_truth("mean", calls), rel=1e-12)
+        assert np.float32 not in scratch_buffers(t) and np.bool_ not in scratch_buffers(t)
+        now = (arena(t, "m").file, arena(t, "m", "weight").file)
+        assert files is None or now == files
+        files = now
 
-    scratch = HostScratch()
-    first = [np.arange(4, dtype=np.float32).tobytes(), np.arange(4, 6, dtype=np.float32).tobytes()]
-    held_array = scratch.joined(first, np.float32, 6)
+
+def test_an_arena_still_viewed_is_not_written_over() -> None:
+    """A step's copies read as an array past the fold (held by a caller, say a
+    traceback) keep their elements: the next step's copies go into a new file."""
+    from rlmetrics._engine.copies import as_array
+
+    t = Tracker()
+    first = torch.arange(6, dtype=torch.float32)
+    t.mean("m", first)
+    record = t._metric_records["m"].values[0]
+    held_array = as_array(record)
+    assert t.compute(sync=False)["m"] == 2.5
+    old_file = arena(t, "m").file
+    second = torch.full((6,), 9.0)
+    t.mean("m", second)
+    assert arena(t, "m").file is not old_file
     assert held_array.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    second = scratch.joined([np.full(6, 9.0, dtype=np.float32).tobytes()], np.float32, 6)
-    assert held_array.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    assert second.tolist() == [9.0] * 6
-    del held_array, second
-    file = scratch._files[np.float32]
-    third = scratch.joined([np.ones(3, dtype=np.float32).tobytes()], np.float32, 3)
-    assert scratch._files[np.float32] is file  # no view left: the same file, written over
-    assert third.tolist() == [1.0] * 3 and third.flags.writeable
+    assert t.compute(sync=False)["m"] == 9.0
+    del held_array, record
+    file = arena(t, "m").file
+    t.mean("m", torch.ones(3))
+    assert arena(t, "m").file is file  # nothing views it: the same file, written over
+    assert t.compute(sync=False)["m"] == 1.0
+
+
+def test_copies_that_stop_filling_their_arena_in_call_order_fold_one_by_one() -> None:
+    """A step whose arena replaced its file midway (a view held), or whose copies
+    change dtype, or that mixes python numbers, weighted and unweighted calls, reads
+    each copy where it lies: numpy on the whole step."""
+    from rlmetrics._engine.copies import as_array
+
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randn(50, generator=gen), torch.randn(30, generator=gen)
+    mask = torch.rand(50, generator=gen) > 0.5
+    t = Tracker()
+    t.mean("m", a, weight=mask)
+    held_array = as_array(t._metric_records["m"].values[0])  # the next write needs a new file
+    t.mean("m", b)
+    t.mean("m", 2.5)
+    t.mean("m", b.double())
+    t.mean("m", a, weight=mask)
+    x = np.concatenate([a.numpy(), b.numpy(), [2.5], b.numpy(), a.numpy()]).astype(np.float64)
+    w = np.concatenate([mask.numpy(), np.ones(61), mask.numpy()])
+    assert t.compute(sync=False)["m"] == pytest.approx((x * w).sum() / w.sum(), rel=1e-12)
+    del held_array
+
+
+def test_a_call_refused_by_its_size_writes_no_copy() -> None:
+    """A call its kind refuses (here ``last`` takes one element) raises before any
+    copy: the metric's next calls still fold from its arena, in order."""
+    t = Tracker()
+    t.last("x", torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="takes one value"):
+        t.last("x", torch.tensor([5.0, 6.0]), weight=torch.tensor([True, True]))
+    t.last("x", torch.tensor([2.0]), weight=torch.tensor([True]))
+    assert arena(t, "x").calls == 2 and arena(t, "x", "weight").calls == 1
+    assert t.compute(sync=False)["x"] == 2.0
+
+
+def test_an_arena_recent_steps_used_little_of_is_given_back() -> None:
+    """After ``ARENA_SHRINK_AFTER`` steps in a row that use under ``1 / ARENA_GROWTH``
+    of its file, a metric's arena takes a new one; one step that needs more in between
+    keeps it."""
+    t = Tracker()
+    huge, small = torch.zeros(100_000), torch.ones(1000)
+
+    def step(value: torch.Tensor) -> None:
+        t.sum("m", value)
+        assert t.compute(sync=False)["m"] == float(value.sum())
+
+    step(huge)
+    big = arena(t, "m").file
+    for _ in range(ARENA_SHRINK_AFTER - 1):
+        step(small)
+    step(huge)  # needed again: kept, the count starts over
+    for _ in range(ARENA_SHRINK_AFTER - 1):
+        step(small)
+    assert arena(t, "m").file is big
+    step(small)
+    assert arena(t, "m").file is not big
+    step(small)
+    assert arena(t, "m").file.getbuffer().nbytes == 1000 * 4 < 100_000 * 4 // ARENA_GROWTH
 
 
 @pytest.mark.parametrize("kind", KINDS)
