@@ -101,6 +101,11 @@ class CopyArena:
         self.address = self.size = 0  # the last copy's memory
         self.view: np.ndarray | None = None  # of that memory, from its second copy
 
+    def __reduce__(self) -> tuple[type[CopyArena], tuple[()]]:
+        """A copy (a pickled or deep-copied tracker, which folded first) is a new arena:
+        no copies, and no view of memory that the copy's tensors do not hold."""
+        return CopyArena, ()
+
     def copy(self, tensor: Tensor, elements: int) -> HostCopy | None:
         """Copy a plain CPU tensor's ``elements`` now, after this step's earlier copies,
         and return its record; or None where its memory does not hold them as they read

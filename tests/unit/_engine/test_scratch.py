@@ -8,7 +8,9 @@ call writes reaches an earlier one's results."""
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -189,6 +191,26 @@ def test_one_metrics_copies_are_folded_where_they_were_written() -> None:
         now = (arena(t, "m").file, arena(t, "m", "weight").file)
         assert files is None or now == files
         files = now
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_tracker_copies_a_reused_buffer_as_it_is_now(how: str) -> None:
+    """A tensor logged again from the same memory is read through a view of that
+    memory. A deep copy or an unpickled copy of the tracker holds no such view (a
+    pickled array is a copy of the elements then): it logs the buffer's elements now."""
+    buffer = torch.ones(100)
+    t = Tracker()
+    for _ in range(3):  # the second copy from this memory makes the view
+        t.mean("m", buffer)
+    assert t.compute(sync=False)["m"] == 1.0
+    t.mean("m", buffer)
+    copied = copy.deepcopy(t) if how == "deepcopy" else pickle.loads(pickle.dumps(t))
+    buffer.fill_(5.0)
+    for _ in range(2):
+        copied.mean("m", buffer)
+    assert copied.compute(sync=False)["m"] == pytest.approx(11 / 3)  # the step's 1, 5, 5
+    copied.mean("m", buffer)
+    assert copied.compute(sync=False)["m"] == 5.0
 
 
 def test_an_arena_still_viewed_is_not_written_over() -> None:
