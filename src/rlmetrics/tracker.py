@@ -1018,6 +1018,10 @@ class Tracker(LogTarget):
             for records in self._metric_records.values():
                 records.clear()  # drops the records (the tensors they keep alive) now
         self._recorded = 0
+        if len(self._pool) != len(self._metric_records):  # names not logged this step
+            for name, records in self._pool.items():
+                if name not in self._metric_records:
+                    records.idle()
         if len(self._pool) > 2 * len(self._metric_records) + 256:  # names that come and go
             self._pool = dict(self._metric_records)
             self._table = self._table.compacted(list(self._pool.values()))

@@ -87,7 +87,8 @@ class CopyArena:
     A file that an array still views (one kept past its fold, by a traceback say) cannot
     be written: a new one takes its place, and the copies already made keep the old one
     (each ``HostCopy`` names its file). A file that recent steps used little of is
-    given back (``reset``): one huge step does not hold its memory for the rest of the run.
+    given back (``reset``), and the arena of a metric that recent steps did not log
+    (``idle``): one huge step does not hold its memory for the rest of the run.
     """
 
     __slots__ = ("address", "calls", "dtype", "file", "little_used", "one_dtype", "size", "view")
@@ -151,6 +152,12 @@ class CopyArena:
         """This step's copies (``holds``), ``elements`` in all, as one flat writable array
         over the file: valid, and the file not written, until the array is dropped."""
         return np.frombuffer(self.file.getbuffer(), self.dtype, elements)
+
+    def idle(self) -> bool:
+        """A step that did not log the metric. Returns whether the arena is to be given
+        back: ``ARENA_SHRINK_AFTER`` steps in a row that made no copy here, or few."""
+        self.little_used += 1
+        return self.little_used >= ARENA_SHRINK_AFTER
 
     def reset(self) -> None:
         """A new step: later copies are written from the file's start. A file that

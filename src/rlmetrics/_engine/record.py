@@ -163,6 +163,15 @@ class MetricRecords:
         if self.weight_copies is not None:
             self.weight_copies.reset()
 
+    def idle(self) -> None:
+        """A step that did not log this metric: its arenas are dropped after several
+        such steps in a row (``CopyArena.idle``), so a name that is gone does not keep
+        its copies' memory while the tracker pools it."""
+        if self.value_copies is not None and self.value_copies.idle():
+            self.value_copies = None
+        if self.weight_copies is not None and self.weight_copies.idle():
+            self.weight_copies = None
+
     def count(self, slot: int, amount: float = 1.0) -> None:
         """Add to a framework count on the host (``NONFINITE_SLOT`` or ``REJECTED_SLOT``)."""
         self.table.count(self.row, slot, amount)

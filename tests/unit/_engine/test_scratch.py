@@ -296,6 +296,24 @@ def test_an_arena_recent_steps_used_little_of_is_given_back() -> None:
     assert arena(t, "m").file.getbuffer().nbytes == 1000 * 4 < 100_000 * 4 // ARENA_GROWTH
 
 
+def test_the_arenas_of_a_metric_no_longer_logged_are_given_back() -> None:
+    """A name logged once with a large tensor, then not: after ``ARENA_SHRINK_AFTER``
+    steps without it, its pooled records hold no arena; logged again, it gets a new
+    one and reports numpy."""
+    t = Tracker()
+    t.mean("once", torch.ones(100_000), weight=torch.ones(100_000, dtype=torch.bool))
+    t.mean("every", 1.0)
+    t.compute(sync=False)
+    for step in range(ARENA_SHRINK_AFTER):
+        assert t._pool["once"].value_copies is not None, step
+        t.mean("every", 1.0)
+        t.compute(sync=False)
+    records = t._pool["once"]
+    assert records.value_copies is None and records.weight_copies is None
+    t.mean("once", torch.arange(4.0), weight=torch.tensor([True, False, True, True]))
+    assert t.compute(sync=False)["once"] == pytest.approx(5 / 3)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_copies_of_several_dtypes_and_arrays_in_one_step_report_numpy(kind: str) -> None:
     """CPU tensors of several dtypes, numpy arrays and float weights mixed in one
