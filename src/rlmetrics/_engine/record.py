@@ -410,7 +410,10 @@ def record_tensor(
 
     The path of a weight logged again unchanged, and of a value recorded by reference,
     is written out here: the log call's hot path. A new weight's checks
-    (``_check_weight``) and a copy (``_copy_value``) are functions of their own.
+    (``_check_weight``), a host fold's copy into the metric's arenas
+    (``CopyArena.copy``) and any other copy (``_copy_value``, ``_weight_copy``) are
+    functions of their own. The call's size is checked before any copy is written, so
+    an arena holds only recorded calls' copies.
 
     The value's checks are ``inputs.check_tensor``'s, with each attribute read once
     and only when needed. A strided nested tensor has no shape: reading it tells one (a
@@ -487,17 +490,16 @@ def record_tensor(
     if not on_host and device is None:
         device = value
     if cpu and copy:
+        copied = None
         if on_host and shape:
             arena = records.value_copies
             if arena is None:
                 arena = records.value_copies = CopyArena()
             copied = arena.copy(value, size)
-            if copied is not None:
-                value = copied
-            else:
-                value, weight = _copy_value(value, weight, shape)
-        else:
+        if copied is None:
             value, weight = _copy_value(value, weight, shape)
+        else:
+            value = copied
         value_version = None
     else:  # recorded by reference, detached (a view: the record must not keep the graph)
         if value.requires_grad:
