@@ -885,6 +885,10 @@ class Tracker(LogTarget):
     def _local_reduce(self) -> ReducedStep:
         """This process's step in packed form (one host transfer)."""
         self._fold()
+        return self._local_step()
+
+    def _local_step(self) -> ReducedStep:
+        """``_local_reduce`` after its fold: the folded state packed."""
         table = self._table
         try:
             return local_reduce(self._plan.local_packing(self._metric_records, table), table)
@@ -1088,7 +1092,8 @@ class Tracker(LogTarget):
     ) -> _Result:
         """The step merged over ``group`` (or this process's), read by ``read`` before
         the reset (a ``ReducedStep`` is read within the call that built it)."""
-        as_timeout(timeout)  # a bad timeout raises even where nothing syncs
+        if timeout is not None:
+            as_timeout(timeout)  # a bad timeout raises even where nothing syncs
         dropped = None
         if sync and should_sync(group):
             dropped = self._fold_for_sync()
@@ -1101,7 +1106,7 @@ class Tracker(LogTarget):
                 raise
         else:
             self._fold()
-            reduced = self._local_reduce()
+            reduced = self._local_step()
         out = read(reduced)
         if reset:
             self.reset()
