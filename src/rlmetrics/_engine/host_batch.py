@@ -291,8 +291,11 @@ class HostBatch(Batch):
         return self.sum_by(self.selected())
 
     def column(self, name: str) -> Array:
-        if name == "weighted_value" and self._mask is not None and self._zeroed:
-            return self.values  # a weight of 1 where selected, a 0 value elsewhere
+        if name == "weighted_value" and self._mask is not None:
+            if self.all_selected:
+                return self.values  # a weight of 1 everywhere
+            if self._zeroed:
+                return self.values  # a weight of 1 where selected, a 0 value elsewhere
         return super().column(name)
 
     def column_sum(self, name: str) -> Array:

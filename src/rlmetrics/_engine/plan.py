@@ -250,7 +250,9 @@ class ElementOrder(NamedTuple):
 class NumbersOrder(NamedTuple):
     """The layout of a step's flat python numbers, kept while their row list is the
     same: the elements' plan order, the batch's rows, and the weights when none was
-    logged (all 1; read-only)."""
+    logged: all 1, as a bool mask of True (read-only), which the batch reads as a
+    selection, so that its weight sums are its counts and its weighted values its
+    values, neither computed."""
 
     rows: list[int]  # per number, its table row, as recorded
     layout: ElementOrder
@@ -316,7 +318,7 @@ class FoldPlan:
         calls = np.ones(len(rows), dtype=np.int64)  # one element per call
         layout = ElementOrder.make(rows, rows, calls, len(self.rows))
         batch_rows = BatchRows(layout.segments, layout.lengths, calls, layout.starts, layout.full)
-        ones = np.ones(len(rows))
+        ones = np.ones(len(rows), dtype=np.bool_)
         ones.flags.writeable = False
         self._numbers = NumbersOrder(list(numbers.rows), layout, batch_rows, ones)
         return self._numbers
