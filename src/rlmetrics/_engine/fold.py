@@ -26,7 +26,6 @@ change in place before the fold. Its version counter then moved, or, after
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from operator import attrgetter
 from typing import Any
 
@@ -127,8 +126,11 @@ class Fold:
         """``fold``'s work: every backend folded, every record cleared."""
         with_records = [] if flat_only else list(filter(_get_values, metrics))
         try:
-            # outside autograd: a logged tensor may have been made to require grad since
-            with torch.no_grad() if with_records else nullcontext():
+            if with_records:
+                # outside autograd: a logged tensor may have been made to require grad since
+                with torch.no_grad():
+                    modified = self._by_backend(metrics, with_records)
+            else:
                 modified = self._by_backend(metrics, with_records)
             dropped = {records.name: len(records.values) for records in modified}
         finally:
@@ -248,7 +250,11 @@ class Fold:
             if elements.start == elements.stop:
                 continue  # nothing of this kind was logged since the last fold
             kind = plan.groups[i].kind
-            part = batch.part(slice(start, stop), elements, slice(call_at[start], call_at[stop]))
+            if len(plan.groups) == 1:  # the batch is the one kind's
+                part = batch
+            else:
+                calls = slice(call_at[start], call_at[stop])
+                part = batch.part(slice(start, stop), elements, calls)
             sums, maxes = kind.reduce(part)
             positions = plan.groups[i].positions(table)
             if kind.keeps_latest:  # a row with no selected value keeps the old one

@@ -153,9 +153,11 @@ class StateTable:
         self, sum_positions: np.ndarray, sums: np.ndarray, max_positions: np.ndarray, maxes: Any
     ) -> None:
         """Fold host rows in: ``sums`` add at ``sum_positions`` and ``maxes`` take the
-        max at ``max_positions`` (flat, each position once)."""
+        max at ``max_positions`` (flat, each position once; none for kinds of sums
+        alone, such as mean's)."""
         self.sums[sum_positions] += sums
-        self.maxes[max_positions] = np.maximum(self.maxes[max_positions], maxes)
+        if len(max_positions):
+            self.maxes[max_positions] = np.maximum(self.maxes[max_positions], maxes)
 
     def replace(
         self,
