@@ -132,7 +132,9 @@ class Fold:
                     modified = self._by_backend(metrics, with_records)
             else:
                 modified = self._by_backend(metrics, with_records)
-            dropped = {records.name: len(records.values) for records in modified}
+            dropped = (
+                {records.name: len(records.values) for records in modified} if modified else {}
+            )
         finally:
             self.numbers.clear()
             for records in with_records:  # each holds an array record (numbers go flat)
@@ -193,11 +195,12 @@ class Fold:
             self._fold_records(plan, kept, device)
         return misaligned
 
+    @np.errstate(all="ignore")  # inf and NaN give what the arithmetic gives
     def _fold_numbers(self, plan: FoldPlan) -> None:
-        """Fold the flat python numbers (the host's)."""
-        with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-            batch, layout = self._numbers_batch(plan)
-            self._reduce(plan, batch, layout, None, None)
+        """Fold the flat python numbers (the host's). The floating-point state is set
+        by decorating, which enters no context manager of Python's per call."""
+        batch, layout = self._numbers_batch(plan)
+        self._reduce(plan, batch, layout, None, None)
 
     def _fold_records(
         self, plan: FoldPlan, metrics: list[MetricRecords], device: torch.device | None
