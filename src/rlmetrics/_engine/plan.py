@@ -84,9 +84,11 @@ class RecentEntries(Generic[Entry]):
         self.entries: list[tuple[list[MetricRecords], Entry]] = []
 
     def get(self, metrics: list[MetricRecords]) -> Entry | None:
-        """The entry made for ``metrics`` (``same_metrics``), or None."""
+        """The entry made for ``metrics`` (``same_metrics``, written out: the steady
+        state asks at every step), or None."""
+        size = len(metrics)
         for made_for, entry in self.entries:
-            if same_metrics(made_for, metrics):
+            if len(made_for) == size and all(map(is_, made_for, metrics)):
                 return entry
         return None
 
@@ -125,19 +127,25 @@ class StepPlan:
     def valid_for(self, table: StateTable) -> None:
         """Drop every entry made from rows when ``table``'s rows were renumbered since."""
         if table.version != self._version:
-            self._version = table.version
-            self._folds.clear()
-            self._local.clear()
-            self._indices.clear()
-            for sync in self.group_syncs.values():
-                sync.forget_packing()
+            self._renumbered(table)
+
+    def _renumbered(self, table: StateTable) -> None:
+        """``valid_for``'s drop, which the steady state's callers skip by comparing the
+        versions themselves."""
+        self._version = table.version
+        self._folds.clear()
+        self._local.clear()
+        self._indices.clear()
+        for sync in self.group_syncs.values():
+            sync.forget_packing()
 
     def fold_plan(
         self, table: StateTable, device: torch.device | None, metrics: list[MetricRecords]
     ) -> FoldPlan:
         """The plan of ``metrics`` folding on ``device`` (None: the host); the recent ones
         per device are kept."""
-        self.valid_for(table)
+        if table.version != self._version:
+            self._renumbered(table)
         recent = self._folds.get(device)
         if recent is None:
             recent = self._folds[device] = RecentEntries()
@@ -152,7 +160,8 @@ class StepPlan:
     ) -> Packing:
         """The packing of this process's step alone (``compute(sync=False)``,
         ``state()``), its layout the metrics' order."""
-        self.valid_for(table)
+        if table.version != self._version:
+            self._renumbered(table)
         metrics = list(metric_records.values())
         packing = self._local.get(metrics)
         if packing is None:
