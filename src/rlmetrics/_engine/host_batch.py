@@ -352,8 +352,12 @@ class HostBatch(Batch):
         one ``reduceat`` segment, in float64 whatever the dtype of ``x`` (bool counts).
         Its rounding differs from an element-by-element sum only as any other split of
         the row's elements would."""
-        if keys is None and not self.rows.keyed:
-            return self._by_row(np.add, x)
+        if keys is None:
+            rows = self.rows
+            if not rows.keyed:
+                return self._by_row(np.add, x)
+            # ``Batch.sum_by`` written out: every segment is below num_rows
+            return np.bincount(rows.segments, weights=x, minlength=rows.num_rows)
         return super().sum_by(x, keys, size)
 
     def max_by(self, x: Array) -> Array:
