@@ -272,12 +272,11 @@ class HostBatch(Batch):
 
     def count(self) -> Array:
         if self._count is None:
-            self._count = self._counted()
+            self._count = self.rows.counts() if self.all_selected else self._counted()
         return self._count
 
     def _counted(self) -> Array:
-        if self.all_selected:
-            return self.rows.counts()
+        """``count``'s work for a batch with unselected elements."""
         if not self.rows.keyed and self.num_rows <= FEW_ROWS:
             selected, starts = self.selected(), self.row_starts()
             ends = (starts + self.lengths).tolist()
@@ -291,23 +290,29 @@ class HostBatch(Batch):
         return self.sum_by(self.selected())
 
     def column(self, name: str) -> Array:
-        if name == "weighted_value" and self._mask is not None:
-            if self.all_selected:
-                return self.values  # a weight of 1 everywhere
-            if self._zeroed:
-                return self.values  # a weight of 1 where selected, a 0 value elsewhere
+        masked = name == "weighted_value" and self._mask is not None
+        if masked and (self._zeroed or self.all_selected):
+            # a mask's weight is 1 where selected, and a value elsewhere is 0 (or there
+            # is none): the weighted values are the values
+            return self.values
         return super().column(name)
 
     def column_sum(self, name: str) -> Array:
         if name == "weight" and self._mask is not None:
             return self.count()
         if not self.one_per_row and name != "selected":
-            masked = name == "weighted_value" and self._mask is not None and self._zeroed
+            masked = (  # the weighted values are the values (``column``)
+                name == "weighted_value"
+                and self._mask is not None
+                and (self._zeroed or self.all_selected)
+            )
             if self._narrow and (name == "value" or masked):
                 # float32 values, zeroed where not selected (the weighted value of a mask):
                 # summed as float64 element by element, the sums of the widened values
                 sums = self._masked_sums() if masked and self._zero_pending else None
                 return self.sum_by(self._zeroed_values()) if sums is None else sums
+            if masked:  # the sums of ``column``'s values, without its calls
+                return self.sum_by(self.values)
         return super().column_sum(name)
 
     def _masked_sums(self) -> np.ndarray | None:
