@@ -1014,7 +1014,8 @@ class Tracker(LogTarget):
             self.device_timers.clear()
         if self._groups.pending:
             self._groups.clear()
-        self._numbers.clear()
+        if self._numbers.values:  # a fold leaves none
+            self._numbers.clear()
         self._checked_weight.clear()
         self._fold_errors = []
         # records are left only by calls since the last fold (a fold clears every one)

@@ -259,8 +259,8 @@ class Fold:
                 calls = slice(call_at[start], call_at[stop])
                 part = batch.part(slice(start, stop), elements, calls)
             sums, maxes = kind.reduce(part)
-            positions = plan.groups[i].positions(table)
             if kind.keeps_latest:  # a row with no selected value keeps the old one
+                positions = plan.groups[i].positions(table)
                 if batch.on_host:
                     every = part.all_selected and part.rows_full()
                     present = None if every else part.count() > 0
@@ -270,7 +270,8 @@ class Fold:
             else:
                 added.append((i, sums.reshape(-1), maxes.reshape(-1)))
             if carries_extra(kind):
-                self._fold_extras(kind, positions[0], kind.reduce_extra(part), part)
+                rows = plan.groups[i].positions(table)[0]
+                self._fold_extras(kind, rows, kind.reduce_extra(part), part)
         if added:
             if len(added) == 1:
                 key, sums, maxes = added[0]

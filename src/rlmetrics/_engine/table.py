@@ -105,7 +105,10 @@ class StateTable:
         self.sums.fill(0.0)
         self.maxes.fill(-math.inf)
         self.counts.fill(0.0)
-        self.extras = {row: kind.empty_extra() for row, kind in self.extra_kinds.items()}
+        extra_kinds = self.extra_kinds
+        self.extras = (
+            {row: kind.empty_extra() for row, kind in extra_kinds.items()} if extra_kinds else {}
+        )
         self.device_part = None
 
     def compacted(self, metrics: list[Any]) -> StateTable:
