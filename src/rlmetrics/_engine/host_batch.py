@@ -200,7 +200,7 @@ class HostBatch(Batch):
         self._zeroed = False  # the unselected values are 0 (``zero_unselected`` ran)
         self._mask: np.ndarray | None = None  # the bool weights of a masked batch
         self._weights = weights
-        if weights.dtype == np.bool_:
+        if weights.dtype.kind == "b":  # a bool mask (the one boolean dtype)
             self._mask, self._weights = weights, None
         self.rows = rows
         self.lengths = rows.lengths
@@ -213,7 +213,7 @@ class HostBatch(Batch):
 
     @property
     def values(self) -> Array:
-        values = self._zeroed_values()
+        values = self._zeroed_values() if self._zero_pending else self._values
         if self._narrow:  # float32 values: widened into their buffer, once
             assert self._widened is not None  # a narrow batch is made with one
             self._widened[...] = values
