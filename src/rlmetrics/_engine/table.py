@@ -103,7 +103,8 @@ class StateTable:
     def clear(self) -> None:
         """Empty every row."""
         self.sums.fill(0.0)
-        self.maxes.fill(-math.inf)
+        if self.num_maxes:  # else no slot was written since the array was made
+            self.maxes.fill(-math.inf)
         self.counts.fill(0.0)
         extra_kinds = self.extra_kinds
         self.extras = (
