@@ -100,14 +100,14 @@ class BatchRows:
     @property
     def segments(self) -> Array:
         if self._segments is None:
-            segments = np.repeat(np.arange(self.num_rows), self.lengths)
+            segments = np.arange(self.num_rows).repeat(self.lengths)  # no numpy wrapper
             self._segments = segments if self._place is None else self._place(segments)
         return self._segments
 
     def starts(self) -> np.ndarray:
         """Per row, the position of its first element (host array)."""
         if self._starts is None:
-            self._starts = np.cumsum(self.lengths) - self.lengths
+            self._starts = self.lengths.cumsum() - self.lengths
         return self._starts
 
     def full(self) -> bool:
@@ -346,7 +346,7 @@ class HostBatch(Batch):
         kept = np.compress(self.selected(), self._values)  # zeroed or not: the same
         counts = self.count().astype(np.int64)
         nonempty = None if counts.all() else counts > 0
-        starts = np.cumsum(counts) - counts
+        starts = counts.cumsum() - counts
         starts = starts if nonempty is None else starts[nonempty]
         if negate:
             return -_by_segments(np.minimum, kept, starts, nonempty, self.num_rows)

@@ -234,7 +234,7 @@ class ElementOrder(NamedTuple):
         row_lengths[rows] = lengths
         row_calls = np.zeros(num_rows, dtype=np.int64)
         row_calls[rows] = calls
-        call_rows = np.repeat(rows, calls)
+        call_rows = rows.repeat(calls)  # array methods: no numpy wrapper per call
         call_sizes = np.asarray(call_lengths, dtype=np.int64)
         return ElementOrder._of(None, None, row_lengths, row_calls, call_rows, call_sizes)
 
@@ -247,9 +247,9 @@ class ElementOrder(NamedTuple):
         call_rows: np.ndarray,
         call_lengths: np.ndarray,
     ) -> ElementOrder:
-        ends = np.cumsum(lengths)
+        ends = lengths.cumsum()  # array methods: no numpy wrapper per call
         element_at = [0, *ends.tolist()]
-        call_at = [0, *np.cumsum(row_calls).tolist()]
+        call_at = [0, *row_calls.cumsum().tolist()]
         starts, full = ends - lengths, bool(lengths.all())
         return ElementOrder(
             order, segments, lengths, starts, full, element_at, call_at, call_rows, call_lengths
