@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 from typing import Any, TypeVar
 
 import numpy as np
@@ -885,6 +885,10 @@ class Tracker(LogTarget):
     def _local_reduce(self) -> ReducedStep:
         """This process's step in packed form (one host transfer)."""
         self._fold()
+        return self._local_step()
+
+    def _local_step(self) -> ReducedStep:
+        """``_local_reduce`` after its fold: the folded state packed."""
         table = self._table
         try:
             return local_reduce(self._plan.local_packing(self._metric_records, table), table)
@@ -1010,7 +1014,8 @@ class Tracker(LogTarget):
             self.device_timers.clear()
         if self._groups.pending:
             self._groups.clear()
-        self._numbers.clear()
+        if self._numbers.values:  # a fold leaves none
+            self._numbers.clear()
         self._checked_weight.clear()
         self._fold_errors = []
         # records are left only by calls since the last fold (a fold clears every one)
@@ -1058,9 +1063,9 @@ class Tracker(LogTarget):
                 other call's metrics. A call with ``by=`` dropped at the fold raises
                 after the step, on its rank only.
         """
-        return self._end_step(
-            lambda reduced: reduced.results(empty=self.empty), reset, group, timeout, sync
-        )
+        # a C callable, where a lambda would be one more python call per step
+        read = methodcaller("results", empty=self.empty)
+        return self._end_step(read, reset, group, timeout, sync)
 
     @_locked
     def compute_state(
@@ -1092,7 +1097,8 @@ class Tracker(LogTarget):
     ) -> _Result:
         """The step merged over ``group`` (or this process's), read by ``read`` before
         the reset (a ``ReducedStep`` is read within the call that built it)."""
-        as_timeout(timeout)  # a bad timeout raises even where nothing syncs
+        if timeout is not None:
+            as_timeout(timeout)  # a bad timeout raises even where nothing syncs
         dropped = None
         if sync and should_sync(group):
             dropped = self._fold_for_sync()
@@ -1105,7 +1111,7 @@ class Tracker(LogTarget):
                 raise
         else:
             self._fold()
-            reduced = self._local_reduce()
+            reduced = self._local_step()
         out = read(reduced)
         if reset:
             self.reset()

@@ -26,7 +26,6 @@ change in place before the fold. Its version counter then moved, or, after
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from operator import attrgetter
 from typing import Any
 
@@ -127,10 +126,15 @@ class Fold:
         """``fold``'s work: every backend folded, every record cleared."""
         with_records = [] if flat_only else list(filter(_get_values, metrics))
         try:
-            # outside autograd: a logged tensor may have been made to require grad since
-            with torch.no_grad() if with_records else nullcontext():
+            if with_records:
+                # outside autograd: a logged tensor may have been made to require grad since
+                with torch.no_grad():
+                    modified = self._by_backend(metrics, with_records)
+            else:
                 modified = self._by_backend(metrics, with_records)
-            dropped = {records.name: len(records.values) for records in modified}
+            dropped = (
+                {records.name: len(records.values) for records in modified} if modified else {}
+            )
         finally:
             self.numbers.clear()
             for records in with_records:  # each holds an array record (numbers go flat)
@@ -191,11 +195,12 @@ class Fold:
             self._fold_records(plan, kept, device)
         return misaligned
 
+    @np.errstate(all="ignore")  # inf and NaN give what the arithmetic gives
     def _fold_numbers(self, plan: FoldPlan) -> None:
-        """Fold the flat python numbers (the host's)."""
-        with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-            batch, layout = self._numbers_batch(plan)
-            self._reduce(plan, batch, layout, None, None)
+        """Fold the flat python numbers (the host's). The floating-point state is set
+        by decorating, which enters no context manager of Python's per call."""
+        batch, layout = self._numbers_batch(plan)
+        self._reduce(plan, batch, layout, None, None)
 
     def _fold_records(
         self, plan: FoldPlan, metrics: list[MetricRecords], device: torch.device | None
@@ -248,10 +253,14 @@ class Fold:
             if elements.start == elements.stop:
                 continue  # nothing of this kind was logged since the last fold
             kind = plan.groups[i].kind
-            part = batch.part(slice(start, stop), elements, slice(call_at[start], call_at[stop]))
+            if len(plan.groups) == 1:  # the batch is the one kind's
+                part = batch
+            else:
+                calls = slice(call_at[start], call_at[stop])
+                part = batch.part(slice(start, stop), elements, calls)
             sums, maxes = kind.reduce(part)
-            positions = plan.groups[i].positions(table)
             if kind.keeps_latest:  # a row with no selected value keeps the old one
+                positions = plan.groups[i].positions(table)
                 if batch.on_host:
                     every = part.all_selected and part.rows_full()
                     present = None if every else part.count() > 0
@@ -261,7 +270,8 @@ class Fold:
             else:
                 added.append((i, sums.reshape(-1), maxes.reshape(-1)))
             if carries_extra(kind):
-                self._fold_extras(kind, positions[0], kind.reduce_extra(part), part)
+                rows = plan.groups[i].positions(table)[0]
+                self._fold_extras(kind, rows, kind.reduce_extra(part), part)
         if added:
             if len(added) == 1:
                 key, sums, maxes = added[0]

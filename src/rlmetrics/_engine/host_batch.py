@@ -100,14 +100,14 @@ class BatchRows:
     @property
     def segments(self) -> Array:
         if self._segments is None:
-            segments = np.repeat(np.arange(self.num_rows), self.lengths)
+            segments = np.arange(self.num_rows).repeat(self.lengths)  # no numpy wrapper
             self._segments = segments if self._place is None else self._place(segments)
         return self._segments
 
     def starts(self) -> np.ndarray:
         """Per row, the position of its first element (host array)."""
         if self._starts is None:
-            self._starts = np.cumsum(self.lengths) - self.lengths
+            self._starts = self.lengths.cumsum() - self.lengths
         return self._starts
 
     def full(self) -> bool:
@@ -200,7 +200,7 @@ class HostBatch(Batch):
         self._zeroed = False  # the unselected values are 0 (``zero_unselected`` ran)
         self._mask: np.ndarray | None = None  # the bool weights of a masked batch
         self._weights = weights
-        if weights.dtype == np.bool_:
+        if weights.dtype.kind == "b":  # a bool mask (the one boolean dtype)
             self._mask, self._weights = weights, None
         self.rows = rows
         self.lengths = rows.lengths
@@ -213,7 +213,7 @@ class HostBatch(Batch):
 
     @property
     def values(self) -> Array:
-        values = self._zeroed_values()
+        values = self._zeroed_values() if self._zero_pending else self._values
         if self._narrow:  # float32 values: widened into their buffer, once
             assert self._widened is not None  # a narrow batch is made with one
             self._widened[...] = values
@@ -272,12 +272,11 @@ class HostBatch(Batch):
 
     def count(self) -> Array:
         if self._count is None:
-            self._count = self._counted()
+            self._count = self.rows.counts() if self.all_selected else self._counted()
         return self._count
 
     def _counted(self) -> Array:
-        if self.all_selected:
-            return self.rows.counts()
+        """``count``'s work for a batch with unselected elements."""
         if not self.rows.keyed and self.num_rows <= FEW_ROWS:
             selected, starts = self.selected(), self.row_starts()
             ends = (starts + self.lengths).tolist()
@@ -291,20 +290,29 @@ class HostBatch(Batch):
         return self.sum_by(self.selected())
 
     def column(self, name: str) -> Array:
-        if name == "weighted_value" and self._mask is not None and self._zeroed:
-            return self.values  # a weight of 1 where selected, a 0 value elsewhere
+        masked = name == "weighted_value" and self._mask is not None
+        if masked and (self._zeroed or self.all_selected):
+            # a mask's weight is 1 where selected, and a value elsewhere is 0 (or there
+            # is none): the weighted values are the values
+            return self.values
         return super().column(name)
 
     def column_sum(self, name: str) -> Array:
         if name == "weight" and self._mask is not None:
             return self.count()
         if not self.one_per_row and name != "selected":
-            masked = name == "weighted_value" and self._mask is not None and self._zeroed
+            masked = (  # the weighted values are the values (``column``)
+                name == "weighted_value"
+                and self._mask is not None
+                and (self._zeroed or self.all_selected)
+            )
             if self._narrow and (name == "value" or masked):
                 # float32 values, zeroed where not selected (the weighted value of a mask):
                 # summed as float64 element by element, the sums of the widened values
                 sums = self._masked_sums() if masked and self._zero_pending else None
                 return self.sum_by(self._zeroed_values()) if sums is None else sums
+            if masked:  # the sums of ``column``'s values, without its calls
+                return self.sum_by(self.values)
         return super().column_sum(name)
 
     def _masked_sums(self) -> np.ndarray | None:
@@ -338,7 +346,7 @@ class HostBatch(Batch):
         kept = np.compress(self.selected(), self._values)  # zeroed or not: the same
         counts = self.count().astype(np.int64)
         nonempty = None if counts.all() else counts > 0
-        starts = np.cumsum(counts) - counts
+        starts = counts.cumsum() - counts
         starts = starts if nonempty is None else starts[nonempty]
         if negate:
             return -_by_segments(np.minimum, kept, starts, nonempty, self.num_rows)
@@ -349,8 +357,12 @@ class HostBatch(Batch):
         one ``reduceat`` segment, in float64 whatever the dtype of ``x`` (bool counts).
         Its rounding differs from an element-by-element sum only as any other split of
         the row's elements would."""
-        if keys is None and not self.rows.keyed:
-            return self._by_row(np.add, x)
+        if keys is None:
+            rows = self.rows
+            if not rows.keyed:
+                return self._by_row(np.add, x)
+            # ``Batch.sum_by`` written out: every segment is below num_rows
+            return np.bincount(rows.segments, weights=x, minlength=rows.num_rows)
         return super().sum_by(x, keys, size)
 
     def max_by(self, x: Array) -> Array:

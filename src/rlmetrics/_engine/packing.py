@@ -30,6 +30,8 @@ from rlmetrics.kinds.base import NUM_COUNTS, Kind, MetricState
 from rlmetrics.kinds.batch import to_device
 from rlmetrics.kinds.extra import ExtraKind
 
+CPU = torch.device("cpu")
+
 
 @dataclass(eq=False)
 class Packing:
@@ -60,6 +62,9 @@ class Packing:
 
     def __post_init__(self) -> None:
         self.tensor = torch.from_numpy(self.host[:-1])  # without the scratch slot
+        # the SUM and MAX parts of ``host`` as views, which every local step reads
+        self.host_sums = self.host[: self.sum_part]
+        self.host_maxes = self.host[self.sum_part : -1]
 
     @classmethod
     def make(
@@ -119,7 +124,8 @@ class Packing:
         host[self.sum_map] = table.sums[: len(self.sum_map)]
         rows = len(self.count_map) // NUM_COUNTS  # rows added since are not logged here
         host[self.count_map] = table.counts[:rows].reshape(-1)
-        host[self.max_map] = table.maxes[: len(self.max_map)]
+        if len(self.max_map):  # the table has max slots
+            host[self.max_map] = table.maxes[: len(self.max_map)]
         for position, records in self.extra_rows:
             if records is not None:
                 part = table.device_part
@@ -305,10 +311,10 @@ def local_reduce(packing: Packing, table: StateTable) -> ReducedStep:
     """This process's step, with one device-to-host transfer per buffer."""
     part, split = table.device_part, packing.sum_part
     if part is None:
-        host, device = packing.pack_host(table)[:-1], torch.device("cpu")
-    else:
-        host, device = packing.pack(table, part.device).cpu().numpy(), part.device
-    return unpack(packing, table, host[:split], host[split:], device)
+        packing.pack_host(table)
+        return unpack(packing, table, packing.host_sums, packing.host_maxes, CPU)
+    host = packing.pack(table, part.device).cpu().numpy()
+    return unpack(packing, table, host[:split], host[split:], part.device)
 
 
 Suffixed = dict[int, tuple[Kind, dict[str, float]]]  # name position -> (kind, values)

@@ -83,9 +83,11 @@ class RecentEntries(Generic[Entry]):
         self.entries: list[tuple[list[MetricRecords], Entry]] = []
 
     def get(self, metrics: list[MetricRecords]) -> Entry | None:
-        """The entry made for ``metrics`` (``same_metrics``), or None."""
+        """The entry made for ``metrics`` (``same_metrics``, written out: the steady
+        state asks at every step), or None."""
+        size = len(metrics)
         for made_for, entry in self.entries:
-            if same_metrics(made_for, metrics):
+            if len(made_for) == size and all(map(is_, made_for, metrics)):
                 return entry
         return None
 
@@ -124,19 +126,25 @@ class StepPlan:
     def valid_for(self, table: StateTable) -> None:
         """Drop every entry made from rows when ``table``'s rows were renumbered since."""
         if table.version != self._version:
-            self._version = table.version
-            self._folds.clear()
-            self._local.clear()
-            self._indices.clear()
-            for sync in self.group_syncs.values():
-                sync.forget_packing()
+            self._renumbered(table)
+
+    def _renumbered(self, table: StateTable) -> None:
+        """``valid_for``'s drop, which the steady state's callers skip by comparing the
+        versions themselves."""
+        self._version = table.version
+        self._folds.clear()
+        self._local.clear()
+        self._indices.clear()
+        for sync in self.group_syncs.values():
+            sync.forget_packing()
 
     def fold_plan(
         self, table: StateTable, device: torch.device | None, metrics: list[MetricRecords]
     ) -> FoldPlan:
         """The plan of ``metrics`` folding on ``device`` (None: the host); the recent ones
         per device are kept."""
-        self.valid_for(table)
+        if table.version != self._version:
+            self._renumbered(table)
         recent = self._folds.get(device)
         if recent is None:
             recent = self._folds[device] = RecentEntries()
@@ -151,7 +159,8 @@ class StepPlan:
     ) -> Packing:
         """The packing of this process's step alone (``compute(sync=False)``,
         ``state()``), its layout the metrics' order."""
-        self.valid_for(table)
+        if table.version != self._version:
+            self._renumbered(table)
         metrics = list(metric_records.values())
         packing = self._local.get(metrics)
         if packing is None:
@@ -224,7 +233,7 @@ class ElementOrder(NamedTuple):
         row_lengths[rows] = lengths
         row_calls = np.zeros(num_rows, dtype=np.int64)
         row_calls[rows] = calls
-        call_rows = np.repeat(rows, calls)
+        call_rows = rows.repeat(calls)  # array methods: no numpy wrapper per call
         call_sizes = np.asarray(call_lengths, dtype=np.int64)
         return ElementOrder._of(None, None, row_lengths, row_calls, call_rows, call_sizes)
 
@@ -237,9 +246,9 @@ class ElementOrder(NamedTuple):
         call_rows: np.ndarray,
         call_lengths: np.ndarray,
     ) -> ElementOrder:
-        ends = np.cumsum(lengths)
+        ends = lengths.cumsum()  # array methods: no numpy wrapper per call
         element_at = [0, *ends.tolist()]
-        call_at = [0, *np.cumsum(row_calls).tolist()]
+        call_at = [0, *row_calls.cumsum().tolist()]
         starts, full = ends - lengths, bool(lengths.all())
         return ElementOrder(
             order, segments, lengths, starts, full, element_at, call_at, call_rows, call_lengths
@@ -249,7 +258,9 @@ class ElementOrder(NamedTuple):
 class NumbersOrder(NamedTuple):
     """The layout of a step's flat python numbers, kept while their row list is the
     same: the elements' plan order, the batch's rows, and the weights when none was
-    logged (all 1; read-only)."""
+    logged: all 1, as a bool mask of True (read-only), which the batch reads as a
+    selection, so that its weight sums are its counts and its weighted values its
+    values, neither computed."""
 
     rows: list[int]  # per number, its table row, as recorded
     layout: ElementOrder
@@ -315,7 +326,7 @@ class FoldPlan:
         calls = np.ones(len(rows), dtype=np.int64)  # one element per call
         layout = ElementOrder.make(rows, rows, calls, len(self.rows))
         batch_rows = BatchRows(layout.segments, layout.lengths, calls, layout.starts, layout.full)
-        ones = np.ones(len(rows))
+        ones = np.ones(len(rows), dtype=np.bool_)
         ones.flags.writeable = False
         self._numbers = NumbersOrder(list(numbers.rows), layout, batch_rows, ones)
         return self._numbers

@@ -103,9 +103,13 @@ class StateTable:
     def clear(self) -> None:
         """Empty every row."""
         self.sums.fill(0.0)
-        self.maxes.fill(-math.inf)
+        if self.num_maxes:  # else no slot was written since the array was made
+            self.maxes.fill(-math.inf)
         self.counts.fill(0.0)
-        self.extras = {row: kind.empty_extra() for row, kind in self.extra_kinds.items()}
+        extra_kinds = self.extra_kinds
+        self.extras = (
+            {row: kind.empty_extra() for row, kind in extra_kinds.items()} if extra_kinds else {}
+        )
         self.device_part = None
 
     def compacted(self, metrics: list[Any]) -> StateTable:
@@ -153,9 +157,11 @@ class StateTable:
         self, sum_positions: np.ndarray, sums: np.ndarray, max_positions: np.ndarray, maxes: Any
     ) -> None:
         """Fold host rows in: ``sums`` add at ``sum_positions`` and ``maxes`` take the
-        max at ``max_positions`` (flat, each position once)."""
+        max at ``max_positions`` (flat, each position once; none for kinds of sums
+        alone, such as mean's)."""
         self.sums[sum_positions] += sums
-        self.maxes[max_positions] = np.maximum(self.maxes[max_positions], maxes)
+        if len(max_positions):
+            self.maxes[max_positions] = np.maximum(self.maxes[max_positions], maxes)
 
     def replace(
         self,
