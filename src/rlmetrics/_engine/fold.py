@@ -202,17 +202,18 @@ class Fold:
         batch, layout = self._numbers_batch(plan)
         self._reduce(plan, batch, layout, None, None)
 
+    @np.errstate(all="ignore")  # inf and NaN give what the arithmetic gives
     def _fold_records(
         self, plan: FoldPlan, metrics: list[MetricRecords], device: torch.device | None
     ) -> None:
-        """Fold the records of ``metrics``, one backend's, as one screened batch."""
-        with np.errstate(all="ignore"):  # inf and NaN give what the arithmetic gives
-            batch, layout = _joined_batch(plan, metrics, device, self.caches.scratch)
-            counts = None
-            if self.nonfinite != "propagate" or any(map(_get_num_deferred_checks, metrics)):
-                counts = _screen(batch, layout, device, self.nonfinite)
-            batch.zero_unselected()
-            self._reduce(plan, batch, layout, counts, device)
+        """Fold the records of ``metrics``, one backend's, as one screened batch (the
+        floating-point state set as for ``_fold_numbers``)."""
+        batch, layout = _joined_batch(plan, metrics, device, self.caches.scratch)
+        counts = None
+        if self.nonfinite != "propagate" or any(map(_get_num_deferred_checks, metrics)):
+            counts = _screen(batch, layout, device, self.nonfinite)
+        batch.zero_unselected()
+        self._reduce(plan, batch, layout, counts, device)
 
     def _numbers_batch(self, plan: FoldPlan) -> tuple[Batch, ElementOrder]:
         """The flat python numbers as one batch in ``plan``'s order, and its layout.
