@@ -163,6 +163,12 @@ class MetricRecords:
         if self.weight_copies is not None:
             self.weight_copies.reset()
 
+    def new_arena(self, side: str) -> CopyArena:
+        """A new arena for the metric's ``side`` ("value" or "weight") copies."""
+        arena = CopyArena()
+        setattr(self, f"{side}_copies", arena)
+        return arena
+
     def idle(self) -> None:
         """A step that did not log this metric: its arenas are dropped after several
         such steps in a row (``CopyArena.idle``), so a name that is gone does not keep
@@ -468,10 +474,8 @@ def record_tensor(
         if device is None:
             if copy:  # its values now (its checks may be kept: they read no data)
                 copied = None
-                if on_host and shape:
-                    arena = records.weight_copies
-                    if arena is None:
-                        arena = records.weight_copies = CopyArena()
+                if on_host and shape:  # into the metric's arena (made at its first copy)
+                    arena = records.weight_copies or records.new_arena("weight")
                     copied = arena.copy(weight, size)
                 weight = _weight_copy(weight, shape) if copied is None else copied
                 version = None
@@ -492,10 +496,7 @@ def record_tensor(
     if cpu and copy:
         copied = None
         if on_host and shape:
-            arena = records.value_copies
-            if arena is None:
-                arena = records.value_copies = CopyArena()
-            copied = arena.copy(value, size)
+            copied = (records.value_copies or records.new_arena("value")).copy(value, size)
         if copied is None:
             value, weight = _copy_value(value, weight, shape)
         else:
