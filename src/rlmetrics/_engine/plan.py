@@ -83,11 +83,9 @@ class RecentEntries(Generic[Entry]):
         self.entries: list[tuple[list[MetricRecords], Entry]] = []
 
     def get(self, metrics: list[MetricRecords]) -> Entry | None:
-        """The entry made for ``metrics`` (``same_metrics``, written out: the steady
-        state asks at every step), or None."""
-        size = len(metrics)
+        """The entry made for ``metrics`` (``same_metrics``), or None."""
         for made_for, entry in self.entries:
-            if len(made_for) == size and all(map(is_, made_for, metrics)):
+            if same_metrics(made_for, metrics):
                 return entry
         return None
 
@@ -126,25 +124,19 @@ class StepPlan:
     def valid_for(self, table: StateTable) -> None:
         """Drop every entry made from rows when ``table``'s rows were renumbered since."""
         if table.version != self._version:
-            self._renumbered(table)
-
-    def _renumbered(self, table: StateTable) -> None:
-        """``valid_for``'s drop, which the steady state's callers skip by comparing the
-        versions themselves."""
-        self._version = table.version
-        self._folds.clear()
-        self._local.clear()
-        self._indices.clear()
-        for sync in self.group_syncs.values():
-            sync.forget_packing()
+            self._version = table.version
+            self._folds.clear()
+            self._local.clear()
+            self._indices.clear()
+            for sync in self.group_syncs.values():
+                sync.forget_packing()
 
     def fold_plan(
         self, table: StateTable, device: torch.device | None, metrics: list[MetricRecords]
     ) -> FoldPlan:
         """The plan of ``metrics`` folding on ``device`` (None: the host); the recent ones
         per device are kept."""
-        if table.version != self._version:
-            self._renumbered(table)
+        self.valid_for(table)
         recent = self._folds.get(device)
         if recent is None:
             recent = self._folds[device] = RecentEntries()
@@ -159,8 +151,7 @@ class StepPlan:
     ) -> Packing:
         """The packing of this process's step alone (``compute(sync=False)``,
         ``state()``), its layout the metrics' order."""
-        if table.version != self._version:
-            self._renumbered(table)
+        self.valid_for(table)
         metrics = list(metric_records.values())
         packing = self._local.get(metrics)
         if packing is None:
